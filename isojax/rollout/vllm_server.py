@@ -1,0 +1,295 @@
+"""Start and stop a local vLLM OpenAI-compatible server for `VLLMSampler`.
+
+The server runs in its own virtualenv (`launch/setup_vllm_venv.sh` builds it;
+vLLM pins its own torch/transformers, which must not leak into the trainer's
+environment), as its own process group, so that `stop()` can take down the API
+server and its engine-core child together.
+
+Security: the server is started with VLLM_SERVER_DEV_MODE=1, which exposes
+`/collective_rpc` (runs arbitrary worker methods) and friends. It binds to
+127.0.0.1 unless told otherwise; binding anywhere else exposes those endpoints
+to the network.
+
+    with VLLMServer("runs/x/weights/step_000000") as server:
+      sampler = VLLMSampler(server.base_url, weights_root="runs/x/weights")
+      ...
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+
+import requests
+
+VENV_ENV_VAR = "VLLM_VENV"
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_VENV = os.path.join(_REPO_ROOT, ".venv-vllm")
+
+
+def resolve_venv(venv: str | None = None) -> str:
+  """The vLLM virtualenv: `venv`, else $VLLM_VENV, else <repo>/.venv-vllm."""
+  venv = venv or os.environ.get(VENV_ENV_VAR) or DEFAULT_VENV
+  python = os.path.join(venv, "bin", "python")
+  if not os.path.exists(python):
+    raise FileNotFoundError(
+        f"no vLLM virtualenv at {venv} ({python} missing); build it with "
+        f"`bash launch/setup_vllm_venv.sh` or point ${VENV_ENV_VAR} at one")
+  return venv
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+  """A TCP port that was free a moment ago (the OS picks it)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def log_tail(path: str, num_lines: int = 40) -> str:
+  """The last lines of a log file, or a note that there is none."""
+  try:
+    with open(path, errors="replace") as f:
+      return "".join(collections.deque(f, maxlen=num_lines))
+  except OSError as e:
+    return f"<no log: {e}>"
+
+
+def stop_process_group(pid: int, *, grace_s: float = 20.0) -> None:
+  """SIGTERM the process group led by `pid`, then SIGKILL it after `grace_s`.
+
+  vLLM's API server forks an engine-core process; killing the group takes down
+  both. A pid whose group is already gone is not an error.
+  """
+  try:
+    pgid = os.getpgid(pid)
+  except ProcessLookupError:
+    return
+  with contextlib.suppress(ProcessLookupError):
+    os.killpg(pgid, signal.SIGTERM)
+  deadline = time.monotonic() + grace_s
+  while time.monotonic() < deadline:
+    with contextlib.suppress(ChildProcessError):
+      os.waitpid(pid, os.WNOHANG)  # reap our own child so it stops existing
+    try:
+      os.killpg(pgid, 0)
+    except ProcessLookupError:
+      return
+    time.sleep(0.1)
+  with contextlib.suppress(ProcessLookupError):
+    os.killpg(pgid, signal.SIGKILL)
+  with contextlib.suppress(ChildProcessError):
+    os.waitpid(pid, 0)
+
+
+class VLLMServer:
+  """A vLLM server process for one HF model directory.
+
+  Args:
+    model_dir: HF-format directory (config.json + safetensors) to serve.
+    venv: vLLM virtualenv (default: $VLLM_VENV, else <repo>/.venv-vllm).
+    host: bind address; 127.0.0.1 by default because dev-mode endpoints can run
+      arbitrary worker methods.
+    port: TCP port; a free one is picked when None.
+    dtype: weights/activation dtype on the server ("float32" makes its logprobs
+      comparable to the trainer's at ~1e-5; "bfloat16" is what one runs at scale).
+    max_model_len: context length; defaults to the model's.
+    max_num_seqs: scheduler batch limit (512 helps CPU throughput).
+    skip_tokenizer_init: serve a directory without tokenizer files; the client
+      sends and receives token ids only.
+    chunked_prefill: False (default) schedules every prompt's prefill whole.
+      vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a
+      seeded request's prefill is split across steps, and VLLMSampler always
+      seeds; GPU builds can turn it back on.
+    extra_args: more `vllm.entrypoints.openai.api_server` flags.
+    workdir: where the log, pid file and vLLM cache go (a temp dir by default).
+    pid_file: where to write the server's pid (default <workdir>/vllm_server.pid).
+    startup_timeout_s: how long to wait for /health before giving up.
+    env: extra environment variables for the server.
+  """
+
+  def __init__(self, model_dir: str, *, venv: str | None = None,
+               host: str = "127.0.0.1", port: int | None = None,
+               dtype: str = "auto", max_model_len: int | None = None,
+               max_num_seqs: int = 512, skip_tokenizer_init: bool = False,
+               chunked_prefill: bool = False,
+               extra_args: Sequence[str] = (), workdir: str | None = None,
+               pid_file: str | None = None, startup_timeout_s: float = 300.0,
+               env: dict[str, str] | None = None):
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+      raise FileNotFoundError(f"model_dir {model_dir} has no config.json")
+    self.model_dir = os.path.abspath(model_dir)
+    self.venv = resolve_venv(venv)
+    self.host = host
+    self.port = port or free_port(host)
+    self.dtype = dtype
+    self.max_model_len = max_model_len
+    self.max_num_seqs = max_num_seqs
+    self.skip_tokenizer_init = skip_tokenizer_init
+    self.chunked_prefill = chunked_prefill
+    self.extra_args = list(extra_args)
+    self._own_workdir = workdir is None
+    self.workdir = workdir or tempfile.mkdtemp(prefix="isojax-vllm-")
+    os.makedirs(self.workdir, exist_ok=True)
+    self.log_path = os.path.join(self.workdir, "vllm_server.log")
+    self.pid_file = pid_file or os.path.join(self.workdir, "vllm_server.pid")
+    self.startup_timeout_s = startup_timeout_s
+    self.extra_env = dict(env or {})
+    self.process: subprocess.Popen | None = None
+    self.startup_s: float | None = None
+
+  @property
+  def base_url(self) -> str:
+    host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+    return f"http://{host}:{self.port}"
+
+  def command(self) -> list[str]:
+    """The server's argv (`vllm serve` looks up the wrong distribution name)."""
+    cmd = [os.path.join(self.venv, "bin", "python"), "-m",
+           "vllm.entrypoints.openai.api_server",
+           "--model", self.model_dir, "--host", self.host, "--port", str(self.port),
+           "--dtype", self.dtype, "--max-num-seqs", str(self.max_num_seqs),
+           # Logprobs of the distribution actually sampled from (after
+           # temperature/top-p), and sampling defaults from the request only,
+           # not from the model's generation_config.json: both must match the
+           # trainer's view of the sampler.
+           "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+    if self.max_model_len is not None:
+      cmd += ["--max-model-len", str(self.max_model_len)]
+    if self.skip_tokenizer_init:
+      cmd += ["--skip-tokenizer-init"]
+    if not self.chunked_prefill:
+      # Without chunking one step must fit a whole max-length prompt.
+      with open(os.path.join(self.model_dir, "config.json")) as f:
+        context = self.max_model_len or json.load(f).get("max_position_embeddings", 0)
+      cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
+              str(max(context, self.max_num_seqs, 8192))]
+    return cmd + self.extra_args
+
+  def environment(self) -> dict[str, str]:
+    env = dict(os.environ)
+    # The trainer's venv must not shadow vLLM's packages.
+    for key in ("PYTHONPATH", "VIRTUAL_ENV", "XLA_FLAGS", "JAX_PLATFORMS"):
+      env.pop(key, None)
+    env["PATH"] = os.path.join(self.venv, "bin") + os.pathsep + env.get("PATH", "")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+    env["VLLM_CACHE_ROOT"] = os.path.join(self.workdir, "vllm_cache")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /collective_rpc, /reset_prefix_cache
+    env["VLLM_NO_USAGE_STATS"] = "1"
+    env.update(self.extra_env)
+    return env
+
+  def start(self) -> VLLMServer:
+    """Starts the server, waits for /health, sends one warm-up request."""
+    if self.process is not None:
+      raise RuntimeError(f"server at {self.base_url} already started")
+    t0 = time.monotonic()
+    with open(self.log_path, "ab") as log:
+      self.process = subprocess.Popen(
+          self.command(), stdout=log, stderr=subprocess.STDOUT,
+          stdin=subprocess.DEVNULL, env=self.environment(), cwd=self.workdir,
+          start_new_session=True)  # own process group, see stop()
+    with open(self.pid_file, "w") as f:
+      f.write(f"{self.process.pid}\n")
+    atexit.register(self.stop)
+    try:
+      self._wait_healthy()
+      self._warm_up()
+    except BaseException:
+      self.stop()
+      raise
+    self.startup_s = time.monotonic() - t0
+    return self
+
+  def _wait_healthy(self) -> None:
+    url = f"{self.base_url}/health"
+    deadline = time.monotonic() + self.startup_timeout_s
+    while True:
+      code = self.process.poll()
+      if code is not None:
+        raise RuntimeError(
+            f"vLLM server for {self.model_dir} exited with code {code} before "
+            f"{url} answered; last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+      try:
+        if requests.get(url, timeout=2).status_code == 200:
+          return
+      except requests.RequestException:
+        pass
+      if time.monotonic() > deadline:
+        raise TimeoutError(
+            f"vLLM server for {self.model_dir} did not answer {url} within "
+            f"{self.startup_timeout_s:.0f} s; last lines of {self.log_path}:\n"
+            f"{log_tail(self.log_path)}")
+      time.sleep(0.5)
+
+  def _warm_up(self) -> None:
+    url = f"{self.base_url}/v1/completions"
+    body = {"prompt": [0], "max_tokens": 2, "temperature": 0.0,
+            "return_token_ids": True}
+    r = requests.post(url, json=body, timeout=120)
+    if r.status_code != 200:
+      raise RuntimeError(f"warm-up request to {url} failed with HTTP "
+                         f"{r.status_code}: {r.text[:500]}")
+
+  def stop(self, grace_s: float = 20.0) -> None:
+    """Stops the server's process group (SIGTERM, then SIGKILL). Idempotent."""
+    if self.process is None:
+      return
+    stop_process_group(self.process.pid, grace_s=grace_s)
+    self.process.wait()
+    self.process = None
+    atexit.unregister(self.stop)
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(self.pid_file)
+    if self._own_workdir:
+      # Keep the log of a server that failed to start (its path is in the error).
+      shutil.rmtree(os.path.join(self.workdir, "vllm_cache"), ignore_errors=True)
+
+  def detach(self) -> int:
+    """Leaves the server running after this process exits; returns its pid."""
+    if self.process is None:
+      raise RuntimeError("server not started")
+    atexit.unregister(self.stop)
+    pid = self.process.pid
+    self.process = None
+    return pid
+
+  def __enter__(self) -> VLLMServer:
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+
+def stop_pid_file(pid_file: str, *, grace_s: float = 20.0) -> bool:
+  """Stops the server whose pid is in `pid_file`; False if there was none."""
+  try:
+    with open(pid_file) as f:
+      pid = int(f.read().strip())
+  except FileNotFoundError:
+    return False
+  except ValueError as e:
+    raise ValueError(f"pid file {pid_file} does not hold a pid: {e}") from e
+  try:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+      cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+  except FileNotFoundError:
+    cmdline = None  # already gone
+  if cmdline is not None and "vllm.entrypoints" not in cmdline:
+    raise ValueError(f"pid {pid} from {pid_file} is not a vLLM server ({cmdline[:200]!r}); "
+                     f"not stopping it (stale pid file?)")
+  if cmdline is not None:
+    stop_process_group(pid, grace_s=grace_s)
+  os.remove(pid_file)
+  return True

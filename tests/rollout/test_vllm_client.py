@@ -1,0 +1,324 @@
+"""VLLMSampler against a fake vLLM server in this process (127.0.0.1 only).
+
+The fake speaks just enough of vLLM's HTTP API to check what the client sends
+(token-id prompts, n, seeds, stop tokens, the weight-sync call sequence) and how
+it handles faults: server down, HTTP errors, malformed answers, hangs.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import re
+import socket
+import threading
+import time
+import urllib.parse
+
+import numpy as np
+import pytest
+
+from isojax.rollout.base import Rollouts
+from isojax.rollout.vllm_client import (VLLMError, VLLMResponseError, VLLMSampler,
+                                        chunk_prompts)
+
+
+class FakeVLLM:
+  """A threaded HTTP server; `routes[(method, path)]` -> fn(body, query) -> (status, obj)."""
+
+  def __init__(self, model_root: str | None = None, max_model_len: int = 64):
+    self.calls: list[tuple[str, str, dict, object]] = []
+    self.routes = {
+        ("GET", "/v1/models"): lambda body, q: (200, {"object": "list", "data": [
+            {"id": "tiny", "max_model_len": max_model_len, "root": model_root}]}),
+        ("POST", "/v1/completions"): lambda body, q: (200, self.complete(body)),
+    }
+    fake = self
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      def log_message(self, *args):  # keep pytest output clean
+        pass
+
+      def _serve(self, method):
+        url = urllib.parse.urlsplit(self.path)
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        body = json.loads(raw) if raw else None
+        query = dict(urllib.parse.parse_qsl(url.query))
+        fake.calls.append((method, url.path, query, body))
+        route = fake.routes.get((method, url.path))
+        status, obj = route(body, query) if route else (404, {"detail": "Not Found"})
+        data = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+      def do_GET(self):
+        self._serve("GET")
+
+      def do_POST(self):
+        self._serve("POST")
+
+    self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self.httpd.daemon_threads = True
+    self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+    self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+    self.thread.start()
+
+  @staticmethod
+  def complete(body):
+    """A well-formed answer: sample j of prompt k is [k*10 + j, 1000 + len(prompt)]."""
+    n, choices = body["n"], []
+    for k, p in enumerate(body["prompt"]):
+      for j in range(n):
+        ids = [k * 10 + j, 1000 + len(p)][: 1 + j % 2]
+        choices.append({
+            "index": k * n + j, "text": "", "token_ids": ids, "prompt_token_ids": p,
+            "finish_reason": "length" if len(ids) == 2 else "stop",
+            "logprobs": {"token_logprobs": [-0.5 - 0.1 * t for t in range(len(ids))],
+                         "tokens": [f"token_id:{t}" for t in ids]}})
+    # vLLM answers in index order; shuffle to check the client sorts by index.
+    return {"object": "text_completion", "model": "tiny", "choices": choices[::-1]}
+
+  def paths(self):
+    return [(m, p) for m, p, _, _ in self.calls]
+
+  def close(self):
+    self.httpd.shutdown()
+    self.httpd.server_close()
+
+
+@pytest.fixture
+def fake(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2, "vocab_size": 2000}))
+  server = FakeVLLM(model_root=str(tmp_path))
+  yield server
+  server.close()
+
+
+def _sampler(url, **kw):
+  kw.setdefault("backoff_s", 0.01)
+  kw.setdefault("max_retries", 2)
+  return VLLMSampler(url, **kw)
+
+
+def test_generate_sends_token_ids_and_returns_prompt_major_rollouts(fake):
+  prompts = [[5, 6, 7], [8, 9]]
+  with _sampler(fake.url) as s:
+    r = s.generate(prompts, n=2, max_tokens=4, temperature=0.7, top_p=0.9,
+                   stop_token_ids=[11], seed=3)
+  assert isinstance(r, Rollouts)
+  np.testing.assert_array_equal(r.tokens_BxT, [[0, 0], [1, 1003], [0, 0], [1, 1002]])
+  np.testing.assert_array_equal(r.lengths_B, [1, 2, 1, 2])
+  np.testing.assert_allclose(r.logprobs_BxT, [[-0.5, 0], [-0.5, -0.6], [-0.5, 0], [-0.5, -0.6]])
+  assert r.finish_reason_B.tolist() == ["stop", "length", "stop", "length"]
+  assert r.num_rollouts == 4 and r.num_generated_tokens == 6
+  bodies = [b for m, p, _, b in fake.calls if p == "/v1/completions"]
+  assert len(bodies) == 2  # one prompt per request by default
+  for i, b in enumerate(sorted(bodies, key=lambda b: b["seed"])):
+    assert b["prompt"] == [prompts[i]]
+    assert (b["n"], b["max_tokens"], b["temperature"], b["top_p"]) == (2, 4, 0.7, 0.9)
+    assert b["logprobs"] == 0 and b["return_token_ids"] is True
+    assert b["top_k"] == 0  # None -> disabled
+    assert b["stop_token_ids"] == [2, 11]  # config.json's EOS is sent explicitly
+    assert b["ignore_eos"] is True  # ... and the server's own EOS is not used
+    assert b["seed"] == 3 * 1_000_003 + i * 2
+
+
+def test_prompts_per_request_batches_distinct_prompts(fake):
+  prompts = [[5], [6], [5], [7], [8]]
+  assert chunk_prompts(prompts, 3) == [[0, 1], [2, 3, 4]]  # [5] twice -> split
+  with _sampler(fake.url, prompts_per_request=3) as s:
+    r = s.generate(prompts, n=1, max_tokens=2, temperature=1.0, seed=0)
+  bodies = sorted((b for _, p, _, b in fake.calls if p == "/v1/completions"),
+                  key=lambda b: b["seed"])
+  assert [b["prompt"] for b in bodies] == [[[5], [6]], [[5], [7], [8]]]
+  assert [b["seed"] for b in bodies] == [0, 2]
+  # Row i*n+j comes from prompt i whatever the request it travelled in.
+  np.testing.assert_array_equal(r.tokens_BxT[:, 0], [0, 10, 0, 10, 20])
+
+
+def test_server_down_fails_fast_naming_the_url():
+  with socket.socket() as sock:  # a port nobody listens on
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  url = f"http://127.0.0.1:{port}"
+  t0 = time.monotonic()
+  with pytest.raises(VLLMError, match=rf"{url}/v1/models is unreachable after 3 attempts"):
+    _sampler(url, max_retries=2, backoff_s=0.05).generate(
+        [[1, 2]], n=1, max_tokens=2, temperature=1.0)
+  assert time.monotonic() - t0 < 5.0  # 0.05 + 0.1 s of backoff, no hang
+
+
+def test_http_error_names_url_and_status(fake):
+  fake.routes[("POST", "/v1/completions")] = lambda body, q: (
+      400, {"error": {"message": "token id 5000 out of vocabulary"}})
+  with pytest.raises(VLLMError, match=rf"{fake.url}/v1/completions answered HTTP 400: "
+                                      r".*out of vocabulary"):
+    _sampler(fake.url).generate([[1, 2]], n=1, max_tokens=2, temperature=1.0)
+
+
+def test_503_is_retried_then_succeeds(fake):
+  answers = iter([(503, {"error": "busy"}), (503, {"error": "busy"})])
+  fake.routes[("POST", "/v1/completions")] = lambda body, q: next(
+      answers, (200, FakeVLLM.complete(body)))
+  r = _sampler(fake.url, max_retries=3).generate([[1, 2]], n=1, max_tokens=2,
+                                                  temperature=1.0)
+  assert r.sequences() == [[0]]
+  assert fake.paths().count(("POST", "/v1/completions")) == 3
+
+
+def test_hanging_server_times_out(fake):
+  def hang(body, q):
+    time.sleep(3)
+    return 200, FakeVLLM.complete(body)
+  fake.routes[("POST", "/v1/completions")] = hang
+  t0 = time.monotonic()
+  with pytest.raises(VLLMError, match=rf"{fake.url}/v1/completions did not answer within"):
+    _sampler(fake.url, request_timeout_s=0.3).generate([[1]], n=1, max_tokens=2,
+                                                       temperature=1.0)
+  assert time.monotonic() - t0 < 2.5
+
+
+def _drop(path):
+  """A completion answer with the field at `path` (dotted, [i] for lists) removed."""
+  def answer(body, q):
+    obj = FakeVLLM.complete(body)
+    obj["choices"].sort(key=lambda c: c["index"])
+    *parents, last = path.split(".")
+    node = obj
+    for key in parents:
+      node = node[int(key[1:-1])] if key.startswith("[") else node[key]
+    del node[last]
+    return 200, obj
+  return answer
+
+
+@pytest.mark.parametrize("route,field", [
+    (_drop("choices"), "'choices' is missing"),
+    (_drop("choices.[0].token_ids"), "'choices[0].token_ids' is missing"),
+    (_drop("choices.[1].logprobs"), "'choices[1].logprobs' is missing"),
+    (_drop("choices.[1].logprobs.token_logprobs"),
+     "'choices[1].logprobs.token_logprobs' is missing"),
+    (lambda b, q: (200, {"choices": [dict(c, finish_reason="abort") for c in
+                                     FakeVLLM.complete(b)["choices"]]}),
+     "finish_reason' is 'abort'"),
+    (lambda b, q: (200, {"choices": [dict(c, logprobs={"token_logprobs": [None] * len(
+        c["token_ids"])}) for c in FakeVLLM.complete(b)["choices"]]}),
+     "token_logprobs' holds null"),
+    (lambda b, q: (200, {"choices": [dict(c, logprobs={"token_logprobs": [-1.0] * 5})
+                                     for c in FakeVLLM.complete(b)["choices"]]}),
+     "token_logprobs' has 5 entries but"),
+    (lambda b, q: (200, {"choices": FakeVLLM.complete(b)["choices"][:1]}),
+     "'choices' has 1 entries, expected 1 prompts x n=2"),
+    (lambda b, q: (200, {"choices": [dict(c, prompt_token_ids=[9, 9]) for c in
+                                     FakeVLLM.complete(b)["choices"]]}),
+     "'choices[0].prompt_token_ids' does not match"),
+    (lambda b, q: (200, b"<html>not json</html>"), "answered non-JSON"),
+])
+def test_malformed_answer_names_the_field(fake, route, field):
+  fake.routes[("POST", "/v1/completions")] = route
+  with pytest.raises(VLLMResponseError, match=re.escape(field)) as e:
+    _sampler(fake.url).generate([[1, 2]], n=2, max_tokens=2, temperature=1.0)
+  assert f"{fake.url}/v1/completions" in str(e.value)
+
+
+def test_malformed_models_answer_names_the_field(fake):
+  fake.routes[("GET", "/v1/models")] = lambda b, q: (200, {"data": [{"id": "x"}]})
+  with pytest.raises(VLLMResponseError, match=r"'data\[0\].max_model_len' is missing"):
+    _sampler(fake.url).generate([[1]], n=1, max_tokens=2, temperature=1.0)
+
+
+def test_prompt_too_long_fails_before_sending(fake):
+  with pytest.raises(ValueError, match=r"prompt_ids\[1\] has 60 tokens; with "
+                                       r"max_tokens=8 .* context of 64"):
+    _sampler(fake.url).generate([[1, 2], list(range(60))], n=1, max_tokens=8,
+                                temperature=1.0)
+  assert ("POST", "/v1/completions") not in fake.paths()
+
+
+def test_bad_arguments_fail_before_sending(fake):
+  s = _sampler(fake.url)
+  with pytest.raises(ValueError, match="prompt_ids\\[0\\] has token ids outside"):
+    s.generate([[1, 5000]], n=1, max_tokens=2, temperature=1.0)  # vocab 2000
+  with pytest.raises(ValueError, match="top_p"):
+    s.generate([[1]], n=1, max_tokens=2, temperature=1.0, top_p=0.0)
+  with pytest.raises(ValueError, match="base_url"):
+    VLLMSampler("127.0.0.1:8000")
+  assert ("POST", "/v1/completions") not in fake.paths()
+
+
+# -- weight sync ---------------------------------------------------------------
+
+
+def _weight_routes(fake, *, reload_status=200, reset_answers=None):
+  reset_answers = iter(reset_answers or [])
+  fake.routes.update({
+      ("POST", "/pause"): lambda b, q: (200, {"status": "paused"}),
+      ("POST", "/collective_rpc"): lambda b, q: (
+          (200, {"results": [None]}) if reload_status == 200
+          else (reload_status, {"error": "reload_weights failed: shape mismatch"})),
+      ("POST", "/reset_prefix_cache"): lambda b, q: (
+          200, {"success": next(reset_answers, True)}),
+      ("POST", "/resume"): lambda b, q: (200, {"status": "resumed"}),
+  })
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from isojax.models import Decoder, ModelConfig  # pylint: disable=g-import-not-at-top
+  cfg = ModelConfig.from_hf_dict({
+      "architectures": ["Qwen2ForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+      "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+      "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 32})
+  return Decoder(cfg, rngs=nnx.Rngs(0))
+
+
+def test_update_weights_protocol_and_keeps_last_two(fake, tiny_model, tmp_path):
+  _weight_routes(fake, reset_answers=[False, True])  # first reset refused: retried
+  root = tmp_path / "weights"
+  s = _sampler(fake.url, weights_root=str(root))
+  s.update_weights(tiny_model)
+  first = [(m, p, q, b) for m, p, q, b in fake.calls]
+  assert [(m, p) for m, p, _, _ in first] == [
+      ("POST", "/pause"), ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"),
+      ("POST", "/reset_prefix_cache"), ("POST", "/resume")]
+  assert first[0][2] == {"mode": "wait"}
+  snapshot = root / "weights_000001"
+  assert first[1][3] == {"method": "reload_weights",
+                         "kwargs": {"weights_path": str(snapshot)}}
+  assert (snapshot / "config.json").exists() and (snapshot / "model.safetensors").exists()
+  assert json.loads((snapshot / "config.json").read_text())["architectures"] == [
+      "Qwen2ForCausalLM"]
+  s.update_weights(tiny_model)
+  s.update_weights(tiny_model)
+  assert sorted(p.name for p in root.iterdir()) == ["weights_000002", "weights_000003"]
+  assert s.weights.num_pushes == 3
+  assert set(s.weights.last_timings) >= {"pause_s", "reload_s", "resume_s", "save_s"}
+
+
+def test_failed_reload_names_url_and_still_resumes(fake, tiny_model, tmp_path):
+  _weight_routes(fake, reload_status=500)
+  s = _sampler(fake.url, weights_root=str(tmp_path / "w"))
+  with pytest.raises(VLLMError, match=rf"{fake.url}/collective_rpc answered HTTP 500: "
+                                      r".*shape mismatch"):
+    s.update_weights(tiny_model)
+  assert fake.paths()[-1] == ("POST", "/resume")
+
+
+def test_update_weights_server_down(tiny_model, tmp_path):
+  s = VLLMSampler("http://127.0.0.1:9", weights_root=str(tmp_path / "w"),
+                  max_retries=1, backoff_s=0.01)
+  with pytest.raises(VLLMError, match=r"http://127.0.0.1:9/pause is unreachable"):
+    s.update_weights(tiny_model)
+
+
+def test_greedy_asks_for_one_sample_and_repeats_it(fake):
+  # vLLM answers HTTP 400 to n > 1 with temperature 0.
+  r = _sampler(fake.url).generate([[4, 5], [6]], n=3, max_tokens=2, temperature=0.0)
+  bodies = [b for _, p, _, b in fake.calls if p == "/v1/completions"]
+  assert [b["n"] for b in bodies] == [1, 1] and all(b["temperature"] == 0 for b in bodies)
+  assert r.sequences() == [[0]] * 6 and r.num_rollouts == 6
