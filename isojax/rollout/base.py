@@ -1,0 +1,179 @@
+"""The rollout interface: what every sampler returns and how requests are checked.
+
+The trainer only ever sees `Sampler.generate(...) -> Rollouts` and
+`Sampler.update_weights(model)`. Two implementations exist: the in-process
+`JaxSampler` and the `VLLMSampler` HTTP client. Both validate a request with
+`validate_request` before doing any work, so a bad request fails the same way
+(a `ValueError` naming the offending input) whichever backend is in use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+_FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollouts:
+  """Completions for len(prompts) * n rollouts, prompt-major, on the host.
+
+  Row `i * n + j` is the j-th sample of prompt i. Completions are right-padded
+  with 0 to a common width T (T >= max(lengths_B)).
+
+  Attributes:
+    tokens_BxT: int32 completion token ids (prompt not included), 0 on padding.
+      A stop/EOS token that ended a sequence is included and counted in
+      `lengths_B` (it is a sampled token the policy is trained on).
+    logprobs_BxT: float32 log-probability of each completion token under the
+      distribution the sampler actually drew it from (after temperature and
+      top-p/top-k renormalisation); 0 on padding. For greedy decoding
+      (temperature 0) it is the log-softmax of the unscaled logits.
+    lengths_B: int32 number of completion tokens per rollout.
+    finish_reason_B: array of str, "stop" (EOS or a stop token was sampled) or
+      "length" (max_tokens reached).
+    num_rollouts: B, for the compute ledger.
+    num_generated_tokens: sum(lengths_B), for the compute ledger.
+  """
+
+  tokens_BxT: np.ndarray
+  logprobs_BxT: np.ndarray
+  lengths_B: np.ndarray
+  finish_reason_B: np.ndarray
+  num_rollouts: int
+  num_generated_tokens: int
+
+  def __post_init__(self):
+    b = self.num_rollouts
+    if self.tokens_BxT.ndim != 2 or self.tokens_BxT.shape[0] != b:
+      raise ValueError(
+          f"Rollouts.tokens_BxT must be [num_rollouts={b}, T], got shape "
+          f"{self.tokens_BxT.shape}")
+    if self.logprobs_BxT.shape != self.tokens_BxT.shape:
+      raise ValueError(
+          f"Rollouts.logprobs_BxT shape {self.logprobs_BxT.shape} != "
+          f"tokens_BxT shape {self.tokens_BxT.shape}")
+    if self.lengths_B.shape != (b,) or self.finish_reason_B.shape != (b,):
+      raise ValueError(
+          f"Rollouts.lengths_B {self.lengths_B.shape} and finish_reason_B "
+          f"{self.finish_reason_B.shape} must both be ({b},)")
+    if b and int(self.lengths_B.max()) > self.tokens_BxT.shape[1]:
+      raise ValueError(
+          f"Rollouts.lengths_B max {int(self.lengths_B.max())} exceeds "
+          f"tokens_BxT width {self.tokens_BxT.shape[1]}")
+    bad = set(self.finish_reason_B.tolist()) - set(_FINISH_REASONS)
+    if bad:
+      raise ValueError(f"Rollouts.finish_reason_B has unknown values {sorted(bad)}; "
+                       f"expected {_FINISH_REASONS}")
+    if self.num_generated_tokens != int(self.lengths_B.sum()):
+      raise ValueError(
+          f"Rollouts.num_generated_tokens={self.num_generated_tokens} != "
+          f"sum(lengths_B)={int(self.lengths_B.sum())}")
+
+  @classmethod
+  def from_sequences(cls, tokens: Sequence[Sequence[int]],
+                     logprobs: Sequence[Sequence[float]],
+                     finish_reasons: Sequence[str]) -> Rollouts:
+    """Builds Rollouts from ragged per-rollout lists, right-padding with 0.
+
+    Args:
+      tokens: one list of completion token ids per rollout (prompt-major).
+      logprobs: one list of per-token logprobs per rollout, same lengths.
+      finish_reasons: "stop" or "length" per rollout.
+    """
+    if not len(tokens) == len(logprobs) == len(finish_reasons):
+      raise ValueError(
+          f"from_sequences: got {len(tokens)} token lists, {len(logprobs)} "
+          f"logprob lists and {len(finish_reasons)} finish reasons")
+    b = len(tokens)
+    lengths = np.array([len(t) for t in tokens], dtype=np.int32)
+    width = int(lengths.max()) if b else 0
+    tokens_BxT = np.zeros((b, width), np.int32)
+    logprobs_BxT = np.zeros((b, width), np.float32)
+    for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+      if len(t) != len(lp):
+        raise ValueError(f"from_sequences: rollout {i} has {len(t)} tokens but "
+                         f"{len(lp)} logprobs")
+      tokens_BxT[i, :len(t)] = t
+      logprobs_BxT[i, :len(lp)] = lp
+    return cls(tokens_BxT=tokens_BxT, logprobs_BxT=logprobs_BxT,
+               lengths_B=lengths,
+               finish_reason_B=np.array(list(finish_reasons), dtype=str),
+               num_rollouts=b, num_generated_tokens=int(lengths.sum()))
+
+  def sequences(self) -> list[list[int]]:
+    """The completions as ragged lists of token ids (padding dropped)."""
+    return [self.tokens_BxT[i, :l].tolist() for i, l in enumerate(self.lengths_B)]
+
+
+@runtime_checkable
+class Sampler(Protocol):
+  """What the trainer needs from a rollout backend."""
+
+  def generate(self, prompt_ids: list[list[int]], *, n: int, max_tokens: int,
+               temperature: float, top_p: float = 1.0, top_k: int | None = None,
+               stop_token_ids: Sequence[int] = (), seed: int = 0) -> Rollouts:
+    """Samples n completions per prompt; temperature 0 means greedy."""
+    ...
+
+  def update_weights(self, model: Any) -> None:
+    """Makes subsequent `generate` calls sample from `model`'s parameters."""
+    ...
+
+
+def validate_request(prompt_ids: Sequence[Sequence[int]], *, n: int,
+                     max_tokens: int, temperature: float, top_p: float = 1.0,
+                     top_k: int | None = None, stop_token_ids: Sequence[int] = (),
+                     vocab_size: int | None = None,
+                     max_model_len: int | None = None) -> None:
+  """Checks a generate() request before any work is done.
+
+  Raises ValueError naming the offending argument. `max_model_len` is the
+  model's context (e.g. max_position_embeddings): every prompt plus
+  `max_tokens` must fit in it.
+  """
+  if not isinstance(prompt_ids, Sequence) or isinstance(prompt_ids, (str, bytes)):
+    raise ValueError(f"prompt_ids must be a list of token-id lists, got "
+                     f"{type(prompt_ids).__name__}")
+  if len(prompt_ids) == 0:
+    raise ValueError("prompt_ids is empty: need at least one prompt")
+  if not isinstance(n, (int, np.integer)) or n < 1:
+    raise ValueError(f"n must be a positive int, got {n!r}")
+  if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+    raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+  if not np.isfinite(temperature) or temperature < 0:
+    raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+  if top_k is not None and (not isinstance(top_k, (int, np.integer)) or top_k < 0):
+    raise ValueError(f"top_k must be None, 0 (disabled) or a positive int, got {top_k!r}")
+  for s in stop_token_ids:
+    if not isinstance(s, (int, np.integer)) or s < 0 or (
+        vocab_size is not None and s >= vocab_size):
+      raise ValueError(f"stop_token_ids entry {s!r} is not a token id in "
+                       f"[0, {vocab_size})")
+  for i, p in enumerate(prompt_ids):
+    if isinstance(p, (str, bytes)) or not isinstance(p, Sequence | np.ndarray):
+      raise ValueError(f"prompt_ids[{i}] must be a list of ints, got "
+                       f"{type(p).__name__}")
+    if len(p) == 0:
+      raise ValueError(f"prompt_ids[{i}] is empty")
+    if vocab_size is not None:
+      arr = np.asarray(p)
+      if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"prompt_ids[{i}] has non-integer entries (dtype {arr.dtype})")
+      if arr.min() < 0 or arr.max() >= vocab_size:
+        raise ValueError(
+            f"prompt_ids[{i}] has token ids outside [0, {vocab_size}): "
+            f"min {int(arr.min())}, max {int(arr.max())}")
+    if max_model_len is not None and len(p) + max_tokens > max_model_len:
+      raise ValueError(
+          f"prompt_ids[{i}] has {len(p)} tokens; with max_tokens={max_tokens} "
+          f"that is {len(p) + max_tokens} > the model's context of "
+          f"{max_model_len} tokens")

@@ -1,0 +1,104 @@
+"""Tests for the rollout interface: Rollouts container and request validation."""
+
+import numpy as np
+import pytest
+
+from isojax.rollout.base import Rollouts, Sampler, validate_request
+
+
+def test_from_sequences_right_pads_and_counts():
+  r = Rollouts.from_sequences([[5, 6, 7], [8], [9, 10]],
+                              [[-0.5, -1.0, -1.5], [-2.0], [-0.1, -0.2]],
+                              ["stop", "length", "stop"])
+  np.testing.assert_array_equal(r.tokens_BxT, [[5, 6, 7], [8, 0, 0], [9, 10, 0]])
+  np.testing.assert_allclose(r.logprobs_BxT,
+                             [[-0.5, -1.0, -1.5], [-2.0, 0, 0], [-0.1, -0.2, 0]])
+  assert r.tokens_BxT.dtype == np.int32 and r.logprobs_BxT.dtype == np.float32
+  np.testing.assert_array_equal(r.lengths_B, [3, 1, 2])
+  assert r.finish_reason_B.tolist() == ["stop", "length", "stop"]
+  assert r.num_rollouts == 3 and r.num_generated_tokens == 6
+  assert r.sequences() == [[5, 6, 7], [8], [9, 10]]
+
+
+def test_rollouts_is_frozen():
+  r = Rollouts.from_sequences([[1]], [[-1.0]], ["length"])
+  with pytest.raises(Exception):
+    r.num_rollouts = 2  # type: ignore[misc]
+
+
+def test_from_sequences_rejects_ragged_mismatch():
+  with pytest.raises(ValueError, match="rollout 1 has 2 tokens but 1 logprobs"):
+    Rollouts.from_sequences([[1], [2, 3]], [[-1.0], [-1.0]], ["stop", "stop"])
+  with pytest.raises(ValueError, match="2 token lists, 1 logprob lists"):
+    Rollouts.from_sequences([[1], [2]], [[-1.0]], ["stop", "stop"])
+
+
+def _arrays(b=2, t=3):
+  return dict(tokens_BxT=np.zeros((b, t), np.int32), logprobs_BxT=np.zeros((b, t), np.float32),
+              lengths_B=np.full((b,), t, np.int32),
+              finish_reason_B=np.array(["length"] * b), num_rollouts=b,
+              num_generated_tokens=b * t)
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("logprobs_BxT", np.zeros((2, 4), np.float32), "logprobs_BxT shape"),
+    ("lengths_B", np.full((3,), 3, np.int32), "lengths_B"),
+    ("lengths_B", np.array([3, 4], np.int32), "exceeds tokens_BxT width"),
+    ("finish_reason_B", np.array(["length", "eos"]), "unknown values"),
+    ("num_generated_tokens", 5, "num_generated_tokens=5"),
+    ("num_rollouts", 3, "num_rollouts=3"),
+])
+def test_rollouts_validates_fields(field, value, msg):
+  kw = _arrays()
+  kw[field] = value
+  with pytest.raises(ValueError, match=msg):
+    Rollouts(**kw)
+
+
+def test_validate_request_accepts_good_request():
+  validate_request([[1, 2], [3]], n=4, max_tokens=8, temperature=1.0, top_p=0.9, top_k=5,
+                   stop_token_ids=(7,), vocab_size=10, max_model_len=10)
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(prompt_ids=[]), "prompt_ids is empty"),
+    (dict(prompt_ids="abc"), "prompt_ids must be a list"),
+    (dict(prompt_ids=[[1], []]), r"prompt_ids\[1\] is empty"),
+    (dict(prompt_ids=[[1], "ab"]), r"prompt_ids\[1\] must be a list"),
+    (dict(prompt_ids=[[1, 10]]), r"prompt_ids\[0\] has token ids outside \[0, 10\)"),
+    (dict(prompt_ids=[[1, -1]]), r"prompt_ids\[0\] has token ids outside"),
+    (dict(prompt_ids=[[1.5]]), "non-integer"),
+    (dict(n=0), "n must be a positive int"),
+    (dict(max_tokens=0), "max_tokens must be a positive int"),
+    (dict(temperature=-0.1), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(top_p=0.0), "top_p must be in"),
+    (dict(top_p=1.5), "top_p must be in"),
+    (dict(top_k=-1), "top_k must be None"),
+    (dict(stop_token_ids=(10,)), "stop_token_ids entry 10"),
+    # 7 prompt tokens + 4 new tokens > context of 10.
+    (dict(prompt_ids=[[1], [1] * 7]), r"prompt_ids\[1\] has 7 tokens.*11 > the model's context of 10"),
+])
+def test_validate_request_rejects_bad_input(kwargs, msg):
+  req = dict(prompt_ids=[[1, 2]], n=2, max_tokens=4, temperature=1.0, vocab_size=10,
+             max_model_len=10)
+  req.update(kwargs)
+  with pytest.raises(ValueError, match=msg):
+    validate_request(**req)
+
+
+def test_sampler_protocol_is_structural():
+
+  class Fake:
+
+    def generate(self, prompt_ids, *, n, max_tokens, temperature, top_p=1.0, top_k=None,
+                 stop_token_ids=(), seed=0):
+      return Rollouts.from_sequences([[1]] * (len(prompt_ids) * n),
+                                     [[0.0]] * (len(prompt_ids) * n),
+                                     ["length"] * (len(prompt_ids) * n))
+
+    def update_weights(self, model):
+      pass
+
+  assert isinstance(Fake(), Sampler)
+  assert not isinstance(object(), Sampler)

@@ -1,0 +1,302 @@
+"""JaxSampler against independent references: the model's full (uncached) forward
+re-run in NumPy-side loops, the trainer's recomputed logprobs, and the target
+sampling distribution written from the formulas."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+from flax import nnx
+
+from isojax.models import Decoder, ModelConfig
+from isojax.rollout import JaxSampler, Rollouts, Sampler
+from isojax.sharding import make_mesh
+
+VOCAB = 32
+CONTEXT = 64
+
+
+def _hf(**kw):
+  hf = dict(architectures=["Qwen2ForCausalLM"], vocab_size=VOCAB, hidden_size=64,
+            intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32, max_position_embeddings=CONTEXT,
+            tie_word_embeddings=False, rope_theta=10000.0)
+  hf.update(kw)
+  return hf
+
+
+def _model(seed=0, sharpen=10.0, **kw):
+  """Tiny Qwen2; the final-norm gain is raised so logits are far from uniform
+  (std ~1.5), which gives the distribution tests power to see a wrong temperature.
+  Embeddings are untied: with tied random ones greedy decoding just repeats the
+  last prompt token, which would make the greedy tests weak."""
+  model = Decoder(ModelConfig.from_hf_dict(_hf(**kw)), rngs=nnx.Rngs(seed))
+  model.norm.scale[...] = model.norm.scale[...] * sharpen
+  return model
+
+
+@pytest.fixture(scope="module")
+def model():
+  return _model()
+
+
+@pytest.fixture(scope="module")
+def sampler(model):
+  return JaxSampler(model)
+
+
+@nnx.jit
+def _forward(model, ids_BxT, mask_BxT):
+  return model(ids_BxT, attention_mask=mask_BxT)
+
+
+def _logits_np(model, ids_BxT, mask_BxT=None, width=32):
+  """Full uncached forward. Rows are right-padded to `width` (one compilation);
+  with causal attention, trailing padding cannot change the real positions."""
+  ids_BxT = np.asarray(ids_BxT, np.int32)
+  mask_BxT = np.ones_like(ids_BxT) if mask_BxT is None else np.asarray(mask_BxT, np.int32)
+  b, t = ids_BxT.shape
+  width = max(width, t)
+  ids = np.zeros((b, width), np.int32)
+  mask = np.zeros((b, width), np.int32)
+  ids[:, :t], mask[:, :t] = ids_BxT, mask_BxT
+  return np.asarray(_forward(model, jnp.asarray(ids), jnp.asarray(mask)), np.float64)[:, :t]
+
+
+def _log_softmax(x):
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _greedy_reference(model, prompt, max_tokens, stop=()):
+  """Argmax decoding by re-running the full forward on prompt + prefix each step."""
+  seq, toks, logps = list(prompt), [], []
+  for _ in range(max_tokens):
+    logp_V = _log_softmax(_logits_np(model, [seq])[0, -1])
+    tok = int(np.argmax(logp_V))
+    toks.append(tok)
+    logps.append(logp_V[tok])
+    seq.append(tok)
+    if tok in stop:
+      break
+  return toks, np.array(logps)
+
+
+PROMPTS = [[1, 2, 3], [5, 9, 17, 2, 30, 4, 4, 8, 11, 6, 7], [12] * 20]
+
+
+def test_greedy_equals_full_forward_argmax(model, sampler):
+  r = sampler.generate(PROMPTS, n=2, max_tokens=6, temperature=0.0)
+  assert isinstance(r, Rollouts) and r.num_rollouts == 6
+  for i, prompt in enumerate(PROMPTS):
+    toks, logps = _greedy_reference(model, prompt, 6)
+    for row in (2 * i, 2 * i + 1):  # prompt-major: prompt i's n rows are contiguous
+      np.testing.assert_array_equal(r.tokens_BxT[row], toks)
+      np.testing.assert_allclose(r.logprobs_BxT[row], logps, atol=1e-4)
+  np.testing.assert_array_equal(r.lengths_B, 6)
+  assert r.finish_reason_B.tolist() == ["length"] * 6
+  assert r.num_generated_tokens == 36
+
+
+def test_left_padded_batch_equals_each_prompt_alone(sampler):
+  # In the batch all prompts are padded to the 32 bucket (the 20-token one sets
+  # it); alone, the 3- and 11-token prompts are padded to 16 only.
+  batch = sampler.generate(PROMPTS, n=2, max_tokens=6, temperature=0.0)
+  for i, prompt in enumerate(PROMPTS[:2]):
+    alone = sampler.generate([prompt], n=2, max_tokens=6, temperature=0.0)
+    np.testing.assert_array_equal(batch.tokens_BxT[2 * i:2 * i + 2], alone.tokens_BxT)
+    np.testing.assert_allclose(batch.logprobs_BxT[2 * i:2 * i + 2], alone.logprobs_BxT,
+                               atol=1e-5)
+
+
+def _recomputed_logprobs(model, prompts, r: Rollouts, n, temperature):
+  """What the trainer does: one full forward over left-padded prompt ++ right-padded
+  completion, log_softmax(logits / temperature), gathered at the completion tokens."""
+  rows = [p for p in prompts for _ in range(n)]
+  p_max, t = max(map(len, prompts)), r.tokens_BxT.shape[1]
+  ids = np.zeros((len(rows), p_max + t), np.int32)
+  mask = np.zeros_like(ids)
+  for b, p in enumerate(rows):
+    ids[b, p_max - len(p):p_max] = p
+    mask[b, p_max - len(p):p_max] = 1
+    ids[b, p_max:p_max + r.lengths_B[b]] = r.tokens_BxT[b, :r.lengths_B[b]]
+    mask[b, p_max:p_max + r.lengths_B[b]] = 1
+  logp = _log_softmax(_logits_np(model, ids, mask) / (temperature or 1.0))
+  # logits at position s predict token s + 1.
+  out = np.take_along_axis(logp[:, p_max - 1:-1], ids[:, p_max:, None], -1)[..., 0]
+  return np.where(np.arange(t)[None] < r.lengths_B[:, None], out, 0.0)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_logprobs_equal_trainer_recomputed(model, sampler, temperature):
+  # (Greedy logprobs, under the unscaled logits, are checked in the greedy test.)
+  prompts = PROMPTS[:2]
+  r = sampler.generate(prompts, n=4, max_tokens=10, temperature=temperature, seed=3)
+  ref = _recomputed_logprobs(model, prompts, r, 4, temperature)
+  np.testing.assert_allclose(r.logprobs_BxT, ref, atol=1e-4)
+  assert np.all(r.logprobs_BxT[:, 0] < 0)
+
+
+def test_same_seed_same_rollouts_different_seed_different(sampler):
+  kw = dict(n=4, max_tokens=10, temperature=1.0)
+  a = sampler.generate(PROMPTS[:2], seed=7, **kw)
+  b = sampler.generate(PROMPTS[:2], seed=7, **kw)
+  c = sampler.generate(PROMPTS[:2], seed=8, **kw)
+  np.testing.assert_array_equal(a.tokens_BxT, b.tokens_BxT)
+  np.testing.assert_array_equal(a.logprobs_BxT, b.logprobs_BxT)
+  assert not np.array_equal(a.tokens_BxT, c.tokens_BxT)
+  # The n samples of one prompt are not copies of each other.
+  assert len({tuple(x) for x in a.tokens_BxT[:4]}) > 1
+
+
+def _target_probs(logits_V, temperature, top_p, top_k):
+  """temperature -> top-k -> top-p (smallest prefix reaching top_p), from the formulas."""
+  z = logits_V / temperature
+  order = np.argsort(-z, kind="stable")
+  keep = np.zeros_like(z, bool)
+  keep[order[:top_k or len(z)]] = True
+  p = np.where(keep, np.exp(z - z.max()), 0.0)
+  p /= p.sum()
+  mass_before = np.cumsum(p[order]) - p[order]
+  keep_p = np.zeros_like(keep)
+  keep_p[order[mass_before < top_p]] = True
+  p = np.where(keep & keep_p, p, 0.0)
+  return p / p.sum()
+
+
+def _chisquare_p(counts, probs, num):
+  """Pearson chi-square p-value; bins with expected count < 5 are pooled."""
+  exp = probs * num
+  big = exp >= 5
+  counts, exp, big = counts[probs > 0], exp[probs > 0], big[probs > 0]
+  obs_b, exp_b = list(counts[big]), list(exp[big])
+  if (~big).any():
+    obs_b.append(counts[~big].sum())
+    exp_b.append(exp[~big].sum())
+  exp_b = np.array(exp_b) * (sum(obs_b) / np.sum(exp_b))
+  return scipy.stats.chisquare(obs_b, exp_b).pvalue
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [
+    (0.7, 1.0, None), (1.5, 0.8, None), (1.0, 1.0, 6), (0.9, 0.6, 10)])
+def test_first_token_distribution_chisquare(model, sampler, temperature, top_p, top_k):
+  prompt, num = [1, 2, 3], 4096
+  r = sampler.generate([prompt], n=num, max_tokens=1, temperature=temperature, top_p=top_p,
+                       top_k=top_k, seed=11)
+  logits_V = _logits_np(model, [prompt])[0, -1]
+  probs = _target_probs(logits_V, temperature, top_p, top_k)
+  first = r.tokens_BxT[:, 0]
+  counts = np.bincount(first, minlength=VOCAB)
+  assert counts[probs == 0].sum() == 0, "sampled a token outside the top-p/top-k set"
+  assert _chisquare_p(counts, probs, num) > 1e-3
+  # Power: the untransformed softmax is clearly rejected by the same test.
+  plain = _target_probs(logits_V, 1.0, 1.0, None)
+  if not np.allclose(plain, probs, atol=0.02):
+    assert _chisquare_p(counts, plain, num) < 1e-6
+  # Logprobs are those of the truncated, renormalised distribution.
+  np.testing.assert_allclose(r.logprobs_BxT[:, 0], np.log(probs[first]), atol=1e-4)
+
+
+def test_stop_tokens_and_eos_end_sequences(model, sampler):
+  kw = dict(n=4, max_tokens=10, temperature=1.0, seed=5)
+  free = sampler.generate(PROMPTS[:2], **kw)
+  assert (free.lengths_B == 10).all() and set(free.finish_reason_B) == {"length"}
+  # The stop token: one that occurs in about half of the 8 rows.
+  rows_with = np.array([(free.tokens_BxT == v).any(1).sum() for v in range(VOCAB)])
+  stop = int(np.argmin(np.abs(rows_with - 4)))
+  assert 0 < rows_with[stop] < 8
+
+  def expect(r):
+    # Same seed: identical up to the first stop token (included), then padding.
+    for b in range(8):
+      row = free.tokens_BxT[b].tolist()
+      end = row.index(stop) + 1 if stop in row else 10
+      assert r.lengths_B[b] == end
+      assert r.finish_reason_B[b] == ("stop" if stop in row else "length")
+      np.testing.assert_array_equal(r.tokens_BxT[b, :end], row[:end])
+      np.testing.assert_allclose(r.logprobs_BxT[b, :end], free.logprobs_BxT[b, :end],
+                                 atol=1e-6)
+      assert (r.tokens_BxT[b, end:] == 0).all() and (r.logprobs_BxT[b, end:] == 0).all()
+    assert r.num_generated_tokens == int(r.lengths_B.sum()) < 80
+
+  expect(sampler.generate(PROMPTS[:2], stop_token_ids=(stop,), **kw))
+  # EOS from the model config (same weights) stops sequences the same way.
+  with_eos = Decoder(ModelConfig.from_hf_dict(_hf(eos_token_id=[stop])), rngs=nnx.Rngs(9))
+  nnx.update(with_eos, nnx.state(model))
+  expect(JaxSampler(with_eos).generate(PROMPTS[:2], **kw))
+
+
+def test_prompt_too_long_fails_before_any_work(model, sampler):
+  def boom(*a, **k):
+    raise AssertionError("compiled/ran despite a bad request")
+
+  real, sampler._jit = sampler._jit, boom
+  try:
+    with pytest.raises(ValueError, match=r"prompt_ids\[1\] has 60 tokens.*context of 64"):
+      sampler.generate([[1, 2], [3] * 60], n=1, max_tokens=8, temperature=1.0)
+    with pytest.raises(ValueError, match=r"prompt_ids\[0\] has token ids outside \[0, 32\)"):
+      sampler.generate([[1, 99]], n=1, max_tokens=8, temperature=1.0)
+  finally:
+    sampler._jit = real
+  capped = JaxSampler(model, max_len=16)
+  with pytest.raises(ValueError, match="context of 16"):
+    capped.generate([[1] * 10], n=1, max_tokens=8, temperature=0.0)
+
+
+def test_update_weights_swaps_params_without_recompiling(model, sampler):
+  new = _model(seed=2)
+  kw = dict(n=2, max_tokens=6, temperature=0.0)
+  a = sampler.generate(PROMPTS, **kw)
+  compiled = sampler._jit._cache_size()
+  try:
+    sampler.update_weights(new)
+    b = sampler.generate(PROMPTS, **kw)
+    assert sampler._jit._cache_size() == compiled
+  finally:
+    sampler.update_weights(model)
+  for i, prompt in enumerate(PROMPTS):
+    toks, logps = _greedy_reference(new, prompt, 6)
+    np.testing.assert_array_equal(b.tokens_BxT[2 * i], toks)
+    np.testing.assert_allclose(b.logprobs_BxT[2 * i], logps, atol=1e-4)
+  assert not np.allclose(a.logprobs_BxT, b.logprobs_BxT, atol=1e-2)
+  np.testing.assert_array_equal(sampler.generate(PROMPTS, **kw).tokens_BxT, a.tokens_BxT)
+  # A bare nnx.State (what a trainer holds) works too.
+  try:
+    sampler.update_weights(nnx.state(new))
+    np.testing.assert_array_equal(sampler.generate(PROMPTS, **kw).tokens_BxT, b.tokens_BxT)
+  finally:
+    sampler.update_weights(model)
+  other = Decoder(ModelConfig.from_hf_dict(_hf(num_hidden_layers=1)), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="structure differs"):
+    sampler.update_weights(other)
+  with pytest.raises(ValueError, match="differ"):
+    sampler.update_weights(nnx.state(other))
+  assert isinstance(sampler, Sampler)
+
+
+def test_batch_prompt_and_length_buckets_share_one_compilation(sampler):
+  # 3 or 4 prompts -> 4 rows, longest prompt 17..32 -> 32, max_tokens 5..8 -> 8.
+  sampler.generate([[1] * 17] * 3, n=2, max_tokens=5, temperature=0.0)
+  compiled = sampler._jit._cache_size()
+  sampler.generate([[4] * 32] * 4, n=2, max_tokens=8, temperature=0.0)
+  r = sampler.generate([[4] * 25, [5] * 2, [6]], n=2, max_tokens=7, temperature=0.0)
+  assert sampler._jit._cache_size() == compiled
+  assert r.tokens_BxT.shape == (6, 7) and r.num_rollouts == 6
+
+
+def test_mesh_of_8_devices_matches_one_device(model, sampler):
+  assert len(jax.devices()) >= 8
+  mesh = make_mesh(data=2, fsdp=2, tensor=2)
+  sharded = JaxSampler(model, mesh=mesh)
+  # 3 prompts -> 4, split over data x fsdp = 4; 2 prompts x n=4 -> prompts
+  # replicated (2 does not split 4 ways), their 8 rows split.
+  for prompts, kw in ((PROMPTS, dict(n=2, max_tokens=6, temperature=0.0)),
+                      (PROMPTS[:2], dict(n=4, max_tokens=10, temperature=1.0, seed=4))):
+    ref = sampler.generate(prompts, **kw)
+    got = sharded.generate(prompts, **kw)
+    np.testing.assert_array_equal(got.tokens_BxT, ref.tokens_BxT)
+    np.testing.assert_allclose(got.logprobs_BxT, ref.logprobs_BxT, atol=1e-5)
+  # Parameters really are split over the mesh.
+  emb = sharded._state["embed"][...]
+  assert emb.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
