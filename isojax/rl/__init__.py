@@ -1,0 +1,18 @@
+"""The RL core: advantages, policy losses, optimiser and the pure update step.
+
+    from isojax.rl import LossConfig, OptimConfig, Batch, make_train_step, init_train_state
+    step = make_train_step(model, LossConfig(), OptimConfig(), batch_size=B, group_size=n,
+                           micro_batch_size=mb, mesh=mesh)
+    state = init_train_state(model, LossConfig(), OptimConfig(), batch_size=B, mesh=mesh)
+    state, metrics = step(state, batch)
+"""
+
+from isojax.rl.advantages import compute_advantages
+from isojax.rl.losses import LossConfig, policy_loss
+from isojax.rl.optim import OptimConfig, learning_rate, make_optimizer
+from isojax.rl.step import Batch, TrainState, TrainStep, init_train_state, make_train_step
+from isojax.rl.step import validate_batch
+
+__all__ = ["compute_advantages", "LossConfig", "policy_loss", "OptimConfig", "learning_rate",
+           "make_optimizer", "Batch", "TrainState", "TrainStep", "init_train_state",
+           "make_train_step", "validate_batch"]
