@@ -1,0 +1,33 @@
+r"""Easy split (base-model avg@16 in [0.3, 0.6]): n vs M at fixed Bp: parallel rollouts against sequential updates (§4.1, Fig. 6, App. B).
+
+Run one budget point from the repo root (any field overridable, e.g.
+--config.rl.kl_coef=0):
+
+  python -m isojax.main --config=experiments/easy_n_vs_m.py:bp=32,n=64,budget=2e6 --workdir=runs/easy_n_vs_m/bp32_n64
+
+Laptop scale (tiny base model, B_max 256, 2048 rollouts, CPU learning rate):
+
+  python -m isojax.main --config=experiments/easy_n_vs_m.py:smoke --workdir=/tmp/isojax/easy_n_vs_m
+
+Args: bp, n, budget (rollouts), smoke.
+Sweep grid (config.sweep, for launch/): n in 8..2048 at fixed Bp = 32 (other
+fixed Bp: pass bp=), M = floor(budget / (Bp*n)).
+
+Recipe (IsoCompute playbook Table 1, App. A): GRPO with truncated importance
+sampling, KL + entropy regularisation ON (entropy collapse is the easy set's
+failure mode), no zero-variance filter, sqrt(B) learning rate with eta_base =
+1e-6 at B = 1024, temperature 0.6, top-p 1.0, B_max = 65,536.
+
+The built-in default is the synthetic task with the committed tiny base model.
+The paper's setting is Qwen2.5-7B-Instruct on the Guru-Math easy split:
+  --config.model.path=/ckpt/Qwen2.5-7B-Instruct --config.sampler.backend=vllm
+  --config.sampler.max_tokens=8192 --config.data.train=/data/guru_easy_train.jsonl
+  --config.data.val=/data/guru_easy_val.jsonl --config.data.chat_template=True
+  --config.data.reward=math
+"""
+
+from experiments import common
+
+
+def get_config(arg=None):
+  return common.study_config("easy", "n_vs_m", arg)

@@ -1,0 +1,30 @@
+r"""Trains one budget point: `python -m isojax.main --config=FILE[:ARGS] --workdir=DIR`.
+
+  python -m isojax.main --config=experiments/tiny.py:bp=8,n=4,budget=2048 --workdir=/tmp/isojax/tiny
+
+Any config field is overridable (`--config.rl.kl_coef=0`). Rerunning the same
+command resumes from the last checkpoint; a finished run is not rerun. Set
+JAX_COMPILATION_CACHE_DIR to share compiled steps between the runs of a sweep
+(points with the same batch shape compile once).
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment file and its argument, e.g. experiments/tiny.py:bp=8",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created if missing).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.INFO)
+  from isojax import run  # after flag parsing: keeps `--help` fast
+  run.run(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

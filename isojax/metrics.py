@@ -1,0 +1,138 @@
+"""Writes a run's metrics: `metrics.jsonl` (the record) and TensorBoard (the view).
+
+`metrics.jsonl` holds one JSON object per line, each with an integer `step`.
+Every line is flushed and fsynced as it is written, so a killed run loses at
+most the line being written. On resume the file is cut back to the lines with
+step <= the restored checkpoint's step (and any torn last line is dropped): the
+resumed run then rewrites the later steps, and the file equals that of a run
+that was never interrupted.
+
+Values are written as Python floats/ints via `json.dumps` (repr of a float is
+exact), so equal numbers give byte-equal lines. NaN/inf are written as the
+JSON extensions NaN/Infinity, which Python's json reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import pathlib
+import re
+from typing import Any
+
+import numpy as np
+
+_TB_ILLEGAL = re.compile(r"[^-/\w\.]")
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def _plain(value: Any) -> Any:
+  """NumPy/JAX scalars and small arrays as JSON-native Python values."""
+  if isinstance(value, (bool, str)) or value is None:
+    return value
+  if isinstance(value, numbers.Integral):
+    return int(value)
+  if isinstance(value, numbers.Real):
+    return float(value)
+  if isinstance(value, dict):
+    return {str(k): _plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
+  arr = np.asarray(value)
+  if arr.ndim == 0:
+    return _plain(arr.item())
+  return _plain(arr.tolist())
+
+
+def tb_tag(key: str) -> str:
+  """A TensorBoard-legal tag: "val/avg@4" -> "val/avg_4" (as tensorboardX would
+  rename it, minus the log line per tag)."""
+  return _TB_ILLEGAL.sub("_", key)
+
+
+def read_metrics(path: str | pathlib.Path) -> list[dict]:
+  """All complete lines of a metrics.jsonl file, parsed (a torn last line is skipped)."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    return []
+  lines = path.read_text().splitlines(keepends=True)
+  out = []
+  for i, line in enumerate(lines):
+    if not line.endswith("\n"):
+      break  # torn write of a killed run
+    try:
+      out.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}:{i + 1}: not a JSON object ({e})") from e
+  return out
+
+
+def truncate_metrics(path: str | pathlib.Path, max_step: int | None) -> int:
+  """Keeps only complete lines with step <= max_step (none if max_step is None).
+
+  Rewrites the file atomically (temporary file, fsync, rename). Returns the
+  number of lines kept.
+  """
+  path = pathlib.Path(path)
+  kept = [] if max_step is None else [
+      r for r in read_metrics(path) if int(r["step"]) <= max_step]
+  tmp = path.with_name(path.name + ".tmp")
+  with open(tmp, "w") as f:
+    for record in kept:
+      f.write(json.dumps(record) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  return len(kept)
+
+
+class MetricsWriter:
+  """Appends metric records to metrics.jsonl and mirrors scalars to TensorBoard.
+
+  Args:
+    workdir: the run directory.
+    resume_step: the step of the checkpoint the run continues from (lines after
+      it are removed), or None for a fresh start (the file is emptied).
+    tensorboard: write TensorBoard event files under <workdir>/tensorboard.
+  """
+
+  def __init__(self, workdir: str | pathlib.Path, *, resume_step: int | None,
+               tensorboard: bool = True):
+    self.path = pathlib.Path(workdir) / METRICS_FILE
+    truncate_metrics(self.path, resume_step)
+    self._file = open(self.path, "a")
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # lazy: heavy import
+      # purge_step hides events a killed run wrote after its last checkpoint.
+      purge = None if resume_step is None else resume_step + 1
+      self._tb = SummaryWriter(str(pathlib.Path(workdir) / TENSORBOARD_DIR),
+                               purge_step=purge)
+
+  def write(self, step: int, metrics: dict) -> dict:
+    """Appends {"step": step, **metrics} as one durable line; returns the record."""
+    record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+    os.fsync(self._file.fileno())
+    if self._tb is not None:
+      for key, value in record.items():
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(
+            value, bool) and math.isfinite(value):
+          self._tb.add_scalar(tb_tag(key), value, global_step=int(step))
+      self._tb.flush()
+    return record
+
+  def write_histogram(self, step: int, tag: str, values) -> None:
+    """A TensorBoard histogram (e.g. per-problem pass@1); not part of the jsonl."""
+    if self._tb is not None:
+      self._tb.add_histogram(tb_tag(tag), np.asarray(values), global_step=int(step))
+
+  def close(self) -> None:
+    self._file.close()
+    if self._tb is not None:
+      self._tb.close()

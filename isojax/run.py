@@ -1,0 +1,339 @@
+"""The run: trains one budget point (Bp, n, M) and leaves a run directory.
+
+    sample Bp problems -> n rollouts each -> rewards -> Batch -> step (advantages,
+    loss, update inside) -> weight sync -> ledger -> [eval] -> metrics -> [checkpoint]
+
+`plan(config)` validates everything that can be checked without work (the budget
+point above all: an infeasible point fails here, naming its numbers); `run`
+then builds the parts and loops until M updates are done. The workdir holds
+
+    config.json     the resolved config, with the derived budget point
+    metrics.jsonl   one line per step (step 0: the base model's eval)
+    tensorboard/    the same scalars, plus pass@1 histograms
+    checkpoints/    orbax steps: train state + data position, ledger, RNG
+    DONE            written last; a finished run is not rerun
+
+Determinism: the samples of step s are drawn with a seed derived from (seed, s)
+alone via `jax.random.fold_in`, evals with fixed per-run seeds, and the data
+order comes from (seed, epoch); nothing depends on process history. A run restarted from its checkpoint at step k therefore redoes
+steps k+1.. exactly as the uninterrupted run did (bitwise on CPU), and
+metrics.jsonl is cut back to step k first so it ends up identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from isojax import budget as budget_lib
+from isojax import checkpoint as ckpt_lib
+from isojax import metrics as metrics_lib
+from isojax.run_setup import RunParts, build_parts, model_of, nonfinite_step_message
+
+CONFIG_FILE = "config.json"
+DONE_FILE = "DONE"
+CHECKPOINT_DIR = "checkpoints"
+
+# Streams of seed-derived randomness (see `derive_seed`).
+_TRAIN, _VAL, _TRAIN_EVAL = 0, 1, 2
+
+
+class NonFiniteLossError(RuntimeError):
+  """Raised when config.max_consecutive_skips updates in a row were non-finite."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+  """What `config` asks for, derived once and frozen (the config is never written).
+
+  Attributes:
+    point: the budget point (Bp, n, M) from config.bp, config.n, config.budget.
+    loss: the isojax.rl LossConfig.
+    optim: the isojax.rl OptimConfig.
+    lr: the peak learning rate the optimiser's rule gives for B = Bp * n.
+    micro_batch: rollouts per gradient-accumulation chunk (B when 0 in config).
+  """
+  point: budget_lib.BudgetPoint
+  loss: object
+  optim: object
+  lr: float
+  micro_batch: int
+
+
+def _off_if_zero(x):
+  return None if x == 0 else x
+
+
+def plan(config) -> RunPlan:
+  """Validates `config` and derives the budget point; does no work.
+
+  Raises:
+    ValueError: naming the numbers, for an infeasible budget point (Bp * n >
+      b_max, or a budget below one batch so that M = 0) or any bad field.
+  """
+  from isojax.rl import LossConfig, OptimConfig, learning_rate  # lazy: JAX import
+
+  batch = config.bp * config.n
+  if batch > config.b_max:
+    raise ValueError(f"infeasible budget point: Bp*n = {config.bp}*{config.n} = {batch} "
+                     f"exceeds b_max = {config.b_max} (budget C={config.budget:g})")
+  point = budget_lib.BudgetPoint.from_budget(config.budget, bp=config.bp, n=config.n)
+  for name in ("eval_every", "checkpoint_every", "keep_checkpoints",
+               "max_consecutive_skips"):
+    if config[name] < 1:
+      raise ValueError(f"config.{name}={config[name]} must be >= 1")
+  if config.sampler.backend not in ("jax", "vllm"):
+    raise ValueError(f"config.sampler.backend={config.sampler.backend!r}; expected "
+                     f"'jax' or 'vllm'")
+  if config.sampler.max_tokens < 1 or config.eval.k < 1:
+    raise ValueError(f"config.sampler.max_tokens={config.sampler.max_tokens} and "
+                     f"config.eval.k={config.eval.k} must be >= 1")
+  if config.data.reward not in ("exact", "math"):
+    raise ValueError(f"config.data.reward={config.data.reward!r}; expected 'exact' or "
+                     f"'math'")
+  rl = config.rl
+  loss = LossConfig(
+      kind=rl.kind, clip_low=rl.clip_low, clip_high=rl.clip_high,
+      clip_dual=_off_if_zero(rl.clip_dual), agg=rl.agg, tis_cap=_off_if_zero(rl.tis_cap),
+      kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef,
+      zero_var_filter=rl.zero_var_filter, adv_estimator=rl.adv_estimator,
+      adv_std_eps=rl.adv_std_eps)
+  optim = OptimConfig(
+      lr_base=rl.lr_base, batch_base=rl.batch_base, lr_rule=rl.lr_rule,
+      warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
+      max_grad_norm=_off_if_zero(rl.max_grad_norm))
+  micro = rl.micro_batch or point.batch
+  if point.batch % micro:
+    raise ValueError(f"config.rl.micro_batch={micro} does not divide B = Bp*n = "
+                     f"{point.batch}")
+  return RunPlan(point=point, loss=loss, optim=optim,
+                 lr=learning_rate(optim, point.batch), micro_batch=micro)
+
+
+def resolved_config(config, run_plan: RunPlan) -> dict:
+  """config.json's content: the config plus the derived point (analysis reads it).
+
+  "budget" becomes {"requested", "bp", "n", "m", "batch", "compute"}, and bp, n,
+  m sit at top level too; "lr" is the derived peak learning rate.
+  """
+  out = config.to_dict()
+  out["budget"] = {"requested": config.budget, **run_plan.point.to_dict()}
+  out["m"] = run_plan.point.m
+  out["lr"] = run_plan.lr
+  return json.loads(json.dumps(out))  # tuples -> lists, as a reload would see them
+
+
+def derive_seed(seed: int, *path: int) -> int:
+  """A sampler seed that depends only on `seed` and `path` (jax.random.fold_in).
+
+  Training samples of step s use (seed, TRAIN, s). Each eval stream uses one
+  seed for every eval of the run, on purpose: common random numbers, so the
+  difference between two evals measures the policy's change rather than fresh
+  sampling noise (the analysis's record-breaking points are far less noisy).
+  """
+  key = jax.random.key(seed)
+  for x in path:
+    key = jax.random.fold_in(key, x)
+  return int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
+
+
+def _write_json(path: pathlib.Path, obj) -> None:
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+  os.replace(tmp, path)
+
+
+def _check_same_config(path: pathlib.Path, resolved: dict) -> None:
+  old, new = _flat(json.loads(path.read_text())), _flat(resolved)
+  diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+  if diff:
+    raise ValueError(f"{path} was written by a run with a different config (differs in "
+                     f"{diff[:8]}); use a fresh --workdir or the same config")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = json.dumps(v)
+  return out
+
+
+def evaluate_step(parts: RunParts, config) -> tuple[dict, np.ndarray | None]:
+  """Validation avg/best/worst@k and the training set's pass@1 histogram."""
+  from isojax import evaluate as ev
+
+  kwargs = dict(k=config.eval.k, temperature=config.eval.temperature,
+                max_tokens=config.sampler.max_tokens, top_p=config.sampler.top_p,
+                reward_fn=parts.reward_fn, chat_template=config.data.chat_template,
+                batch_size=config.eval.batch_problems or None)
+  val = ev.evaluate(parts.sampler, parts.val_problems, parts.tokenizer, prefix="val/",
+                    seed=derive_seed(config.seed, _VAL), **kwargs)
+  out = dict(val.metrics)
+  out["val/response_len"] = val.mean_response_tokens
+  counts = None
+  if parts.train_eval_problems:
+    tr = ev.evaluate(parts.sampler, parts.train_eval_problems, parts.tokenizer,
+                     prefix="train_eval/", seed=derive_seed(config.seed, _TRAIN_EVAL),
+                     **kwargs)
+    counts = tr.counts_P
+    out.update(ev.histogram_metrics(counts, config.eval.k, prefix="train/"))
+    out["train/pass@1"] = float(np.mean(counts / config.eval.k))
+  return out, counts
+
+
+def sample_and_update(parts: RunParts, config, state, step: int):
+  """One update: sample, score, pack, step. Returns (state, host metrics, rollouts)."""
+  from isojax import batching
+  from isojax.evaluate import score_rollouts
+
+  n = config.n
+  problems = parts.loader.next_batch()
+  prompt_ids = [parts.prompt_ids[p.id] for p in problems]
+  rollouts = parts.sampler.generate(
+      prompt_ids, n=n, max_tokens=config.sampler.max_tokens,
+      temperature=config.sampler.temperature, top_p=config.sampler.top_p,
+      top_k=config.sampler.top_k or None, stop_token_ids=parts.stop_token_ids,
+      seed=derive_seed(config.seed, _TRAIN, step))
+  rewards_B = score_rollouts(rollouts, [p.answer for p in problems], n, parts.tokenizer,
+                             parts.reward_fn)
+  batch = batching.build_batch(prompt_ids, rollouts, rewards_B, n=n,
+                               prompt_width=parts.prompt_width,
+                               max_tokens=config.sampler.max_tokens, pad_id=parts.pad_id)
+  state, step_metrics = parts.train_step(state, batch)
+  step_metrics = {f"train/{k}": float(v) for k, v in jax.device_get(step_metrics).items()}
+  r_BpxN = rewards_B.reshape(-1, n)
+  zero_var_B = np.repeat(np.all(r_BpxN == r_BpxN[:, :1], axis=1), n)
+  host = {"train/reward": float(np.mean(rewards_B)),
+          "train/response_len": float(np.mean(rollouts.lengths_B)),
+          "train/truncated_frac": float(np.mean(rollouts.finish_reason_B == "length"))}
+  # Rollouts a filter drops from the loss were still paid for (the ledger says so).
+  dropped = int(zero_var_B.sum()) if config.rl.zero_var_filter == "all" else 0
+  return state, {**host, **step_metrics}, rollouts, dropped
+
+
+def run(config, workdir: str | os.PathLike) -> dict:
+  """Trains the budget point of `config` in `workdir`; resumes or skips if done.
+
+  Returns:
+    the last metrics record (that of the final step).
+
+  Raises:
+    ValueError: before any work, for an infeasible point or a bad config, and if
+      `workdir` holds a run with a different config.
+    NonFiniteLossError: after config.max_consecutive_skips non-finite updates in
+      a row (the last checkpoint is still clean: NaN is never checkpointed).
+  """
+  run_plan = plan(config)
+  point = run_plan.point
+  workdir = pathlib.Path(workdir)
+  resolved = resolved_config(config, run_plan)
+  if (workdir / DONE_FILE).exists():
+    _check_same_config(workdir / CONFIG_FILE, resolved)
+    done = json.loads((workdir / DONE_FILE).read_text())
+    logging.info("%s: finished at step %d already; not rerunning", workdir, done["step"])
+    return done["last"]
+  workdir.mkdir(parents=True, exist_ok=True)
+  if (workdir / CONFIG_FILE).exists():
+    _check_same_config(workdir / CONFIG_FILE, resolved)
+  else:
+    _write_json(workdir / CONFIG_FILE, resolved)
+  logging.info("budget point %s: B=%d, C=%d rollouts, lr=%.3g", point.name, point.batch,
+               point.compute, run_plan.lr)
+
+  t0 = time.time()
+  parts = build_parts(config, run_plan)
+  state = parts.init_state()
+  ckpt = ckpt_lib.RunCheckpointer(workdir / CHECKPOINT_DIR,
+                                  max_to_keep=config.keep_checkpoints)
+  ledger, skips, start = budget_lib.Ledger(), 0, ckpt.latest_step()
+  if start is not None:
+    state, host = ckpt.restore(start, state)
+    if host["rng"] != ckpt_lib.key_to_host(jax.random.key(config.seed)):
+      raise ValueError(f"checkpoint {start} in {workdir} was made with another seed")
+    parts.loader.load_state_dict(host["loader"])
+    ledger = budget_lib.Ledger.from_state_dict(host["ledger"])
+    skips = int(host["consecutive_skips"])
+    parts.sampler.update_weights(model_of(parts, state))
+    logging.info("resumed from the checkpoint at step %d", start)
+  writer = metrics_lib.MetricsWriter(workdir, resume_step=start)
+  last = None
+  try:
+    if start is None:
+      start = 0
+      val, counts = evaluate_step(parts, config)
+      last = writer.write(0, {"rollouts": 0, "tokens": 0, "dropped_rollouts": 0, **val})
+      if counts is not None:
+        writer.write_histogram(0, "train/pass@1", counts / config.eval.k)
+    bar = _progress(point.m, start, point.name)
+    for step in range(start + 1, point.m + 1):
+      state, record, rollouts, dropped = sample_and_update(parts, config, state, step)
+      # The step donates its input: the sampler must get the new arrays even when
+      # the update was skipped (same values, fresh buffers).
+      parts.sampler.update_weights(model_of(parts, state))
+      ledger = ledger.add_rollouts(rollouts, dropped_rollouts=dropped)
+      skips = skips + 1 if record["train/skipped"] > 0 else 0
+      record = {"rollouts": ledger.rollouts, "tokens": ledger.tokens,
+                "dropped_rollouts": ledger.dropped_rollouts, **record,
+                "consecutive_skips": skips}
+      counts = None
+      if step % config.eval_every == 0 or step == point.m:
+        val, counts = evaluate_step(parts, config)
+        record.update(val)
+      last = writer.write(step, record)
+      if counts is not None:
+        writer.write_histogram(step, "train/pass@1", counts / config.eval.k)
+      bar.update(1)
+      bar.set_postfix(reward=f"{record['train/reward']:.3f}")
+      if counts is not None:
+        logging.info("step %d/%d: train reward %.3f, val avg@%d %.3f (%.0f s)", step,
+                     point.m, record["train/reward"], config.eval.k,
+                     record[f"val/avg@{config.eval.k}"], time.time() - t0)
+      if skips >= config.max_consecutive_skips:
+        raise NonFiniteLossError(nonfinite_step_message(
+            step, skips, config.max_consecutive_skips, ckpt.latest_step()))
+      if step % config.checkpoint_every == 0 or step == point.m:
+        ckpt.save(step, state, {
+            "step": step, "loader": parts.loader.state_dict(),
+            "ledger": ledger.state_dict(), "consecutive_skips": skips,
+            "rng": ckpt_lib.key_to_host(jax.random.key(config.seed))})
+    bar.close()
+  finally:
+    writer.close()
+    ckpt.close()
+    parts.close()
+  if last is None:  # resumed at the last step: nothing was left to do
+    last = metrics_lib.read_metrics(workdir / metrics_lib.METRICS_FILE)[-1]
+  _write_json(workdir / DONE_FILE, {"step": point.m, "wall_s": time.time() - t0,
+                                    "last": last})
+  logging.info("done: %s in %.1f s", point.name, time.time() - t0)
+  return last
+
+
+class _NoBar:
+  def update(self, *_):
+    pass
+
+  def set_postfix(self, **_):
+    pass
+
+  def close(self):
+    pass
+
+
+def _progress(total: int, initial: int, desc: str):
+  """A tqdm bar with ETA on an interactive terminal; nothing in logs/pipes."""
+  if not sys.stderr.isatty():
+    return _NoBar()
+  import tqdm
+  return tqdm.tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)

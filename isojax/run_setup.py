@@ -1,0 +1,166 @@
+"""Builds the parts a run loop drives: model, data, sampler, step, reward.
+
+Kept apart from `isojax/run.py` so the loop reads as the loop. Everything here
+is set-up (load, tokenize, compile-once objects); no training happens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+ASSETS_DIR = pathlib.Path(__file__).resolve().parent / "assets"
+BASE_MODEL_DIR = ASSETS_DIR / "base_model"
+SYNTHETIC_PREFIX = "synthetic"
+REWARDS = {"exact": "exact_match", "math": "math_verify"}
+
+
+@dataclasses.dataclass
+class RunParts:
+  """The objects one run needs, built once from its config."""
+  mesh: Any
+  graphdef: Any
+  rest: Any  # the model's non-parameter state (e.g. RoPE tables)
+  tokenizer: Any
+  train_problems: list
+  val_problems: list
+  train_eval_problems: list
+  prompt_ids: dict[str, list[int]]  # problem id -> prompt token ids (train set)
+  prompt_width: int
+  pad_id: int
+  stop_token_ids: tuple[int, ...]
+  loader: Any
+  sampler: Any
+  reward_fn: Callable[[str, str], float]
+  train_step: Any
+  init_state: Callable[[], Any]
+
+  def close(self) -> None:
+    close = getattr(self.sampler, "close", None)
+    if close is not None:
+      close()
+
+
+def model_of(parts: RunParts, state) -> nnx.Module:
+  """The Decoder with the train state's parameters (no copy)."""
+  return nnx.merge(parts.graphdef, state.params, parts.rest)
+
+
+def nonfinite_step_message(step: int, skips: int, limit: int, last_ckpt: int | None) -> str:
+  return (f"stopping at step {step}: {skips} updates in a row had a non-finite loss or "
+          f"gradient and were skipped (config.max_consecutive_skips={limit}); the "
+          f"parameters are unchanged since the last good update. Last checkpoint: "
+          f"{'none' if last_ckpt is None else f'step {last_ckpt}'} (never holds NaN). "
+          f"Lower the learning rate or inspect the rewards/logprobs of these steps.")
+
+
+def model_path(config) -> pathlib.Path:
+  """config.model.path, or the committed tiny base model when it is empty."""
+  return pathlib.Path(config.model.path) if config.model.path else BASE_MODEL_DIR
+
+
+def _synthetic_split_file(name: str) -> pathlib.Path:
+  return ASSETS_DIR / "splits" / f"{name}.jsonl"
+
+
+def load_problem_sets(config) -> tuple[list, list]:
+  """(train, val) problems from config.data.
+
+  data.train is "synthetic" (generated from data.split_seed), "synthetic:NAME"
+  (a committed difficulty split of the synthetic task under isojax/assets/splits)
+  or a JSONL/Parquet/`datasets` path. data.val is a path, or "" to hold out
+  data.num_val problems of the training source: a fixed permutation of
+  data.split_seed, so every run of a sweep (any seed) sees the same val set.
+  """
+  from isojax import data as data_lib
+
+  d = config.data
+  if d.train == SYNTHETIC_PREFIX:
+    return data_lib.synthetic_splits(d.num_train, d.num_val, seed=d.split_seed)
+  if d.train.startswith(SYNTHETIC_PREFIX + ":"):
+    path = _synthetic_split_file(d.train.split(":", 1)[1])
+    if not path.exists():
+      raise ValueError(
+          f"config.data.train={d.train!r}: no split file {path}; write the splits of "
+          f"the base model with `python -m isojax.data.splits --num 16384 --out "
+          f"{path.parent}`, or use data.train='synthetic' or a problem file")
+  else:
+    path = pathlib.Path(d.train)
+  train = data_lib.load_problems(path)
+  if d.val:
+    return train, data_lib.load_problems(d.val)
+  if len(train) <= d.num_val:
+    raise ValueError(f"{path}: {len(train)} problems cannot give data.num_val="
+                     f"{d.num_val} held-out problems and a training set")
+  order = np.random.default_rng(d.split_seed).permutation(len(train))
+  val = [train[i] for i in order[:d.num_val]]
+  return [train[i] for i in np.sort(order[d.num_val:])], val
+
+
+def _mesh(config):
+  from isojax import sharding
+
+  m = config.mesh
+  sizes = (m.data, m.fsdp, m.tensor)
+  devices = jax.devices()
+  if -1 not in sizes:  # an explicit mesh may use fewer devices than the host has
+    devices = devices[:int(np.prod(sizes))]
+  return sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
+
+
+def _sampler(config, model, mesh):
+  from isojax import rollout
+
+  if config.sampler.backend == "jax":
+    return rollout.JaxSampler(model, mesh=mesh)
+  from isojax.rollout.vllm_client import VLLMSampler
+  sampler = VLLMSampler(config.sampler.vllm_url)
+  sampler.update_weights(model)  # the server may hold other weights
+  return sampler
+
+
+def build_parts(config, run_plan) -> RunParts:
+  """Loads model, tokenizer and data; builds sampler, loader and the jitted step."""
+  from isojax import batching, data as data_lib, models, rl, sharding
+
+  mesh = _mesh(config)
+  path = model_path(config)
+  model, _ = models.load_pretrained(
+      path, dtype=jnp.dtype(config.model.param_dtype), mesh=mesh,
+      rules=sharding.DEFAULT_RULES, compute_dtype=jnp.dtype(config.model.dtype),
+      remat=config.model.remat)
+  tokenizer = models.Tokenizer.from_pretrained(path)
+  train, val = load_problem_sets(config)
+  ids = data_lib.encode_prompts(tokenizer, train, chat_template=config.data.chat_template)
+  prompt_ids = {p.id: x for p, x in zip(train, ids)}
+  if len(prompt_ids) != len(train):
+    raise ValueError("training problems must have distinct ids")
+  # A fixed subset for the pass@1 histogram: the same problems at every eval.
+  order = np.random.default_rng(config.data.split_seed).permutation(len(train))
+  train_eval = [train[i] for i in np.sort(order[:config.eval.num_train])]
+  point = run_plan.point
+  loader = data_lib.EpochLoader(train, batch_size=point.bp, seed=config.seed)
+  graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+  kwargs = dict(batch_size=point.batch, mesh=mesh, rules=sharding.DEFAULT_RULES)
+  step = rl.make_train_step(model, run_plan.loss, run_plan.optim, group_size=point.n,
+                            micro_batch_size=run_plan.micro_batch, **kwargs)
+  eos = tokenizer.eos_token_id
+  return RunParts(
+      mesh=mesh, graphdef=graphdef, rest=rest, tokenizer=tokenizer,
+      train_problems=train, val_problems=val, train_eval_problems=train_eval,
+      prompt_ids=prompt_ids,
+      prompt_width=batching.prompt_bucket(max(len(x) for x in ids)),
+      pad_id=int(tokenizer.pad_token_id or 0),
+      stop_token_ids=() if eos is None else (int(eos),),
+      loader=loader, sampler=_sampler(config, model, mesh),
+      reward_fn=data_lib.get_reward_fn(REWARDS[config.data.reward]),
+      train_step=step,
+      init_state=lambda: rl.init_train_state(model, run_plan.loss, run_plan.optim,
+                                             **kwargs))

@@ -1,0 +1,114 @@
+"""Every experiment file loads through absl flags (locked) and passes the run's
+pre-flight validation; each docstring's launch command names a loadable config."""
+
+import pathlib
+import re
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from isojax import run
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FILES = sorted(p for p in (ROOT / "experiments").glob("*.py")
+               if p.name not in ("__init__.py", "common.py"))
+STUDY_FILES = [ROOT / "experiments" / f"{split}_{study}.py" for split in ("easy", "hard")
+               for study in ("n_vs_m", "fixed_batch", "joint")]
+DOCUMENTED = [ROOT / "experiments" / "tiny.py", *STUDY_FILES]
+
+
+def _load(spec: str, *overrides: str):
+  """Parses --config=spec like isojax.main does (lock_config=True)."""
+  argv = ["prog", f"--config={spec}", *overrides]
+  fv = flags.FlagValues()
+  # sys_argv lets the flag load the file early and register --config.x overrides.
+  holder = config_flags.DEFINE_config_file("config", None, flag_values=fv,
+                                           lock_config=True, sys_argv=argv)
+  fv(argv)
+  return holder.value
+
+
+def test_all_study_files_exist():
+  assert all(p in FILES for p in DOCUMENTED)
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_every_file_loads_and_validates(path, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  config = _load(f"experiments/{path.name}")
+  plan = run.plan(config)
+  assert plan.point.m >= 1 and plan.point.batch <= config.b_max
+  for field in ("eval_every", "checkpoint_every", "seed"):
+    assert field in config
+
+
+@pytest.mark.parametrize("path", DOCUMENTED, ids=lambda p: p.stem)
+def test_docstring_commands_load_and_validate(path, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  text = path.read_text()
+  commands = re.findall(r"python -m isojax\.main --config=(\S+) --workdir=\S+", text)
+  assert commands, f"{path.name}: docstring has no launch command"
+  for spec in commands:
+    assert spec.startswith(f"experiments/{path.name}")
+    config = _load(spec)
+    plan = run.plan(config)
+    assert plan.point.m >= 1
+    assert plan.point.batch <= config.b_max
+    assert _load(spec, "--config.rl.kl_coef=0.5").rl.kl_coef == 0.5
+    # Locked: a typo in an override is an error, not a new field.
+    with pytest.raises((flags.Error, AttributeError), match="kl_cof"):
+      _load(spec, "--config.rl.kl_cof=0")
+
+
+@pytest.mark.parametrize("path", STUDY_FILES, ids=lambda p: p.stem)
+def test_paper_recipe(path, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  c = _load(f"experiments/{path.name}")
+  split = path.stem.split("_")[0]
+  # Table 1 / App. A.
+  assert c.rl.zero_var_filter == "off"
+  assert (c.rl.lr_rule, c.rl.lr_base, c.rl.batch_base) == ("sqrt", 1e-6, 1024)
+  assert (c.sampler.temperature, c.sampler.top_p) == (0.6, 1.0)
+  assert c.eval.k == 4 and c.eval.temperature == 0.6
+  assert c.rl.tis_cap > 0 and c.rl.warmup_steps == 10
+  if split == "easy":
+    assert c.rl.kl_coef > 0 and c.rl.entropy_coef > 0 and c.b_max == 65_536
+  else:
+    assert c.rl.kl_coef == 0 and c.rl.entropy_coef == 0 and c.b_max == 16_384
+  smoke = _load(f"experiments/{path.name}:smoke")
+  assert smoke.b_max == 256 and run.plan(smoke).point.compute <= 2048
+
+
+def test_tiny_point_and_overrides(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  c = _load("experiments/tiny.py:bp=8,n=4,budget=2048", "--config.rl.kl_coef=0")
+  plan = run.plan(c)
+  assert (plan.point.bp, plan.point.n, plan.point.m) == (8, 4, 64)
+  assert c.rl.kl_coef == 0.0
+  # The derived M is never written back into the config.
+  assert "m" not in c
+
+
+def test_fixed_batch_sets_bp_from_batch(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  c = _load("experiments/easy_fixed_batch.py:batch=8192,n=64,budget=2e6")
+  assert (c.bp, c.n) == (128, 64)
+  with pytest.raises(Exception, match=r"batch=8192 must equal bp\*n with n=64, bp=32"):
+    _load("experiments/easy_fixed_batch.py:batch=8192,n=64,bp=32")
+
+
+def test_bad_arguments_are_named(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  with pytest.raises(Exception, match="unknown config argument 'bq'"):
+    _load("experiments/tiny.py:bq=8")
+  with pytest.raises(Exception, match="batch= is only for the fixed_batch study"):
+    _load("experiments/easy_joint.py:batch=64")
+
+
+def test_impossible_points_fail_in_preflight(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  with pytest.raises(ValueError, match=r"32\*16 = 512 exceeds b_max = 256"):
+    run.plan(_load("experiments/tiny.py:bp=32,n=16,budget=4096"))
+  with pytest.raises(ValueError, match=r"C=16 .* 8\*4 = 32.*M = .* = 0"):
+    run.plan(_load("experiments/tiny.py:bp=8,n=4,budget=16"))

@@ -1,0 +1,53 @@
+"""The command line: `python -m isojax.main --config=FILE:ARGS --workdir=DIR`."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _main(*args, timeout=600):
+  return subprocess.run([sys.executable, "-m", "isojax.main", *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_tiny_command_trains_and_a_rerun_does_nothing(tmp_path):
+  workdir = tmp_path / "tiny"
+  start = time.time()
+  proc = _main("--config=experiments/tiny.py:bp=8,n=4,budget=2048", f"--workdir={workdir}")
+  wall_s = time.time() - start
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  print(f"tiny command: {wall_s:.0f} s")
+  config = json.loads((workdir / "config.json").read_text())
+  assert config["budget"]["m"] == 64 and config["m"] == 64
+  lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(x)["step"] for x in lines] == list(range(65))
+  assert (workdir / "DONE").exists()
+
+  before = (workdir / "metrics.jsonl").read_bytes()
+  again = _main("--config=experiments/tiny.py:bp=8,n=4,budget=2048", f"--workdir={workdir}")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "not rerunning" in again.stderr
+  assert (workdir / "metrics.jsonl").read_bytes() == before
+
+
+def test_impossible_point_exits_with_the_numbers(tmp_path):
+  workdir = tmp_path / "never"
+  proc = _main("--config=experiments/tiny.py:bp=64,n=8,budget=4096", f"--workdir={workdir}",
+               timeout=120)
+  assert proc.returncode != 0
+  assert "Bp*n = 64*8 = 512 exceeds b_max = 256" in proc.stderr
+  assert not workdir.exists()
+
+
+def test_flags_are_checked(tmp_path):
+  proc = _main("--config=experiments/tiny.py", f"--workdir={tmp_path}",
+               "--config.rl.kl_cof=0", timeout=120)
+  assert proc.returncode != 0 and "kl_cof" in proc.stderr
+  proc = _main("--config=experiments/tiny.py", timeout=120)
+  assert proc.returncode != 0 and "workdir" in proc.stderr
+  assert not os.listdir(tmp_path)
