@@ -150,7 +150,8 @@ def build_parts(config, run_plan) -> RunParts:
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
   kwargs = dict(batch_size=point.batch, mesh=mesh, rules=sharding.DEFAULT_RULES)
   step = rl.make_train_step(model, run_plan.loss, run_plan.optim, group_size=point.n,
-                            micro_batch_size=run_plan.micro_batch, **kwargs)
+                            micro_batch_size=run_plan.micro_batch,
+                            temperature=config.sampler.temperature, **kwargs)
   eos = tokenizer.eos_token_id
   return RunParts(
       mesh=mesh, graphdef=graphdef, rest=rest, tokenizer=tokenizer,

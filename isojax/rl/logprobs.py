@@ -35,7 +35,7 @@ def logits_logp_entropy(logits_NxV, targets_N):
 
 
 def token_logp_entropy(model, input_ids_BxT, attention_mask_BxT, loss_mask_BxT, *,
-                       chunk=None):
+                       chunk=None, temperature=1.0):
     """Log-probs and entropies [B, T] of ``input_ids`` under ``model``.
 
     Args:
@@ -44,6 +44,10 @@ def token_logp_entropy(model, input_ids_BxT, attention_mask_BxT, loss_mask_BxT, 
         right-padded completion).
       loss_mask_BxT: where log-probs are needed; only used to skip chunks.
       chunk: positions per lm-head chunk; None computes all logits at once.
+      temperature: the sampling temperature. The policy that produced the
+        rollouts is softmax(logits / T), so the trainer scores tokens under the
+        same distribution; otherwise the sampler/trainer ratio (TIS weights, the
+        logprob-gap metric) is off even fully on-policy.
 
     Returns:
       (logp_BxT, entropy_BxT), float32, 0 in column 0.
@@ -56,7 +60,10 @@ def token_logp_entropy(model, input_ids_BxT, attention_mask_BxT, loss_mask_BxT, 
     S = T - 1
 
     def head(h_NxD, tgt_N):
-        return logits_logp_entropy(model.lm_head(h_NxD), tgt_N)
+        logits_NxV = model.lm_head(h_NxD).astype(jnp.float32)
+        if temperature != 1.0:
+            logits_NxV = logits_NxV / temperature
+        return logits_logp_entropy(logits_NxV, tgt_N)
 
     if chunk is None or chunk >= S:
         logp_N, ent_N = head(h_BxSxD.reshape(B * S, D), tgt_BxS.reshape(-1))

@@ -206,7 +206,8 @@ def _combine(acc, new):
 def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimConfig, *,
                     batch_size: int, group_size: int, micro_batch_size: int | None = None,
                     mesh: Mesh | None = None, rules=shd.DEFAULT_RULES,
-                    logits_chunk: int | None = None, donate: bool = True) -> TrainStep:
+                    logits_chunk: int | None = None, temperature: float = 1.0,
+                    donate: bool = True) -> TrainStep:
     """Build the jitted, sharded update step.
 
     Args:
@@ -219,6 +220,8 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
       mesh: (data, fsdp, tensor) mesh; default one device.
       rules: logical -> mesh axis rules for the parameters.
       logits_chunk: lm-head positions per chunk (see ``isojax.rl.logprobs``).
+      temperature: the sampler's temperature; logits are divided by it so the
+        trainer's log-probs are those of the distribution the rollouts came from.
       donate: donate the state's buffers to the step.
 
     Returns:
@@ -238,6 +241,9 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
     if mb % shards:
         raise ValueError(f"micro_batch_size={mb} is not divisible by the {shards} batch "
                          f"shards (data x fsdp) of the mesh {dict(mesh.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: the trainer scores rollouts under "
+                         "softmax(logits / temperature); greedy (0) rollouts cannot be trained on")
     n_micro = batch_size // mb
     tx = make_optimizer(optim_cfg, batch_size=batch_size)
     schedule = lr_schedule(optim_cfg, batch_size)
@@ -251,7 +257,8 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
 
     def forward(params, mb_):
         m = nnx.merge(graphdef, params, rest)
-        return token_logp_entropy(m, mb_["ids"], mb_["attn"], mb_["mask"], chunk=logits_chunk)
+        return token_logp_entropy(m, mb_["ids"], mb_["attn"], mb_["mask"], chunk=logits_chunk,
+                                  temperature=temperature)
 
     def micro_loss(params, ref_params, mb_):
         logp, entropy = forward(params, mb_)

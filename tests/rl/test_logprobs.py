@@ -83,3 +83,20 @@ def test_chunked_equals_unchunked_values_and_gradients(chunk):
     assert np.all(np.asarray(lp0)[:, 0] == 0)
     rlp, _ = np_logp_entropy(np.asarray(emb[ids[:, 3]] @ proj), np.asarray(ids[:, 4]))
     np.testing.assert_allclose(np.asarray(lp0)[:, 4], rlp, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.3])
+def test_temperature_scores_the_sampled_distribution(temperature):
+    """logp must be log softmax(logits / T): the distribution the sampler drew from."""
+    rng = np.random.default_rng(3)
+    B, T, D, V = 2, 6, 4, 9
+    ids = rng.integers(0, V, (B, T))
+    emb, proj = rng.normal(size=(V, D)), rng.normal(size=(D, V))
+    attn = jnp.ones((B, T), jnp.int32)
+    lp, ent = token_logp_entropy(
+        StandIn(jnp.asarray(emb, jnp.float32), jnp.asarray(proj, jnp.float32)),
+        jnp.asarray(ids), attn, jnp.ones((B, T), jnp.float32), temperature=temperature)
+    logits = (emb[ids[:, :-1]] @ proj).reshape(-1, V) / temperature
+    rlp, rent = np_logp_entropy(logits, ids[:, 1:].reshape(-1))
+    np.testing.assert_allclose(np.asarray(lp)[:, 1:].reshape(-1), rlp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ent)[:, 1:].reshape(-1), rent, rtol=1e-4, atol=1e-5)
