@@ -77,6 +77,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.b_max = 65_536        # largest feasible batch bp * n (memory bound)
 
   c.eval_every = 10       # update steps between validation evals (and at the end)
+  # Extra eval steps, e.g. log-spaced below eval_every so that an n-vs-M study
+  # sees every run at the same small compute values, not only at multiples of
+  # eval_every (whose first point sits at a different compute for each n).
+  c.eval_steps = ()
   c.checkpoint_every = 10  # update steps between checkpoints (and at the end)
   c.keep_checkpoints = 2
   # A non-finite loss/gradient skips the update (state unchanged); this many

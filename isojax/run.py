@@ -275,6 +275,7 @@ def run(config, workdir: str | os.PathLike) -> dict:
       last = writer.write(0, {"rollouts": 0, "tokens": 0, "dropped_rollouts": 0, **val})
       if counts is not None:
         writer.write_histogram(0, "train/pass@1", counts / config.eval.k)
+    extra_evals = frozenset(config.eval_steps)
     bar = _progress(point.m, start, point.name)
     for step in range(start + 1, point.m + 1):
       state, record, rollouts, dropped = sample_and_update(parts, config, state, step)
@@ -287,7 +288,7 @@ def run(config, workdir: str | os.PathLike) -> dict:
                 "dropped_rollouts": ledger.dropped_rollouts, **record,
                 "consecutive_skips": skips}
       counts = None
-      if step % config.eval_every == 0 or step == point.m:
+      if step % config.eval_every == 0 or step == point.m or step in extra_evals:
         val, counts = evaluate_step(parts, config)
         record.update(val)
       last = writer.write(step, record)

@@ -284,3 +284,10 @@ def test_problem_file_with_held_out_validation(tmp_path):
   config.data.num_val = 20
   with pytest.raises(ValueError, match=r"20 problems cannot give data.num_val=20"):
     run_setup.load_problem_sets(config)
+
+
+def test_extra_eval_steps(tmp_path):
+  # eval_steps adds evals beside the multiples of eval_every and the last step.
+  run.run(tiny_config("bp=8,n=16,budget=384", eval_steps=(1,)), tmp_path / "r")
+  evals = [r["step"] for r in _records(tmp_path / "r") if "val/avg@4" in r]
+  assert evals == [0, 1, 3]
