@@ -1,0 +1,1 @@
+"""Committed assets (the tiny base model) and the scripts that make them."""
