@@ -84,8 +84,12 @@ def write_problems(path: str, data: dict, model_dir: str | None = None) -> str:
   """Writes the study's fixed problem pool (a function of `data` and the base model's
   digit ranges) as JSONL.
 
-  Rewrites nothing when the file already holds exactly these problems, so a resumed
-  study reads the very file its runs started with.
+  A study's runs must all read one pool: when `path` exists it must already hold
+  exactly these problems (then nothing is written).
+
+  Raises:
+    ValueError: if `path` holds a different pool (the spec or the base model's digits
+      changed since the study started): start a fresh root instead.
   """
   import json
   import os
@@ -99,6 +103,9 @@ def write_problems(path: str, data: dict, model_dir: str | None = None) -> str:
     with open(path, encoding="utf-8") as f:
       if [json.loads(line) for line in f if line.strip()] == [p.to_dict() for p in problems]:
         return path
+    raise ValueError(f"{path} holds a different problem pool than experiments/demo.py "
+                     f"now makes ({len(problems)} problems from {data}); its runs were "
+                     "trained on the old one. Use a fresh --root (or delete that study).")
   write_jsonl(problems, path)
   return path
 
@@ -125,6 +132,15 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   # of different n are compared at matched compute; checkpoint four times a run.
   m = budget_lib.BudgetPoint.from_budget(a.budget, bp=a.bp, n=a.n).m
   c.eval_every = max(1, m // a.evals)
+  # Below the first of those, log-spaced extra evaluations (C/evals/2, /4, ...) at
+  # rollout counts that every n of the study reaches at a whole update (multiples of
+  # Bp * max n), so the small-C end of the frontier is observed for all n alike.
+  step_c, max_n = a.bp * a.n, max(max(STUDY["n_values"]), a.n)
+  extra_c, c_eval = [], a.budget / a.evals / 2
+  while c_eval >= a.bp * max_n and c_eval == int(c_eval):
+    extra_c.append(int(c_eval))
+    c_eval /= 2
+  c.eval_steps = tuple(sorted(x // step_c for x in extra_c if x % step_c == 0))
   c.checkpoint_every = max(1, m // 4)
   c.max_consecutive_skips = 3
 

@@ -200,6 +200,9 @@ def main(argv):
   try:
     result = run_sweep(spec, root, model=_MODEL.value, max_concurrent=_MAX_CONCURRENT.value,
                        status_every=_STATUS_EVERY.value, dry_run=_DRY_RUN.value)
+  except ValueError as e:  # a bad study root (e.g. another pool), before any training
+    print(f"demo: {e}")
+    return 1
   except KeyboardInterrupt:
     print(f"\ndemo: interrupted after {_fmt_s(time.time() - t0)}; rerun the same "
           "command to resume (finished points are kept, the rest resume from their "

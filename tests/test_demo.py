@@ -160,3 +160,31 @@ def test_matched_compute_table_marks_the_best_mean(tmp_path):
   for row in rows:
     c, a, b = int(row[0]), row[1], row[2]
     assert (a.endswith("*") if c < 1e4 else b.endswith("*")), table
+
+
+def test_a_resumed_study_refuses_a_different_pool(tmp_path):
+  data = study.study_spec(smoke=True)["data"]
+  path = str(tmp_path / "problems.jsonl")
+  study.write_problems(path, data)
+  before = open(path).read()
+  study.write_problems(path, data)  # same pool: accepted, file untouched
+  assert open(path).read() == before
+  with pytest.raises(ValueError, match="holds a different problem pool"):
+    study.write_problems(path, dict(data, seed=data["seed"] + 1))
+  assert open(path).read() == before
+
+
+def test_every_n_is_evaluated_at_the_same_rollout_counts():
+  spec = study.study_spec()
+  grids = {}
+  for n in spec["n_values"]:
+    c = study.get_config(f"n={n}")
+    m = int(spec["budget"]) // (spec["bp"] * n)
+    steps = {s for s in range(1, m + 1) if s % c.eval_every == 0 or s == m}
+    steps |= set(c.eval_steps)
+    grids[n] = sorted(s * spec["bp"] * n for s in steps)
+  first = grids[spec["n_values"][0]]
+  assert all(g == first for g in grids.values()), grids
+  # 32 evenly spaced evaluations plus log-spaced ones below the first of them.
+  assert first[-1] == spec["budget"] and len(first) > 32
+  assert first[0] == spec["bp"] * max(spec["n_values"])  # one update of the largest n
