@@ -23,10 +23,11 @@ paper's protocol rather than the earlier throwaway attempts (issue 7):
   * a budget past the small-n plateau: every n levels off by ~40k rollouts.
 
 What it found (two seeds, 1-thread runs on a CPU; see README.md): small n wins at
-small C (n=2: 0.530 mean avg@4 over C <= 8k, n=32: 0.492); past ~40k rollouts all n
-sit on one plateau (n=2 0.570 ... n=32 0.553 over C >= 49k), so n* stays at 2-4. This
-model and pool hit a train->validation transfer ceiling that no n lifts; the paper's
-crossover (large n winning at large C) does not appear at this scale.
+small C (mean val avg@4 over C <= 8k: n=2 0.515, n=32 0.487); past ~40k rollouts all
+n sit on one plateau (n=2 0.570 ... n=32 0.553 over C >= 49k, a spread below the
+seed-to-seed one), so n* stays at 2-4 in the data. This model and pool hit a
+train->validation transfer ceiling that no n lifts; the paper's crossover (large n
+winning at large C) does not appear at this scale.
 """
 
 import ml_collections
