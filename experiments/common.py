@@ -117,6 +117,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.sampler.top_k = 0              # 0 = off
   c.sampler.max_tokens = 8192
   c.sampler.vllm_url = "http://127.0.0.1:8000"
+  # Where the weight snapshots pushed to the server go; the server must read
+  # them under the same path. "" = a temp dir on this host, removed at the end.
+  c.sampler.vllm_weights_dir = ""
 
   # Field names are those of isojax.rl LossConfig / OptimConfig; 0.0 stands for
   # "off" (None) in clip_dual, tis_cap and max_grad_norm, because a None field

@@ -121,7 +121,8 @@ def _sampler(config, model, mesh):
   if config.sampler.backend == "jax":
     return rollout.JaxSampler(model, mesh=mesh)
   from isojax.rollout.vllm_client import VLLMSampler
-  sampler = VLLMSampler(config.sampler.vllm_url)
+  sampler = VLLMSampler(config.sampler.vllm_url,
+                        weights_root=config.sampler.vllm_weights_dir or None)
   sampler.update_weights(model)  # the server may hold other weights
   return sampler
 

@@ -15,10 +15,13 @@ def _main(*args, timeout=600):
                         capture_output=True, text=True, timeout=timeout)
 
 
-def test_tiny_command_trains_and_a_rerun_does_nothing(tmp_path):
+def test_readme_one_point_command_trains_and_a_rerun_does_nothing(readme, tmp_path):
   workdir = tmp_path / "tiny"
+  argv = readme.argv(readme.command("python -m isojax.main --config=experiments/tiny.py:"),
+                     {"--workdir=runs/tiny": f"--workdir={workdir}"})
+  assert argv[3] == "--config=experiments/tiny.py:bp=8,n=4,budget=2048", argv
   start = time.time()
-  proc = _main("--config=experiments/tiny.py:bp=8,n=4,budget=2048", f"--workdir={workdir}")
+  proc = _main(*argv[3:])
   wall_s = time.time() - start
   assert proc.returncode == 0, proc.stderr[-3000:]
   print(f"tiny command: {wall_s:.0f} s")
@@ -29,7 +32,7 @@ def test_tiny_command_trains_and_a_rerun_does_nothing(tmp_path):
   assert (workdir / "DONE").exists()
 
   before = (workdir / "metrics.jsonl").read_bytes()
-  again = _main("--config=experiments/tiny.py:bp=8,n=4,budget=2048", f"--workdir={workdir}")
+  again = _main(*argv[3:])
   assert again.returncode == 0, again.stderr[-3000:]
   assert "not rerunning" in again.stderr
   assert (workdir / "metrics.jsonl").read_bytes() == before

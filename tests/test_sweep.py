@@ -181,6 +181,19 @@ def test_dry_run_prints_only_the_table(tmp_path):
                      str(sum(int(r[6]) for r in expected))]
 
 
+def test_readme_sweep_command_prints_its_table(readme, tmp_path):
+    root = tmp_path / "tiny"
+    argv = readme.argv(readme.command("python launch/sweep.py"), {"runs/tiny": str(root)})
+    assert argv[-1] == "--dry_run", argv
+    proc = subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    names = [line.split()[0] for line in proc.stdout.strip().splitlines()[1:-1]]
+    assert sorted(names) == sorted(f"bp8_n{n}_m{c // (8 * n)}_s{s}" for n in (2, 4, 8)
+                                   for c in (1024, 4096) for s in (0, 1))
+    assert not root.exists()
+
+
 # --------------------------------------------------------------------- local execution
 
 def test_failure_is_reported_with_log_tail_and_the_sweep_goes_on(tmp_path, fake_runner):

@@ -57,7 +57,7 @@ class VLLMSampler:
     base_url: e.g. "http://127.0.0.1:8000" (no trailing /v1).
     weights_root: directory for the weight snapshots `update_weights` writes;
       it must be readable by the server under the same path (same machine or a
-      shared filesystem). Defaults to a fresh temp dir.
+      shared filesystem). Defaults to a fresh temp dir, removed by `close()`.
     max_concurrency: requests in flight at once (the thread-pool size).
     request_timeout_s: read timeout of one completion request.
     connect_timeout_s: TCP connect timeout.
@@ -226,10 +226,11 @@ class VLLMSampler:
     self.weights.push(model)
 
   def close(self) -> None:
-    """Shuts the request thread pool down."""
+    """Shuts the request thread pool down and removes temp weight snapshots."""
     if self._pool is not None:
       self._pool.shutdown(wait=False, cancel_futures=True)
       self._pool = None
+    self.weights.close()
 
   def __enter__(self) -> VLLMSampler:
     return self

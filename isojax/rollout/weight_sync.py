@@ -37,7 +37,7 @@ class WeightSync:
     client: a `VLLMSampler` (used for its `request` with retries and errors
       naming the URL).
     weights_root: where snapshots go; must be visible to the server under the
-      same path. A fresh temp dir when None.
+      same path. A fresh temp dir when None, removed again by `close()`.
     keep_last: snapshots kept on disk (>= 1).
   """
 
@@ -46,6 +46,7 @@ class WeightSync:
       raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     self.client = client
     self._weights_root = os.path.abspath(weights_root) if weights_root else None
+    self._owns_root = False  # True once a temp dir of our own holds the snapshots
     self.keep_last = int(keep_last)
     self._written: list[str] = []
     self.num_pushes = 0
@@ -55,6 +56,7 @@ class WeightSync:
   def weights_root(self) -> str:
     if self._weights_root is None:  # created on first use only
       self._weights_root = tempfile.mkdtemp(prefix="isojax-vllm-weights-")
+      self._owns_root = True
     return self._weights_root
 
   def next_dir(self) -> str:
@@ -129,3 +131,13 @@ class WeightSync:
     """Deletes snapshots this object wrote, except the last `keep_last`."""
     while len(self._written) > self.keep_last:
       shutil.rmtree(self._written.pop(0), ignore_errors=True)
+
+  def close(self) -> None:
+    """Removes the temp dir of snapshots, if this object made one.
+
+    The server keeps serving the weights it loaded (they live in its memory);
+    a given `weights_root` is left alone, pruned to the last `keep_last`.
+    """
+    if self._owns_root:
+      shutil.rmtree(self._weights_root, ignore_errors=True)
+      self._weights_root, self._owns_root, self._written = None, False, []

@@ -106,3 +106,25 @@ def test_importing_analysis_does_not_import_jax():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_readme_analysis_command_and_snippet(readme, tmp_path):
+    """README's "Analysing runs": its command and its Python, on a fake Bp=8 sweep."""
+    runs = tmp_path / "tiny"
+    fake_runs.make_sweep(runs, configs=fake_runs.bp8_configs(), budget=8 * 64 * 1000,
+                         seeds=(0,), noise=0.005, n_evals=24, difficulty="easy")
+    argv = readme.argv(readme.command("python -m isojax.analysis"),
+                       {"runs/tiny": str(runs)})
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {"report.md", "fits.json"} <= set(os.listdir(runs / "report"))
+
+    snippet = readme.python("plan(").replace('"runs/tiny"', repr(str(runs)))
+    assert repr(str(runs)) in snippet
+    *body, last = snippet.strip().splitlines()  # the last line is the prescription
+    namespace = {}
+    exec(compile("\n".join(body), "README.md", "exec"), namespace)  # pylint: disable=exec-used
+    point = eval(last.split("#")[0], namespace)  # pylint: disable=eval-used
+    # The fake sweep's n* grows with C (4 -> 64), so a budget past its end picks a large n.
+    assert point.bp == 32 and point.n >= 16 and point.bp * point.n * point.m <= 2e6

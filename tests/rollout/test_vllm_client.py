@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import re
 import socket
 import threading
@@ -298,6 +299,23 @@ def test_update_weights_protocol_and_keeps_last_two(fake, tiny_model, tmp_path):
   assert sorted(p.name for p in root.iterdir()) == ["weights_000002", "weights_000003"]
   assert s.weights.num_pushes == 3
   assert set(s.weights.last_timings) >= {"pause_s", "reload_s", "resume_s", "save_s"}
+
+
+def test_close_removes_its_own_temp_snapshots_but_not_a_given_root(fake, tiny_model,
+                                                                   tmp_path):
+  _weight_routes(fake)
+  own = _sampler(fake.url)
+  own.update_weights(tiny_model)
+  temp_root = own.weights.weights_root
+  assert os.listdir(temp_root) == ["weights_000001"]
+  own.close()
+  assert not os.path.exists(temp_root)  # a 7B snapshot must not linger in /tmp
+
+  given = tmp_path / "weights"
+  s = _sampler(fake.url, weights_root=str(given))
+  s.update_weights(tiny_model)
+  s.close()
+  assert [p.name for p in given.iterdir()] == ["weights_000001"]
 
 
 def test_failed_reload_names_url_and_still_resumes(fake, tiny_model, tmp_path):

@@ -11,7 +11,10 @@ logp = log_softmax(logits / temperature), renormalised over the top-p nucleus.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +24,9 @@ from flax import nnx
 
 from isojax.models import Decoder, ModelConfig, save_pretrained
 from isojax.rollout.vllm_client import VLLMSampler
-from isojax.rollout.vllm_server import VLLMServer
+from isojax.rollout.vllm_server import VLLMServer, free_port, stop_pid_file
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB, EOS, MAX_MODEL_LEN = 96, 2, 64
 PROMPTS = [[5, 17, 33, 95], [40, 41, 42, 43, 44, 45, 46], [90, 3, 70, 11, 60, 12, 50, 13, 44, 9, 1]]
 
@@ -140,6 +144,63 @@ def _greedy_reference(model, prompts, max_tokens):
         break
     out.append(seq[len(prompt):])
   return out
+
+
+def _run(argv, env, timeout):
+  proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=timeout)
+  assert proc.returncode == 0, f"{argv}: exit {proc.returncode}\n{proc.stdout[-3000:]}" \
+                               f"\n{proc.stderr[-3000:]}"
+  return proc
+
+
+def test_readme_commands_serve_a_tiny_run_and_stop(venv, readme, tmp_path):
+  """The README's vLLM block, run as written: set-up, --detach, main, --stop.
+
+  Only its placeholders change (port, pid file, run dir), the run is cut to a few
+  updates at a large learning rate, and set-up reuses $VLLM_VENV. With the
+  server in float32, a server that missed a weight push would sample from
+  stale weights: the sampler/trainer logprob gap of the next update would be
+  ~1e-2 instead of ~1e-5.
+  """
+  setup, start, train, stop = readme.block_of("python launch/vllm_server.py --model")
+  port, pid_file, workdir = free_port(), tmp_path / "vllm.pid", tmp_path / "tiny_vllm"
+  env = {**os.environ, "VLLM_VENV": venv, "XLA_FLAGS": "", "TMPDIR": str(tmp_path)}
+  pid_place, port_place = {"/tmp/vllm.pid": str(pid_file)}, {"8000": str(port)}
+
+  assert _run(readme.argv(setup, {}), env, 600).stdout.splitlines()[-1] == venv
+  t0 = time.time()
+  out = _run(readme.argv(start, {**pid_place, **port_place}) + ["--startup-timeout", "540"],
+             env, 600).stdout
+  assert f"vLLM server ready at http://127.0.0.1:{port}" in out, out
+  pid = int(pid_file.read_text())
+  print(f"\nREADME vLLM server up in {time.time() - t0:.0f} s (pid {pid})")
+  try:
+    os.killpg(pid, 0)  # --detach left the server (its process group) running
+    steps, lr = 5, 1e-3
+    _run(readme.argv(train, {**port_place, "runs/tiny_vllm": str(workdir)}) + [
+        f"--config.budget={steps * 32}", f"--config.rl.lr_base={lr}",
+        "--config.eval_every=100", "--config.data.num_val=16"], env, 600)
+  finally:
+    stopped = subprocess.run(readme.argv(stop, pid_place), cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=120)
+    if stopped.returncode != 0:  # never leave a server behind, whatever failed
+      stop_pid_file(str(pid_file))
+  assert stopped.returncode == 0, stopped.stderr[-3000:]
+  assert f"stopped server from {pid_file}" in stopped.stdout, stopped.stdout
+  assert not pid_file.exists()
+  with pytest.raises(ProcessLookupError):
+    os.killpg(pid, 0)
+
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == list(range(steps + 1))
+  assert (workdir / "DONE").exists()
+  train_records = records[1:]
+  assert max(r["train/update_norm"] for r in train_records) > 0.05  # the policy moved
+  for r in train_records:  # ... and the server followed it at every update
+    assert r["train/logp_gap_max"] < 1e-3, r
+    assert abs(r["train/tis_weight_mean"] - 1.0) < 1e-4, r
+  assert not [p for p in os.listdir(tmp_path) if p.startswith("isojax-vllm-weights-")]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,34 @@
+"""Every command in README.md is run by a test (from the README's own text) or by make.
+
+The tests named here take their command from README.md through the `readme`
+fixture, so an edited command is what gets tested; a new command needs a test
+and an entry here.
+"""
+
+RUN_BY = {
+    "make demo": "make demo itself; tests/test_demo.py runs launch/demo.py --smoke",
+    "make test": ".ci/run (CI)",
+    "python -m isojax.main --config=experiments/tiny.py:":
+        "tests/test_main.py::test_readme_one_point_command_trains_and_a_rerun_does_nothing",
+    "python launch/sweep.py": "tests/test_sweep.py::test_readme_sweep_command_prints_its_table",
+    "python -m isojax.analysis": "tests/analysis/test_cli.py::test_readme_analysis_command_and_snippet",
+    "bash launch/setup_vllm_venv.sh":
+        "tests/rollout/test_vllm_server.py::test_readme_commands_serve_a_tiny_run_and_stop",
+    "python launch/vllm_server.py --model": "the same",
+    "python -m isojax.main --config=experiments/tiny.py --workdir=runs/tiny_vllm": "the same",
+    "python launch/vllm_server.py --stop": "the same",
+}
+
+
+def test_every_readme_command_is_run_by_a_test(readme):
+    assert len(readme.commands) >= len(RUN_BY)
+    for command in readme.commands:
+        owners = [prefix for prefix in RUN_BY if command.startswith(prefix)]
+        assert len(owners) == 1, f"README command {command!r} is run by {owners or 'no test'}"
+
+
+def test_readme_parsing_joins_continuations_and_drops_comments(readme):
+    assert readme.command("make demo") == "make demo"
+    assert readme.command("bash launch/setup_vllm_venv.sh") == "bash launch/setup_vllm_venv.sh"
+    train = readme.command("python -m isojax.main --config=experiments/tiny.py --workdir")
+    assert train.endswith("--config.sampler.vllm_url=http://127.0.0.1:8000"), train
