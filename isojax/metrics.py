@@ -98,14 +98,18 @@ class MetricsWriter:
     resume_step: the step of the checkpoint the run continues from (lines after
       it are removed), or None for a fresh start (the file is emptied).
     tensorboard: write TensorBoard event files under <workdir>/tensorboard.
+    enabled: False on all but the first process of a multi-host run: records
+      are still built and returned, nothing is written (one writer per file).
   """
 
   def __init__(self, workdir: str | pathlib.Path, *, resume_step: int | None,
-               tensorboard: bool = True):
+               tensorboard: bool = True, enabled: bool = True):
     self.path = pathlib.Path(workdir) / METRICS_FILE
+    self._file = self._tb = None
+    if not enabled:
+      return
     truncate_metrics(self.path, resume_step)
     self._file = open(self.path, "a")
-    self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter  # lazy: heavy import
       # purge_step hides events a killed run wrote after its last checkpoint.
@@ -116,6 +120,8 @@ class MetricsWriter:
   def write(self, step: int, metrics: dict) -> dict:
     """Appends {"step": step, **metrics} as one durable line; returns the record."""
     record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+    if self._file is None:
+      return record
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
     os.fsync(self._file.fileno())
@@ -133,6 +139,7 @@ class MetricsWriter:
       self._tb.add_histogram(tb_tag(tag), np.asarray(values), global_step=int(step))
 
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     if self._tb is not None:
       self._tb.close()

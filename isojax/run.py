@@ -145,6 +145,16 @@ def derive_seed(seed: int, *path: int) -> int:
   return int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
 
 
+def writes_run_files() -> bool:
+  """Whether this process writes config.json, metrics.jsonl and DONE.
+
+  Only the first process of a multi-host run does (orbax coordinates the
+  checkpoints itself): every process appending to one metrics.jsonl on a shared
+  filesystem would write each line once per host.
+  """
+  return jax.process_index() == 0
+
+
 def _write_json(path: pathlib.Path, obj) -> None:
   tmp = path.with_name(path.name + ".tmp")
   tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
@@ -243,10 +253,11 @@ def run(config, workdir: str | os.PathLike) -> dict:
     done = json.loads((workdir / DONE_FILE).read_text())
     logging.info("%s: finished at step %d already; not rerunning", workdir, done["step"])
     return done["last"]
+  writes_files = writes_run_files()
   workdir.mkdir(parents=True, exist_ok=True)
   if (workdir / CONFIG_FILE).exists():
     _check_same_config(workdir / CONFIG_FILE, resolved)
-  else:
+  elif writes_files:
     _write_json(workdir / CONFIG_FILE, resolved)
   logging.info("budget point %s: B=%d, C=%d rollouts, lr=%.3g", point.name, point.batch,
                point.compute, run_plan.lr)
@@ -266,7 +277,7 @@ def run(config, workdir: str | os.PathLike) -> dict:
     skips = int(host["consecutive_skips"])
     parts.sampler.update_weights(model_of(parts, state))
     logging.info("resumed from the checkpoint at step %d", start)
-  writer = metrics_lib.MetricsWriter(workdir, resume_step=start)
+  writer = metrics_lib.MetricsWriter(workdir, resume_step=start, enabled=writes_files)
   last = None
   try:
     if start is None:
@@ -315,8 +326,9 @@ def run(config, workdir: str | os.PathLike) -> dict:
     parts.close()
   if last is None:  # resumed at the last step: nothing was left to do
     last = metrics_lib.read_metrics(workdir / metrics_lib.METRICS_FILE)[-1]
-  _write_json(workdir / DONE_FILE, {"step": point.m, "wall_s": time.time() - t0,
-                                    "last": last})
+  if writes_files:
+    _write_json(workdir / DONE_FILE, {"step": point.m, "wall_s": time.time() - t0,
+                                      "last": last})
   logging.info("done: %s in %.1f s", point.name, time.time() - t0)
   return last
 

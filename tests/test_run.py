@@ -291,3 +291,13 @@ def test_extra_eval_steps(tmp_path):
   run.run(tiny_config("bp=8,n=16,budget=384", eval_steps=(1,)), tmp_path / "r")
   evals = [r["step"] for r in _records(tmp_path / "r") if "val/avg@4" in r]
   assert evals == [0, 1, 3]
+
+
+def test_only_the_first_process_writes_the_run_files(trained, tmp_path, monkeypatch):
+  # Another host of a multi-host run: it trains in step with the first (same
+  # records) but leaves config.json, metrics.jsonl, TensorBoard and DONE to it.
+  monkeypatch.setattr(run, "writes_run_files", lambda: False)
+  workdir = tmp_path / "host1"
+  last = run.run(tiny_config(), workdir)
+  assert last == _records(trained[0])[-1]
+  assert sorted(os.listdir(workdir)) == ["checkpoints"]

@@ -286,7 +286,10 @@ class NStarFit:
 
     def predict(self, compute) -> np.ndarray:
         """n* at `compute` (a real number; `plan` rounds it to a power of two)."""
-        return np.exp2(self.predict_log2(compute))
+        # A bootstrap law at a search edge can put log2 n* past 1024: n* = inf is
+        # the right value there (its interval is then unbounded), not a warning.
+        with np.errstate(over="ignore"):
+            return np.exp2(self.predict_log2(compute))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,5 +1,7 @@
 """plan(): n from n*(C) rounded to a power of two, M = floor(C / (Bp n))."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,14 @@ def test_round_pow2_is_nearest_in_log2():
         [1, 1, 2, 2, 4, 4, 32, 64, 1]  # 2*sqrt(2)=2.83 and 32*sqrt(2)=45.25 are the edges
     with pytest.raises(ValueError):
         round_pow2(float("nan"))
+
+
+def test_law_past_float_range_predicts_inf_without_a_warning():
+    # Bootstrap laws at a search edge reach this; the demo printed an overflow warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert law(L=3000.0).predict(1e9) == np.inf
+        assert law().predict(1e5) == pytest.approx(2 ** 4.0)
 
 
 def test_plan_follows_the_law():
