@@ -36,154 +36,154 @@ from isojax.rl import Batch, LossConfig, OptimConfig, init_train_state, make_tra
 
 
 def timed(fn, repeats):
-    """(best wall time, all times, last result) of fn() over `repeats` runs."""
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return min(times), times, out
+  """(best wall time, all times, last result) of fn() over `repeats` runs."""
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    out = fn()
+    times.append(time.perf_counter() - t)
+  return min(times), times, out
 
 
 def matmul_flops_per_s(n=2048, repeats=5):
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    f = jax.jit(jnp.matmul)
-    f(a, b).block_until_ready()
-    best = timed(lambda: f(a, b).block_until_ready(), repeats)[0]
-    return 2 * n ** 3 / best
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+  f = jax.jit(jnp.matmul)
+  f(a, b).block_until_ready()
+  best = timed(lambda: f(a, b).block_until_ready(), repeats)[0]
+  return 2 * n ** 3 / best
 
 
 def model_flops(cfg: ModelConfig, B, T):
-    """Training FLOPs of one step over B x T positions (3 x forward)."""
-    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    NH, KH, H = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
-    dense = cfg.num_layers * (D * NH + 2 * D * KH + NH * D + 3 * D * F) + D * V
-    attn = cfg.num_layers * 2 * T * NH  # QK^T and PV, full T x T as computed
-    return 3 * 2 * B * T * (dense + attn)
+  """Training FLOPs of one step over B x T positions (3 x forward)."""
+  D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+  NH, KH, H = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+  dense = cfg.num_layers * (D * NH + 2 * D * KH + NH * D + 3 * D * F) + D * V
+  attn = cfg.num_layers * 2 * T * NH  # QK^T and PV, full T x T as computed
+  return 3 * 2 * B * T * (dense + attn)
 
 
 def make_batch(B, T, prompt, V, seed=0):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(3, V, (B, T)).astype(np.int32)
-    attn = np.ones((B, T), np.int32)
-    loss_mask = np.zeros((B, T), np.float32)
-    for b in range(B):
-        attn[b, :rng.integers(0, prompt // 2)] = 0  # left padding of the prompt
-        end = T - rng.integers(0, (T - prompt) // 2)  # right padding of the completion
-        attn[b, end:] = 0
-        loss_mask[b, prompt:end] = 1
-    ids *= attn
-    sampler = (-rng.uniform(0.1, 3.0, (B, T)) * loss_mask).astype(np.float32)
-    rewards = rng.integers(0, 2, B).astype(np.float32)
-    return Batch(input_ids_BxT=jnp.asarray(ids), attention_mask_BxT=jnp.asarray(attn),
-                 loss_mask_BxT=jnp.asarray(loss_mask), sampler_logp_BxT=jnp.asarray(sampler),
-                 rewards_B=jnp.asarray(rewards))
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(3, V, (B, T)).astype(np.int32)
+  attn = np.ones((B, T), np.int32)
+  loss_mask = np.zeros((B, T), np.float32)
+  for b in range(B):
+    attn[b, :rng.integers(0, prompt // 2)] = 0  # left padding of the prompt
+    end = T - rng.integers(0, (T - prompt) // 2)  # right padding of the completion
+    attn[b, end:] = 0
+    loss_mask[b, prompt:end] = 1
+  ids *= attn
+  sampler = (-rng.uniform(0.1, 3.0, (B, T)) * loss_mask).astype(np.float32)
+  rewards = rng.integers(0, 2, B).astype(np.float32)
+  return Batch(input_ids_BxT=jnp.asarray(ids), attention_mask_BxT=jnp.asarray(attn),
+               loss_mask_BxT=jnp.asarray(loss_mask), sampler_logp_BxT=jnp.asarray(sampler),
+               rewards_B=jnp.asarray(rewards))
 
 
 def torch_step_fn(path, batch, group_size, micro, clip_low, clip_high):
-    """forward+backward of GRPO's clipped token-mean loss in transformers."""
-    import torch
-    from transformers import AutoModelForCausalLM
+  """forward+backward of GRPO's clipped token-mean loss in transformers."""
+  import torch
+  from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(os.cpu_count())
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.train()
-    ids = torch.from_numpy(np.array(batch.input_ids_BxT)).long()
-    attn = torch.from_numpy(np.array(batch.attention_mask_BxT)).long()
-    mask = torch.from_numpy(np.array(batch.loss_mask_BxT))
-    r = torch.from_numpy(np.array(batch.rewards_B)).view(-1, group_size)
-    std = r.std(dim=1, keepdim=True)
-    adv = torch.where(std > 0, (r - r.mean(1, keepdim=True)) / (std + 1e-6),
-                      torch.zeros_like(r)).view(-1)
-    pos = (attn.cumsum(1) - 1).clamp(min=0)  # positions from the mask, as isojax does
-    total = mask.sum()
+  torch.set_num_threads(os.cpu_count())
+  model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+  model.train()
+  ids = torch.from_numpy(np.array(batch.input_ids_BxT)).long()
+  attn = torch.from_numpy(np.array(batch.attention_mask_BxT)).long()
+  mask = torch.from_numpy(np.array(batch.loss_mask_BxT))
+  r = torch.from_numpy(np.array(batch.rewards_B)).view(-1, group_size)
+  std = r.std(dim=1, keepdim=True)
+  adv = torch.where(std > 0, (r - r.mean(1, keepdim=True)) / (std + 1e-6),
+                    torch.zeros_like(r)).view(-1)
+  pos = (attn.cumsum(1) - 1).clamp(min=0)  # positions from the mask, as isojax does
+  total = mask.sum()
 
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for s in range(0, ids.shape[0], micro):
-            sl = slice(s, s + micro)
-            logits = model(input_ids=ids[sl], attention_mask=attn[sl],
-                           position_ids=pos[sl]).logits[:, :-1].float()
-            logp = torch.log_softmax(logits, -1).gather(-1, ids[sl, 1:, None])[..., 0]
-            ratio = torch.exp(logp - logp.detach())
-            a = adv[sl, None]
-            pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high))
-            loss = (pg * mask[sl, 1:]).sum() / total
-            loss.backward()
-            loss_sum += loss.item()
-        return loss_sum
+  def step():
+    model.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    for s in range(0, ids.shape[0], micro):
+      sl = slice(s, s + micro)
+      logits = model(input_ids=ids[sl], attention_mask=attn[sl],
+                     position_ids=pos[sl]).logits[:, :-1].float()
+      logp = torch.log_softmax(logits, -1).gather(-1, ids[sl, 1:, None])[..., 0]
+      ratio = torch.exp(logp - logp.detach())
+      a = adv[sl, None]
+      pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high))
+      loss = (pg * mask[sl, 1:]).sum() / total
+      loss.backward()
+      loss_sum += loss.item()
+    return loss_sum
 
-    return step
+  return step
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--small", action="store_true", help="2 layers, d=128, 64 x 64 tokens")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--seqs", type=int, default=256)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--micro", type=int, default=64, help="micro-batch rows")
-    ap.add_argument("--group", type=int, default=8, help="rollouts per prompt")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--no-torch", action="store_true")
-    args = ap.parse_args()
-    if args.small:
-        args.layers, args.hidden, args.seqs, args.tokens, args.micro = 2, 128, 64, 64, 32
-        args.repeats = max(args.repeats, 3)
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--small", action="store_true", help="2 layers, d=128, 64 x 64 tokens")
+  ap.add_argument("--layers", type=int, default=4)
+  ap.add_argument("--hidden", type=int, default=256)
+  ap.add_argument("--vocab", type=int, default=1024)
+  ap.add_argument("--seqs", type=int, default=256)
+  ap.add_argument("--tokens", type=int, default=256)
+  ap.add_argument("--micro", type=int, default=64, help="micro-batch rows")
+  ap.add_argument("--group", type=int, default=8, help="rollouts per prompt")
+  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--no-torch", action="store_true")
+  args = ap.parse_args()
+  if args.small:
+    args.layers, args.hidden, args.seqs, args.tokens, args.micro = 2, 128, 64, 64, 32
+    args.repeats = max(args.repeats, 3)
 
-    D = args.hidden
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=args.vocab, hidden_size=D,
-                      intermediate_size=4 * D, num_layers=args.layers, num_heads=D // 64,
-                      num_kv_heads=D // 64, head_dim=64, max_position_embeddings=4 * args.tokens)
-    B, T = args.seqs, args.tokens
-    print(f"devices: {jax.devices()}  cpu cores: {os.cpu_count()}  load avg: "
-          f"{os.getloadavg()[0]:.1f}")
-    print(f"model: {cfg.num_layers} layers, d={D}, ff={4 * D}, heads={cfg.num_heads}, "
-          f"vocab={cfg.vocab_size}; batch {B} x {T} tokens, micro-batch {args.micro}")
+  D = args.hidden
+  cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=args.vocab, hidden_size=D,
+                    intermediate_size=4 * D, num_layers=args.layers, num_heads=D // 64,
+                    num_kv_heads=D // 64, head_dim=64, max_position_embeddings=4 * args.tokens)
+  B, T = args.seqs, args.tokens
+  print(f"devices: {jax.devices()}  cpu cores: {os.cpu_count()}  load avg: "
+        f"{os.getloadavg()[0]:.1f}")
+  print(f"model: {cfg.num_layers} layers, d={D}, ff={4 * D}, heads={cfg.num_heads}, "
+        f"vocab={cfg.vocab_size}; batch {B} x {T} tokens, micro-batch {args.micro}")
 
-    peak = matmul_flops_per_s()
-    print(f"fp32 matmul 2048^3: {peak / 1e9:.1f} GFLOP/s")
+  peak = matmul_flops_per_s()
+  print(f"fp32 matmul 2048^3: {peak / 1e9:.1f} GFLOP/s")
 
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    loss_cfg, optim_cfg = LossConfig(), OptimConfig()
-    step = make_train_step(model, loss_cfg, optim_cfg, batch_size=B, group_size=args.group,
-                           micro_batch_size=args.micro)
-    batch = make_batch(B, T, T // 4, cfg.vocab_size)
-    state = init_train_state(model, loss_cfg, optim_cfg, batch_size=B)
-    holder = {"state": state}
+  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  loss_cfg, optim_cfg = LossConfig(), OptimConfig()
+  step = make_train_step(model, loss_cfg, optim_cfg, batch_size=B, group_size=args.group,
+                         micro_batch_size=args.micro)
+  batch = make_batch(B, T, T // 4, cfg.vocab_size)
+  state = init_train_state(model, loss_cfg, optim_cfg, batch_size=B)
+  holder = {"state": state}
 
-    def jax_step():
-        holder["state"], metrics = step(holder["state"], batch)
-        jax.block_until_ready(holder["state"])
-        return float(metrics["loss"])
+  def jax_step():
+    holder["state"], metrics = step(holder["state"], batch)
+    jax.block_until_ready(holder["state"])
+    return float(metrics["loss"])
 
-    t = time.perf_counter()
-    first_loss = jax_step()  # from the initial weights
-    print(f"first call (compile + run): {time.perf_counter() - t:.1f} s")
-    jax_s, jax_times, _ = timed(jax_step, args.repeats)
-    flops = model_flops(cfg, B, T)
-    print(f"isojax step: {jax_s:.3f} s (runs {', '.join(f'{x:.3f}' for x in jax_times)})  "
-          f"{B * T / jax_s:,.0f} tokens/s")
-    print(f"  model FLOPs {flops / 1e12:.3f} T -> {flops / jax_s / 1e9:.1f} GFLOP/s = "
-          f"{flops / jax_s / peak:.2f} x matmul peak (goal >= 0.5)")
+  t = time.perf_counter()
+  first_loss = jax_step()  # from the initial weights
+  print(f"first call (compile + run): {time.perf_counter() - t:.1f} s")
+  jax_s, jax_times, _ = timed(jax_step, args.repeats)
+  flops = model_flops(cfg, B, T)
+  print(f"isojax step: {jax_s:.3f} s (runs {', '.join(f'{x:.3f}' for x in jax_times)})  "
+        f"{B * T / jax_s:,.0f} tokens/s")
+  print(f"  model FLOPs {flops / 1e12:.3f} T -> {flops / jax_s / 1e9:.1f} GFLOP/s = "
+        f"{flops / jax_s / peak:.2f} x matmul peak (goal >= 0.5)")
 
-    if args.no_torch:
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        save_pretrained(Decoder(cfg, rngs=nnx.Rngs(0)), cfg, tmp)  # the initial weights
-        torch_step = torch_step_fn(tmp, batch, args.group, args.micro, loss_cfg.clip_low,
-                                   loss_cfg.clip_high)
-        # No compile to warm up: every torch run is timed (the first one too).
-        torch_s, torch_times, torch_loss = timed(torch_step, args.repeats)
-    print(f"transformers fwd+bwd: {torch_s:.3f} s (runs "
-          f"{', '.join(f'{x:.3f}' for x in torch_times)})  {B * T / torch_s:,.0f} tokens/s")
-    print(f"  same loss: isojax {first_loss:.6e}  transformers {torch_loss:.6e}")
-    print(f"isojax / transformers speed: {torch_s / jax_s:.2f}x (goal >= 1.5)")
+  if args.no_torch:
+    return
+  with tempfile.TemporaryDirectory() as tmp:
+    save_pretrained(Decoder(cfg, rngs=nnx.Rngs(0)), cfg, tmp)  # the initial weights
+    torch_step = torch_step_fn(tmp, batch, args.group, args.micro, loss_cfg.clip_low,
+                               loss_cfg.clip_high)
+    # No compile to warm up: every torch run is timed (the first one too).
+    torch_s, torch_times, torch_loss = timed(torch_step, args.repeats)
+  print(f"transformers fwd+bwd: {torch_s:.3f} s (runs "
+        f"{', '.join(f'{x:.3f}' for x in torch_times)})  {B * T / torch_s:,.0f} tokens/s")
+  print(f"  same loss: isojax {first_loss:.6e}  transformers {torch_loss:.6e}")
+  print(f"isojax / transformers speed: {torch_s / jax_s:.2f}x (goal >= 1.5)")
 
 
 if __name__ == "__main__":
-    main()
+  main()

@@ -23,220 +23,220 @@ PAPER_B_MAX_HARD = 16_384
 
 
 def _as_positive_int(value, name: str) -> int:
-    """`value` as an int > 0, accepting integral floats such as 2e6 from a config."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if isinstance(value, numbers.Integral):
-        out = int(value)
-    else:
-        if not math.isfinite(value) or value != int(value):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        out = int(value)
-    if out <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return out
+  """`value` as an int > 0, accepting integral floats such as 2e6 from a config."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+  if isinstance(value, numbers.Integral):
+    out = int(value)
+  else:
+    if not math.isfinite(value) or value != int(value):
+      raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    out = int(value)
+  if out <= 0:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+  return out
 
 
 def _as_compute(value, name: str = "compute C") -> float:
-    """A positive, finite rollout budget (may be fractional, e.g. 1.5e5)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a positive number of rollouts, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of rollouts, got {value!r}")
-    return value
+  """A positive, finite rollout budget (may be fractional, e.g. 1.5e5)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise ValueError(f"{name} must be a positive number of rollouts, got {value!r}")
+  if not math.isfinite(value) or value <= 0:
+    raise ValueError(f"{name} must be a positive number of rollouts, got {value!r}")
+  return value
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class BudgetPoint:
-    """One allocation of a rollout budget: Bp problems x n rollouts x M updates."""
+  """One allocation of a rollout budget: Bp problems x n rollouts x M updates."""
 
-    bp: int
-    n: int
-    m: int
+  bp: int
+  n: int
+  m: int
 
-    def __post_init__(self):
-        for name in ("bp", "n", "m"):
-            object.__setattr__(self, name, _as_positive_int(getattr(self, name), name))
+  def __post_init__(self):
+    for name in ("bp", "n", "m"):
+      object.__setattr__(self, name, _as_positive_int(getattr(self, name), name))
 
-    @property
-    def batch(self) -> int:
-        """Rollouts per update, B = Bp * n."""
-        return self.bp * self.n
+  @property
+  def batch(self) -> int:
+    """Rollouts per update, B = Bp * n."""
+    return self.bp * self.n
 
-    @property
-    def compute(self) -> int:
-        """Total rollouts spent by the point, C = Bp * n * M."""
-        return self.bp * self.n * self.m
+  @property
+  def compute(self) -> int:
+    """Total rollouts spent by the point, C = Bp * n * M."""
+    return self.bp * self.n * self.m
 
-    @classmethod
-    def from_budget(cls, compute, *, bp, n) -> "BudgetPoint":
-        """The point that spends at most `compute` rollouts: M = floor(C / (Bp * n)).
+  @classmethod
+  def from_budget(cls, compute, *, bp, n) -> "BudgetPoint":
+    """The point that spends at most `compute` rollouts: M = floor(C / (Bp * n)).
 
-        Raises:
-          ValueError: if C < Bp * n, i.e. not even one update fits (names C, Bp, n).
-        """
-        compute = _as_compute(compute)
-        bp = _as_positive_int(bp, "bp")
-        n = _as_positive_int(n, "n")
-        # Integer arithmetic when possible: floor(2e6 / 96) must not suffer float error.
-        if float(compute).is_integer():
-            m = int(compute) // (bp * n)
-        else:
-            m = math.floor(compute / (bp * n))
-        if m == 0:
-            raise ValueError(
-                f"budget C={_fmt(compute)} rollouts is smaller than one batch "
-                f"Bp*n = {bp}*{n} = {bp * n}: M = floor(C/(Bp*n)) = 0 updates")
-        return cls(bp=bp, n=n, m=m)
+    Raises:
+      ValueError: if C < Bp * n, i.e. not even one update fits (names C, Bp, n).
+    """
+    compute = _as_compute(compute)
+    bp = _as_positive_int(bp, "bp")
+    n = _as_positive_int(n, "n")
+    # Integer arithmetic when possible: floor(2e6 / 96) must not suffer float error.
+    if float(compute).is_integer():
+      m = int(compute) // (bp * n)
+    else:
+      m = math.floor(compute / (bp * n))
+    if m == 0:
+      raise ValueError(
+          f"budget C={_fmt(compute)} rollouts is smaller than one batch "
+          f"Bp*n = {bp}*{n} = {bp * n}: M = floor(C/(Bp*n)) = 0 updates")
+    return cls(bp=bp, n=n, m=m)
 
-    def validate(self, b_max=None) -> "BudgetPoint":
-        """Raises ValueError naming the numbers if Bp * n exceeds `b_max`; else self."""
-        if b_max is not None:
-            b_max = _as_positive_int(b_max, "b_max")
-            if self.batch > b_max:
-                raise ValueError(
-                    f"infeasible budget point: Bp*n = {self.bp}*{self.n} = {self.batch} "
-                    f"exceeds b_max = {b_max}")
-        return self
+  def validate(self, b_max=None) -> "BudgetPoint":
+    """Raises ValueError naming the numbers if Bp * n exceeds `b_max`; else self."""
+    if b_max is not None:
+      b_max = _as_positive_int(b_max, "b_max")
+      if self.batch > b_max:
+        raise ValueError(
+            f"infeasible budget point: Bp*n = {self.bp}*{self.n} = {self.batch} "
+            f"exceeds b_max = {b_max}")
+    return self
 
-    def to_dict(self) -> dict:
-        """Plain dict for config.json / metrics, including the derived numbers."""
-        return {"bp": self.bp, "n": self.n, "m": self.m, "batch": self.batch,
-                "compute": self.compute}
+  def to_dict(self) -> dict:
+    """Plain dict for config.json / metrics, including the derived numbers."""
+    return {"bp": self.bp, "n": self.n, "m": self.m, "batch": self.batch,
+            "compute": self.compute}
 
-    @property
-    def name(self) -> str:
-        """A stable, filesystem-safe name, e.g. 'bp32_n64_m100'."""
-        return f"bp{self.bp}_n{self.n}_m{self.m}"
+  @property
+  def name(self) -> str:
+    """A stable, filesystem-safe name, e.g. 'bp32_n64_m100'."""
+    return f"bp{self.bp}_n{self.n}_m{self.m}"
 
 
 def sweep_grid(bp_values: Iterable, n_values: Iterable, *, b_max,
                budget) -> list[BudgetPoint]:
-    """Feasible budget points of a (Bp, n) grid at one or several budgets.
+  """Feasible budget points of a (Bp, n) grid at one or several budgets.
 
-    A pair is feasible when Bp * n <= b_max and at least one update fits the budget
-    (Bp * n <= C). Points are returned sorted by (compute budget, Bp, n) and deduplicated.
+  A pair is feasible when Bp * n <= b_max and at least one update fits the budget
+  (Bp * n <= C). Points are returned sorted by (compute budget, Bp, n) and deduplicated.
 
-    Args:
-      bp_values: problems-per-batch values.
-      n_values: rollouts-per-problem values.
-      b_max: the largest batch Bp * n allowed (memory / throughput bound).
-      budget: a rollout budget C, or a sequence of them.
+  Args:
+    bp_values: problems-per-batch values.
+    n_values: rollouts-per-problem values.
+    b_max: the largest batch Bp * n allowed (memory / throughput bound).
+    budget: a rollout budget C, or a sequence of them.
 
-    Raises:
-      ValueError: if no point of the grid is feasible (names the numbers).
-    """
-    bp_values = [_as_positive_int(v, "bp") for v in bp_values]
-    n_values = [_as_positive_int(v, "n") for v in n_values]
-    b_max = _as_positive_int(b_max, "b_max")
-    budgets = list(budget) if isinstance(budget, Sequence) and not isinstance(
-        budget, str) else [budget]
-    if not bp_values or not n_values or not budgets:
-        raise ValueError(f"empty sweep grid: bp_values={bp_values}, "
-                         f"n_values={n_values}, budget={budgets}")
-    budgets = [_as_compute(c, "budget") for c in budgets]
-    points = []
-    for compute in sorted(set(budgets)):
-        for bp in sorted(set(bp_values)):
-            for n in sorted(set(n_values)):
-                if bp * n > b_max or bp * n > compute:
-                    continue
-                points.append(BudgetPoint.from_budget(compute, bp=bp, n=n))
-    if not points:
-        raise ValueError(
-            f"no feasible budget point: every Bp*n in Bp={bp_values} x n={n_values} "
-            f"exceeds b_max={b_max} or the budget C={[_fmt(c) for c in budgets]}")
-    return list(dict.fromkeys(points))
+  Raises:
+    ValueError: if no point of the grid is feasible (names the numbers).
+  """
+  bp_values = [_as_positive_int(v, "bp") for v in bp_values]
+  n_values = [_as_positive_int(v, "n") for v in n_values]
+  b_max = _as_positive_int(b_max, "b_max")
+  budgets = list(budget) if isinstance(budget, Sequence) and not isinstance(
+      budget, str) else [budget]
+  if not bp_values or not n_values or not budgets:
+    raise ValueError(f"empty sweep grid: bp_values={bp_values}, "
+                     f"n_values={n_values}, budget={budgets}")
+  budgets = [_as_compute(c, "budget") for c in budgets]
+  points = []
+  for compute in sorted(set(budgets)):
+    for bp in sorted(set(bp_values)):
+      for n in sorted(set(n_values)):
+        if bp * n > b_max or bp * n > compute:
+          continue
+        points.append(BudgetPoint.from_budget(compute, bp=bp, n=n))
+  if not points:
+    raise ValueError(
+        f"no feasible budget point: every Bp*n in Bp={bp_values} x n={n_values} "
+        f"exceeds b_max={b_max} or the budget C={[_fmt(c) for c in budgets]}")
+  return list(dict.fromkeys(points))
 
 
 def estimate_tokens(point: BudgetPoint, mean_response_tokens: float,
                     mean_prompt_tokens: float = 0.0) -> int:
-    """Expected tokens a point will process: C * (response [+ prompt] length).
+  """Expected tokens a point will process: C * (response [+ prompt] length).
 
-    With `mean_prompt_tokens` = 0 this is the generated-token count the ledger will
-    report; pass the prompt length too for a prefill-inclusive estimate.
-    """
-    if mean_response_tokens < 0 or mean_prompt_tokens < 0:
-        raise ValueError(f"token lengths must be >= 0, got response="
-                         f"{mean_response_tokens}, prompt={mean_prompt_tokens}")
-    return int(round(point.compute * (mean_response_tokens + mean_prompt_tokens)))
+  With `mean_prompt_tokens` = 0 this is the generated-token count the ledger will
+  report; pass the prompt length too for a prefill-inclusive estimate.
+  """
+  if mean_response_tokens < 0 or mean_prompt_tokens < 0:
+    raise ValueError(f"token lengths must be >= 0, got response="
+                     f"{mean_response_tokens}, prompt={mean_prompt_tokens}")
+  return int(round(point.compute * (mean_response_tokens + mean_prompt_tokens)))
 
 
 def format_table(points: Sequence[BudgetPoint], mean_response_tokens: float | None = None
                  ) -> str:
-    """A plain-text table of points (Bp, n, B, M, compute[, est. tokens]) for dry runs."""
-    header = ["Bp", "n", "B", "M", "compute"]
+  """A plain-text table of points (Bp, n, B, M, compute[, est. tokens]) for dry runs."""
+  header = ["Bp", "n", "B", "M", "compute"]
+  if mean_response_tokens is not None:
+    header.append("est_tokens")
+  rows = []
+  for p in points:
+    row = [p.bp, p.n, p.batch, p.m, p.compute]
     if mean_response_tokens is not None:
-        header.append("est_tokens")
-    rows = []
-    for p in points:
-        row = [p.bp, p.n, p.batch, p.m, p.compute]
-        if mean_response_tokens is not None:
-            row.append(estimate_tokens(p, mean_response_tokens))
-        rows.append([str(v) for v in row])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(header)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
+      row.append(estimate_tokens(p, mean_response_tokens))
+    rows.append([str(v) for v in row])
+  widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+            for i, h in enumerate(header)]
+  lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+  lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+  return "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True)
 class Ledger:
-    """Compute spent so far. Immutable: `add` returns a new ledger.
+  """Compute spent so far. Immutable: `add` returns a new ledger.
 
-    `rollouts` counts every rollout that was generated, including those a filter later
-    dropped from the loss (they were paid for); `dropped_rollouts` says how many of
-    them were dropped. `tokens` counts generated (completion) tokens, likewise including
-    dropped ones. `updates` counts optimizer steps attempted.
-    """
+  `rollouts` counts every rollout that was generated, including those a filter later
+  dropped from the loss (they were paid for); `dropped_rollouts` says how many of
+  them were dropped. `tokens` counts generated (completion) tokens, likewise including
+  dropped ones. `updates` counts optimizer steps attempted.
+  """
 
-    rollouts: int = 0
-    tokens: int = 0
-    dropped_rollouts: int = 0
-    updates: int = 0
+  rollouts: int = 0
+  tokens: int = 0
+  dropped_rollouts: int = 0
+  updates: int = 0
 
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-                raise ValueError(f"Ledger.{f.name} must be an int >= 0, got {value!r}")
-            object.__setattr__(self, f.name, int(value))
-        if self.dropped_rollouts > self.rollouts:
-            raise ValueError(f"Ledger: dropped_rollouts={self.dropped_rollouts} exceeds "
-                             f"rollouts={self.rollouts}")
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"Ledger.{f.name} must be an int >= 0, got {value!r}")
+      object.__setattr__(self, f.name, int(value))
+    if self.dropped_rollouts > self.rollouts:
+      raise ValueError(f"Ledger: dropped_rollouts={self.dropped_rollouts} exceeds "
+                       f"rollouts={self.rollouts}")
 
-    def add(self, *, rollouts: int, tokens: int, dropped_rollouts: int = 0,
-            updates: int = 0) -> "Ledger":
-        """A ledger with one more batch of spending recorded."""
-        if dropped_rollouts > rollouts:
-            raise ValueError(f"dropped_rollouts={dropped_rollouts} exceeds the batch's "
-                             f"rollouts={rollouts}")
-        return Ledger(rollouts=self.rollouts + rollouts, tokens=self.tokens + tokens,
-                      dropped_rollouts=self.dropped_rollouts + dropped_rollouts,
-                      updates=self.updates + updates)
+  def add(self, *, rollouts: int, tokens: int, dropped_rollouts: int = 0,
+          updates: int = 0) -> "Ledger":
+    """A ledger with one more batch of spending recorded."""
+    if dropped_rollouts > rollouts:
+      raise ValueError(f"dropped_rollouts={dropped_rollouts} exceeds the batch's "
+                       f"rollouts={rollouts}")
+    return Ledger(rollouts=self.rollouts + rollouts, tokens=self.tokens + tokens,
+                  dropped_rollouts=self.dropped_rollouts + dropped_rollouts,
+                  updates=self.updates + updates)
 
-    def add_rollouts(self, rollouts, *, dropped_rollouts: int = 0,
-                     updates: int = 1) -> "Ledger":
-        """Record a `Rollouts` object (uses .num_rollouts / .num_generated_tokens)."""
-        return self.add(rollouts=int(rollouts.num_rollouts),
-                        tokens=int(rollouts.num_generated_tokens),
-                        dropped_rollouts=dropped_rollouts, updates=updates)
+  def add_rollouts(self, rollouts, *, dropped_rollouts: int = 0,
+                   updates: int = 1) -> "Ledger":
+    """Record a `Rollouts` object (uses .num_rollouts / .num_generated_tokens)."""
+    return self.add(rollouts=int(rollouts.num_rollouts),
+                    tokens=int(rollouts.num_generated_tokens),
+                    dropped_rollouts=dropped_rollouts, updates=updates)
 
-    def state_dict(self) -> dict:
-        """Plain ints, safe for JSON and orbax checkpoints."""
-        return dataclasses.asdict(self)
+  def state_dict(self) -> dict:
+    """Plain ints, safe for JSON and orbax checkpoints."""
+    return dataclasses.asdict(self)
 
-    @classmethod
-    def from_state_dict(cls, state: dict) -> "Ledger":
-        """Inverse of `state_dict`; accepts NumPy scalars (as orbax restores them)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(state) - known
-        if unknown:
-            raise ValueError(f"Ledger state has unknown keys {sorted(unknown)}; "
-                             f"expected {sorted(known)}")
-        return cls(**{k: int(v) for k, v in state.items()})
+  @classmethod
+  def from_state_dict(cls, state: dict) -> "Ledger":
+    """Inverse of `state_dict`; accepts NumPy scalars (as orbax restores them)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(state) - known
+    if unknown:
+      raise ValueError(f"Ledger state has unknown keys {sorted(unknown)}; "
+                       f"expected {sorted(known)}")
+    return cls(**{k: int(v) for k, v in state.items()})
 
 
 def _fmt(c) -> str:
-    return str(int(c)) if float(c).is_integer() else repr(c)
+  return str(int(c)) if float(c).is_integer() else repr(c)

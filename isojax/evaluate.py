@@ -22,210 +22,210 @@ HISTOGRAM_BINS = 10  # fixed bins of width 0.1 over [0, 1]; the last one include
 
 
 def _check_counts(n, c, k):
-    n_arr = np.asarray(n)
-    c_arr = np.asarray(c)
-    if not (np.issubdtype(n_arr.dtype, np.integer) and np.issubdtype(c_arr.dtype, np.integer)):
-        if not (np.all(np.mod(n_arr, 1) == 0) and np.all(np.mod(c_arr, 1) == 0)):
-            raise ValueError(f"n and c must be integers, got n={n!r}, c={c!r}")
-    n_arr = n_arr.astype(np.int64)
-    c_arr = c_arr.astype(np.int64)
-    if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
-        raise ValueError(f"k must be an int, got {k!r}")
-    if np.any(n_arr < 1):
-        raise ValueError(f"n (samples per problem) must be >= 1, got {n!r}")
-    if np.any(c_arr < 0) or np.any(c_arr > n_arr):
-        raise ValueError(f"correct counts c must lie in [0, n]; got c={c!r}, n={n!r}")
-    if k < 1 or np.any(k > n_arr):
-        raise ValueError(f"k must satisfy 1 <= k <= n; got k={k}, n={n!r}")
-    return n_arr, c_arr, int(k)
+  n_arr = np.asarray(n)
+  c_arr = np.asarray(c)
+  if not (np.issubdtype(n_arr.dtype, np.integer) and np.issubdtype(c_arr.dtype, np.integer)):
+    if not (np.all(np.mod(n_arr, 1) == 0) and np.all(np.mod(c_arr, 1) == 0)):
+      raise ValueError(f"n and c must be integers, got n={n!r}, c={c!r}")
+  n_arr = n_arr.astype(np.int64)
+  c_arr = c_arr.astype(np.int64)
+  if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
+    raise ValueError(f"k must be an int, got {k!r}")
+  if np.any(n_arr < 1):
+    raise ValueError(f"n (samples per problem) must be >= 1, got {n!r}")
+  if np.any(c_arr < 0) or np.any(c_arr > n_arr):
+    raise ValueError(f"correct counts c must lie in [0, n]; got c={c!r}, n={n!r}")
+  if k < 1 or np.any(k > n_arr):
+    raise ValueError(f"k must satisfy 1 <= k <= n; got k={k}, n={n!r}")
+  return n_arr, c_arr, int(k)
 
 
 def pass_at_k(n, c, k: int):
-    """Unbiased pass@k (best@k): P(at least one of k samples drawn from n is correct).
+  """Unbiased pass@k (best@k): P(at least one of k samples drawn from n is correct).
 
-    Stable product form 1 - prod_{i=n-c+1}^{n} (1 - k/i), evaluated in log space.
+  Stable product form 1 - prod_{i=n-c+1}^{n} (1 - k/i), evaluated in log space.
 
-    Args:
-      n: samples drawn per problem (int or array broadcastable with c).
-      c: correct samples per problem (int or array).
-      k: subset size, 1 <= k <= n.
+  Args:
+    n: samples drawn per problem (int or array broadcastable with c).
+    c: correct samples per problem (int or array).
+    k: subset size, 1 <= k <= n.
 
-    Returns:
-      float (scalar inputs) or float64 array shaped like broadcast(n, c).
-    """
-    n_arr, c_arr, k = _check_counts(n, c, k)
-    n_b, c_b = np.broadcast_arrays(n_arr, c_arr)
-    # Log terms log(1 - k/i) for i = 1..max n; only i > k are ever used, because the
-    # product runs over i >= n-c+1 and we only take it when n - c >= k.
-    n_max = int(n_b.max()) if n_b.size else 0
-    i = np.arange(1, n_max + 1, dtype=np.float64)
-    logs = np.log1p(-np.where(i > k, k / i, 0.0))
-    cum = np.concatenate([[0.0], np.cumsum(logs)])  # cum[j] = sum_{i<=j} logs
-    has_room = (n_b - c_b) >= k
-    log_prod = cum[n_b] - cum[n_b - c_b]
-    out = np.where(has_room, -np.expm1(log_prod), 1.0)
-    return float(out) if out.ndim == 0 else out
+  Returns:
+    float (scalar inputs) or float64 array shaped like broadcast(n, c).
+  """
+  n_arr, c_arr, k = _check_counts(n, c, k)
+  n_b, c_b = np.broadcast_arrays(n_arr, c_arr)
+  # Log terms log(1 - k/i) for i = 1..max n; only i > k are ever used, because the
+  # product runs over i >= n-c+1 and we only take it when n - c >= k.
+  n_max = int(n_b.max()) if n_b.size else 0
+  i = np.arange(1, n_max + 1, dtype=np.float64)
+  logs = np.log1p(-np.where(i > k, k / i, 0.0))
+  cum = np.concatenate([[0.0], np.cumsum(logs)])  # cum[j] = sum_{i<=j} logs
+  has_room = (n_b - c_b) >= k
+  log_prod = cum[n_b] - cum[n_b - c_b]
+  out = np.where(has_room, -np.expm1(log_prod), 1.0)
+  return float(out) if out.ndim == 0 else out
 
 
 def worst_at_k(n, c, k: int):
-    """worst@k: P(all k of a uniformly random k-subset of the n samples are correct).
+  """worst@k: P(all k of a uniformly random k-subset of the n samples are correct).
 
-    C(c, k) / C(n, k) = prod_{j=0}^{k-1} (c - j) / (n - j); zero when c < k.
-    Same argument conventions as `pass_at_k`.
-    """
-    n_arr, c_arr, k = _check_counts(n, c, k)
-    n_b, c_b = np.broadcast_arrays(n_arr, c_arr)
-    out = np.ones(n_b.shape, dtype=np.float64)
-    for j in range(k):
-        out = out * np.clip((c_b - j) / (n_b - j), 0.0, 1.0)
-    return float(out) if out.ndim == 0 else out
+  C(c, k) / C(n, k) = prod_{j=0}^{k-1} (c - j) / (n - j); zero when c < k.
+  Same argument conventions as `pass_at_k`.
+  """
+  n_arr, c_arr, k = _check_counts(n, c, k)
+  n_b, c_b = np.broadcast_arrays(n_arr, c_arr)
+  out = np.ones(n_b.shape, dtype=np.float64)
+  for j in range(k):
+    out = out * np.clip((c_b - j) / (n_b - j), 0.0, 1.0)
+  return float(out) if out.ndim == 0 else out
 
 
 def metrics_from_counts(counts_P, n: int, ks: Sequence[int] | int = (4,),
                         prefix: str = "") -> dict[str, float]:
-    """Mean avg@k, best@k and worst@k over problems, from per-problem correct counts.
+  """Mean avg@k, best@k and worst@k over problems, from per-problem correct counts.
 
-    Args:
-      counts_P: correct samples per problem (length P).
-      n: samples drawn per problem.
-      ks: the k values to report (each <= n).
-      prefix: prepended to every key, e.g. "val/".
+  Args:
+    counts_P: correct samples per problem (length P).
+    n: samples drawn per problem.
+    ks: the k values to report (each <= n).
+    prefix: prepended to every key, e.g. "val/".
 
-    Returns:
-      {f"{prefix}avg@{k}", f"{prefix}best@{k}", f"{prefix}worst@{k}"} for each k.
-    """
-    counts_P = np.asarray(counts_P)
-    if counts_P.ndim != 1 or counts_P.size == 0:
-        raise ValueError(f"counts_P must be a non-empty 1-D array, got shape {counts_P.shape}")
-    ks = [ks] if isinstance(ks, (int, np.integer)) else list(ks)
-    out = {}
-    for k in ks:
-        out[f"{prefix}avg@{k}"] = float(np.mean(counts_P / n))
-        out[f"{prefix}best@{k}"] = float(np.mean(pass_at_k(n, counts_P, k)))
-        out[f"{prefix}worst@{k}"] = float(np.mean(worst_at_k(n, counts_P, k)))
-    return out
+  Returns:
+    {f"{prefix}avg@{k}", f"{prefix}best@{k}", f"{prefix}worst@{k}"} for each k.
+  """
+  counts_P = np.asarray(counts_P)
+  if counts_P.ndim != 1 or counts_P.size == 0:
+    raise ValueError(f"counts_P must be a non-empty 1-D array, got shape {counts_P.shape}")
+  ks = [ks] if isinstance(ks, (int, np.integer)) else list(ks)
+  out = {}
+  for k in ks:
+    out[f"{prefix}avg@{k}"] = float(np.mean(counts_P / n))
+    out[f"{prefix}best@{k}"] = float(np.mean(pass_at_k(n, counts_P, k)))
+    out[f"{prefix}worst@{k}"] = float(np.mean(worst_at_k(n, counts_P, k)))
+  return out
 
 
 def pass_rate_histogram(counts_P, n: int, bins: int = HISTOGRAM_BINS) -> dict:
-    """Distribution of per-problem pass@1 (c/n) over fixed equal-width bins on [0, 1].
+  """Distribution of per-problem pass@1 (c/n) over fixed equal-width bins on [0, 1].
 
-    The paper's interference diagnostic (§5.1, App. I): how training moves the
-    per-problem pass rates, and the fraction of problems never solved.
+  The paper's interference diagnostic (§5.1, App. I): how training moves the
+  per-problem pass rates, and the fraction of problems never solved.
 
-    Returns:
-      {"bin_edges": list (bins+1), "fractions": list (bins, sums to 1; the last bin
-       includes 1.0), "zero_pass_fraction": share with c == 0,
-       "full_pass_fraction": share with c == n}.
-    """
-    counts_P = np.asarray(counts_P)
-    if counts_P.ndim != 1 or counts_P.size == 0:
-        raise ValueError(f"counts_P must be a non-empty 1-D array, got shape {counts_P.shape}")
-    if np.any(counts_P < 0) or np.any(counts_P > n):
-        raise ValueError(f"counts must lie in [0, n={n}], got range "
-                         f"[{counts_P.min()}, {counts_P.max()}]")
-    rate = counts_P / n
-    edges = np.linspace(0.0, 1.0, bins + 1)
-    hist, _ = np.histogram(rate, bins=edges)  # numpy's last bin is closed: includes 1.0
-    return {"bin_edges": edges.tolist(),
-            "fractions": (hist / rate.size).tolist(),
-            "zero_pass_fraction": float(np.mean(counts_P == 0)),
-            "full_pass_fraction": float(np.mean(counts_P == n))}
+  Returns:
+    {"bin_edges": list (bins+1), "fractions": list (bins, sums to 1; the last bin
+     includes 1.0), "zero_pass_fraction": share with c == 0,
+     "full_pass_fraction": share with c == n}.
+  """
+  counts_P = np.asarray(counts_P)
+  if counts_P.ndim != 1 or counts_P.size == 0:
+    raise ValueError(f"counts_P must be a non-empty 1-D array, got shape {counts_P.shape}")
+  if np.any(counts_P < 0) or np.any(counts_P > n):
+    raise ValueError(f"counts must lie in [0, n={n}], got range "
+                     f"[{counts_P.min()}, {counts_P.max()}]")
+  rate = counts_P / n
+  edges = np.linspace(0.0, 1.0, bins + 1)
+  hist, _ = np.histogram(rate, bins=edges)  # numpy's last bin is closed: includes 1.0
+  return {"bin_edges": edges.tolist(),
+          "fractions": (hist / rate.size).tolist(),
+          "zero_pass_fraction": float(np.mean(counts_P == 0)),
+          "full_pass_fraction": float(np.mean(counts_P == n))}
 
 
 def histogram_metrics(counts_P, n: int, prefix: str = "train/",
                       bins: int = HISTOGRAM_BINS) -> dict[str, float]:
-    """`pass_rate_histogram` flattened to scalar metrics for metrics.jsonl/TensorBoard.
+  """`pass_rate_histogram` flattened to scalar metrics for metrics.jsonl/TensorBoard.
 
-    Keys: f"{prefix}zero_pass_frac", f"{prefix}pass@1_hist/{lo:.1f}" per bin.
-    """
-    h = pass_rate_histogram(counts_P, n, bins)
-    out = {f"{prefix}zero_pass_frac": h["zero_pass_fraction"]}
-    for lo, frac in zip(h["bin_edges"][:-1], h["fractions"]):
-        out[f"{prefix}pass@1_hist/{lo:.1f}"] = float(frac)
-    return out
+  Keys: f"{prefix}zero_pass_frac", f"{prefix}pass@1_hist/{lo:.1f}" per bin.
+  """
+  h = pass_rate_histogram(counts_P, n, bins)
+  out = {f"{prefix}zero_pass_frac": h["zero_pass_fraction"]}
+  for lo, frac in zip(h["bin_edges"][:-1], h["fractions"]):
+    out[f"{prefix}pass@1_hist/{lo:.1f}"] = float(frac)
+  return out
 
 
 def format_histogram(counts_P, n: int, bins: int = HISTOGRAM_BINS, width: int = 40) -> str:
-    """A text bar chart of the pass@1 histogram (for scripts' stdout)."""
-    h = pass_rate_histogram(counts_P, n, bins)
-    lines = [f"per-problem pass rate over {len(counts_P)} problems, {n} samples each "
-             f"(zero-pass {h['zero_pass_fraction']:.1%})"]
-    edges = h["bin_edges"]
-    for i, frac in enumerate(h["fractions"]):
-        close = "]" if i == len(h["fractions"]) - 1 else ")"
-        lines.append(f"  [{edges[i]:.1f}, {edges[i + 1]:.1f}{close} {frac:6.1%} "
-                     + "#" * int(round(frac * width)))
-    return "\n".join(lines)
+  """A text bar chart of the pass@1 histogram (for scripts' stdout)."""
+  h = pass_rate_histogram(counts_P, n, bins)
+  lines = [f"per-problem pass rate over {len(counts_P)} problems, {n} samples each "
+           f"(zero-pass {h['zero_pass_fraction']:.1%})"]
+  edges = h["bin_edges"]
+  for i, frac in enumerate(h["fractions"]):
+    close = "]" if i == len(h["fractions"]) - 1 else ")"
+    lines.append(f"  [{edges[i]:.1f}, {edges[i + 1]:.1f}{close} {frac:6.1%} "
+                 + "#" * int(round(frac * width)))
+  return "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalResult:
-    """Per-problem correct counts plus the aggregate metrics computed from them."""
+  """Per-problem correct counts plus the aggregate metrics computed from them."""
 
-    counts_P: np.ndarray
-    n: int
-    metrics: dict
-    mean_response_tokens: float
+  counts_P: np.ndarray
+  n: int
+  metrics: dict
+  mean_response_tokens: float
 
 
 def score_rollouts(rollouts, answers: Sequence[str], n: int, tokenizer,
                    reward_fn: Callable[[str, str], float]) -> np.ndarray:
-    """Rewards (B,) for prompt-major rollouts of len(answers) problems x n samples.
+  """Rewards (B,) for prompt-major rollouts of len(answers) problems x n samples.
 
-    Completions are cut at their length and decoded without special tokens.
-    """
-    tokens_BxT = np.asarray(rollouts.tokens_BxT)
-    lengths_B = np.asarray(rollouts.lengths_B)
-    if tokens_BxT.shape[0] != len(answers) * n:
-        raise ValueError(f"rollouts.tokens_BxT has {tokens_BxT.shape[0]} rows; expected "
-                         f"{len(answers)} problems x n={n} = {len(answers) * n}")
-    special = {t for t in (getattr(tokenizer, "eos_token_id", None),
-                           getattr(tokenizer, "pad_token_id", None),
-                           getattr(tokenizer, "bos_token_id", None)) if t is not None}
-    rewards_B = np.zeros(tokens_BxT.shape[0], dtype=np.float32)
-    for b in range(tokens_BxT.shape[0]):
-        ids = [int(t) for t in tokens_BxT[b, :lengths_B[b]] if int(t) not in special]
-        rewards_B[b] = reward_fn(tokenizer.decode(ids), answers[b // n])
-    return rewards_B
+  Completions are cut at their length and decoded without special tokens.
+  """
+  tokens_BxT = np.asarray(rollouts.tokens_BxT)
+  lengths_B = np.asarray(rollouts.lengths_B)
+  if tokens_BxT.shape[0] != len(answers) * n:
+    raise ValueError(f"rollouts.tokens_BxT has {tokens_BxT.shape[0]} rows; expected "
+                     f"{len(answers)} problems x n={n} = {len(answers) * n}")
+  special = {t for t in (getattr(tokenizer, "eos_token_id", None),
+                         getattr(tokenizer, "pad_token_id", None),
+                         getattr(tokenizer, "bos_token_id", None)) if t is not None}
+  rewards_B = np.zeros(tokens_BxT.shape[0], dtype=np.float32)
+  for b in range(tokens_BxT.shape[0]):
+    ids = [int(t) for t in tokens_BxT[b, :lengths_B[b]] if int(t) not in special]
+    rewards_B[b] = reward_fn(tokenizer.decode(ids), answers[b // n])
+  return rewards_B
 
 
 def evaluate(sampler, problems, tokenizer, *, k: int = 4, ks: Sequence[int] | None = None,
              temperature: float = 0.6, max_tokens: int = 32, reward_fn=None,
              seed: int = 0, top_p: float = 1.0, chat_template: bool = False,
              batch_size: int | None = None, prefix: str = "val/") -> EvalResult:
-    """Sample k completions per problem and compute avg@k / best@k / worst@k.
+  """Sample k completions per problem and compute avg@k / best@k / worst@k.
 
-    Args:
-      sampler: an isojax.rollout Sampler (`generate(prompt_ids, n=..., ...)`).
-      problems: Problems (id, prompt, answer).
-      tokenizer: isojax.models.Tokenizer (encode/decode/apply_chat_template, eos id).
-      k: samples per problem; metrics are reported for every k' in `ks` (default [k]).
-      reward_fn: (response_text, answer) -> 0.0/1.0; default exact match.
-      seed: sampling seed; the i-th generate call (batch) uses seed + i.
-      batch_size: problems per generate call (default: all).
-      prefix: metric key prefix.
-    """
-    from isojax.data import encode_prompts, exact_match  # lazy: keeps imports light
+  Args:
+    sampler: an isojax.rollout Sampler (`generate(prompt_ids, n=..., ...)`).
+    problems: Problems (id, prompt, answer).
+    tokenizer: isojax.models.Tokenizer (encode/decode/apply_chat_template, eos id).
+    k: samples per problem; metrics are reported for every k' in `ks` (default [k]).
+    reward_fn: (response_text, answer) -> 0.0/1.0; default exact match.
+    seed: sampling seed; the i-th generate call (batch) uses seed + i.
+    batch_size: problems per generate call (default: all).
+    prefix: metric key prefix.
+  """
+  from isojax.data import encode_prompts, exact_match  # lazy: keeps imports light
 
-    problems = list(problems)
-    if not problems:
-        raise ValueError("evaluate: `problems` is empty")
-    reward_fn = reward_fn or exact_match
-    ks = [k] if ks is None else list(ks)
-    prompt_ids = encode_prompts(tokenizer, problems, chat_template=chat_template)
-    batch_size = batch_size or len(problems)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    counts, tokens, rollouts_seen = [], 0, 0
-    for i, start in enumerate(range(0, len(problems), batch_size)):
-        chunk = problems[start:start + batch_size]
-        r = sampler.generate(prompt_ids[start:start + batch_size], n=k,
-                             max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                             stop_token_ids=() if eos is None else (eos,), seed=seed + i)
-        rewards_B = score_rollouts(r, [p.answer for p in chunk], k, tokenizer, reward_fn)
-        counts.append((rewards_B.reshape(len(chunk), k) > 0.5).sum(axis=1))
-        tokens += int(r.num_generated_tokens)
-        rollouts_seen += int(r.num_rollouts)
-    counts_P = np.concatenate(counts).astype(np.int64)
-    metrics = metrics_from_counts(counts_P, k, ks, prefix=prefix)
-    return EvalResult(counts_P=counts_P, n=k, metrics=metrics,
-                      mean_response_tokens=tokens / max(rollouts_seen, 1))
+  problems = list(problems)
+  if not problems:
+    raise ValueError("evaluate: `problems` is empty")
+  reward_fn = reward_fn or exact_match
+  ks = [k] if ks is None else list(ks)
+  prompt_ids = encode_prompts(tokenizer, problems, chat_template=chat_template)
+  batch_size = batch_size or len(problems)
+  eos = getattr(tokenizer, "eos_token_id", None)
+  counts, tokens, rollouts_seen = [], 0, 0
+  for i, start in enumerate(range(0, len(problems), batch_size)):
+    chunk = problems[start:start + batch_size]
+    r = sampler.generate(prompt_ids[start:start + batch_size], n=k,
+                         max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                         stop_token_ids=() if eos is None else (eos,), seed=seed + i)
+    rewards_B = score_rollouts(r, [p.answer for p in chunk], k, tokenizer, reward_fn)
+    counts.append((rewards_B.reshape(len(chunk), k) > 0.5).sum(axis=1))
+    tokens += int(r.num_generated_tokens)
+    rollouts_seen += int(r.num_rollouts)
+  counts_P = np.concatenate(counts).astype(np.int64)
+  metrics = metrics_from_counts(counts_P, k, ks, prefix=prefix)
+  return EvalResult(counts_P=counts_P, n=k, metrics=metrics,
+                    mean_response_tokens=tokens / max(rollouts_seen, 1))

@@ -36,110 +36,110 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (default: all); one size may be -1."""
-    devices = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, tensor]
-    if sizes.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} "
-                         f"tensor={tensor}")
-    known = math.prod(s for s in sizes if s != -1)
-    if -1 in sizes:
-        if known <= 0 or len(devices) % known:
-            raise ValueError(f"{len(devices)} devices do not split into data={data} "
-                             f"fsdp={fsdp} tensor={tensor}")
-        sizes[sizes.index(-1)] = len(devices) // known
-    if math.prod(sizes) != len(devices):
-        raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = "
-                         f"{math.prod(sizes)} != {len(devices)} devices")
-    # Auto axes: classic GSPMD propagation (jax.make_mesh may default to Explicit).
-    grid = np.asarray(devices, dtype=object).reshape(sizes)
-    return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  """A (data, fsdp, tensor) mesh over `devices` (default: all); one size may be -1."""
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = [data, fsdp, tensor]
+  if sizes.count(-1) > 1:
+    raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} "
+                     f"tensor={tensor}")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if known <= 0 or len(devices) % known:
+      raise ValueError(f"{len(devices)} devices do not split into data={data} "
+                       f"fsdp={fsdp} tensor={tensor}")
+    sizes[sizes.index(-1)] = len(devices) // known
+  if math.prod(sizes) != len(devices):
+    raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = "
+                     f"{math.prod(sizes)} != {len(devices)} devices")
+  # Auto axes: classic GSPMD propagation (jax.make_mesh may default to Explicit).
+  grid = np.asarray(devices, dtype=object).reshape(sizes)
+  return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 
 def logical_to_spec(logical_names: Sequence[str | None] | None,
                     rules=DEFAULT_RULES) -> PartitionSpec:
-    """Map logical axis names to a PartitionSpec by `rules` (unknown names -> None).
+  """Map logical axis names to a PartitionSpec by `rules` (unknown names -> None).
 
-    A mesh axis already used by an earlier dimension is not used again (a
-    PartitionSpec may name each mesh axis once).
-    """
-    if not logical_names:
-        return PartitionSpec()
-    table = {}
-    for name, axes in rules:
-        table.setdefault(name, axes)
-    used: set[str] = set()
-    spec = []
-    for name in logical_names:
-        axes = table.get(name)
-        axes_t = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        axes_t = tuple(a for a in axes_t if a not in used)
-        used.update(axes_t)
-        spec.append(None if not axes_t else axes_t[0] if len(axes_t) == 1 else axes_t)
-    return PartitionSpec(*spec)
+  A mesh axis already used by an earlier dimension is not used again (a
+  PartitionSpec may name each mesh axis once).
+  """
+  if not logical_names:
+    return PartitionSpec()
+  table = {}
+  for name, axes in rules:
+    table.setdefault(name, axes)
+  used: set[str] = set()
+  spec = []
+  for name in logical_names:
+    axes = table.get(name)
+    axes_t = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    axes_t = tuple(a for a in axes_t if a not in used)
+    used.update(axes_t)
+    spec.append(None if not axes_t else axes_t[0] if len(axes_t) == 1 else axes_t)
+  return PartitionSpec(*spec)
 
 
 def _fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
-    """Drop the split of any dimension the mesh axes do not divide evenly.
+  """Drop the split of any dimension the mesh axes do not divide evenly.
 
-    Uneven shards are not supported by `jax.make_array_from_callback` (used to place
-    checkpoint tensors) and would pad otherwise; replicating that one dimension (e.g.
-    1 kv head on tensor=2, or an odd vocab) is the usual fallback and costs only memory.
-    """
-    out = []
-    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        axes_t = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        size = math.prod(mesh.shape[a] for a in axes_t)
-        out.append(axes if size and dim % size == 0 else None)
-    return PartitionSpec(*out)
+  Uneven shards are not supported by `jax.make_array_from_callback` (used to place
+  checkpoint tensors) and would pad otherwise; replicating that one dimension (e.g.
+  1 kv head on tensor=2, or an odd vocab) is the usual fallback and costs only memory.
+  """
+  out = []
+  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    axes_t = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    size = math.prod(mesh.shape[a] for a in axes_t)
+    out.append(axes if size and dim % size == 0 else None)
+  return PartitionSpec(*out)
 
 
 def spec_for(names, shape, mesh: Mesh, rules=DEFAULT_RULES) -> PartitionSpec:
-    """logical_to_spec, then fitted to `shape` on `mesh` (see `_fit_spec`)."""
-    return _fit_spec(logical_to_spec(names, rules), shape, mesh)
+  """logical_to_spec, then fitted to `shape` on `mesh` (see `_fit_spec`)."""
+  return _fit_spec(logical_to_spec(names, rules), shape, mesh)
 
 
 def state_shardings(abstract_state, mesh: Mesh, rules=DEFAULT_RULES):
-    """NamedSharding per leaf of an nnx State (or any pytree of Variables / arrays).
+  """NamedSharding per leaf of an nnx State (or any pytree of Variables / arrays).
 
-    Logical names come from each Variable's `out_sharding` metadata; leaves without
-    names (plain arrays, scalars, optimizer counters) are replicated. The result has
-    the input's structure with each Variable replaced by its NamedSharding, usable
-    as jit in/out_shardings for the matching state.
-    """
+  Logical names come from each Variable's `out_sharding` metadata; leaves without
+  names (plain arrays, scalars, optimizer counters) are replicated. The result has
+  the input's structure with each Variable replaced by its NamedSharding, usable
+  as jit in/out_shardings for the matching state.
+  """
 
-    def one(leaf):
-        if isinstance(leaf, nnx.Variable):
-            names = leaf.get_metadata().get("out_sharding")
-            shape = getattr(leaf.get_value(), "shape", ())
-        else:
-            names, shape = None, getattr(leaf, "shape", ())
-        if not names or len(names) != len(shape):
-            return NamedSharding(mesh, PartitionSpec())
-        return NamedSharding(mesh, spec_for(names, shape, mesh, rules))
+  def one(leaf):
+    if isinstance(leaf, nnx.Variable):
+      names = leaf.get_metadata().get("out_sharding")
+      shape = getattr(leaf.get_value(), "shape", ())
+    else:
+      names, shape = None, getattr(leaf, "shape", ())
+    if not names or len(names) != len(shape):
+      return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, spec_for(names, shape, mesh, rules))
 
-    return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) axis split over data x fsdp, the rest replicated."""
-    return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+  """Leading (batch) axis split over data x fsdp, the rest replicated."""
+  return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
 
 
 def initialize_distributed(coordinator_address: str | None = None,
                            num_processes: int | None = None,
                            process_id: int | None = None) -> bool:
-    """Start jax.distributed for multi-host runs; returns True if it was initialised.
+  """Start jax.distributed for multi-host runs; returns True if it was initialised.
 
-    With all arguments None, JAX detects the cluster itself (SLURM, Open MPI, TPU
-    pods); outside such an environment this is a no-op so the same entry point runs
-    on a laptop. Must run before any other JAX call touches devices.
-    """
-    explicit = any(a is not None for a in (coordinator_address, num_processes, process_id))
-    in_cluster = ("SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
-                  or "OMPI_COMM_WORLD_SIZE" in os.environ)
-    if not explicit and not in_cluster:
-        return False
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
-    return True
+  With all arguments None, JAX detects the cluster itself (SLURM, Open MPI, TPU
+  pods); outside such an environment this is a no-op so the same entry point runs
+  on a laptop. Must run before any other JAX call touches devices.
+  """
+  explicit = any(a is not None for a in (coordinator_address, num_processes, process_id))
+  in_cluster = ("SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+                or "OMPI_COMM_WORLD_SIZE" in os.environ)
+  if not explicit and not in_cluster:
+    return False
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id)
+  return True

@@ -53,52 +53,52 @@ _TASK_INDEX = flags.DEFINE_integer("task_index", None, "SLURM task mode: the arr
 
 
 def _numbers(name, values, kind):
-    """Flag strings as numbers; isojax.budget checks they are positive integers."""
-    if values is None:
-        return None
-    try:
-        return [kind(v) for v in values]
-    except ValueError as e:
-        raise app.UsageError(f"--{name}={','.join(values)}: {e}") from e
+  """Flag strings as numbers; isojax.budget checks they are positive integers."""
+  if values is None:
+    return None
+  try:
+    return [kind(v) for v in values]
+  except ValueError as e:
+    raise app.UsageError(f"--{name}={','.join(values)}: {e}") from e
 
 
 def main(argv):
-    if _TASK_FILE.value is not None:
-        if _TASK_INDEX.value is None:
-            raise app.UsageError("--task_file needs --task_index")
-        sys.exit(slurm.run_task(_TASK_FILE.value, _TASK_INDEX.value))
-    if not _CONFIG.value or not _ROOT.value:
-        raise app.UsageError("--config and --root are required")
-    plan, config = sweep.plan_sweep(
-        _CONFIG.value, _ROOT.value, bp=_numbers("bp", _BP.value, float),
-        n=_numbers("n", _N.value, float), budgets=_numbers("budget", _BUDGET.value, float),
-        b_max=_B_MAX.value, seeds=_numbers("seeds", _SEEDS.value, int),
-        runner=_RUNNER.value, extra_args=argv[1:])
-    if _DRY_RUN.value:
-        print(sweep.format_points(plan.points, sweep.max_tokens(config)))
-        return
-    if _SLURM.value:
-        options = slurm.SlurmOptions(
-            nodes=_NODES.value, gpus_per_node=_GPUS.value, cpus_per_task=_CPUS.value,
-            mem=_MEM.value, partition=_PARTITION.value, account=_ACCOUNT.value,
-            time=_TIME.value, max_parallel=_MAX_PARALLEL.value,
-            sbatch_args=tuple(_SBATCH_ARG.value))
-        script, points = slurm.write_array(plan, options,
-                                           vllm_model=sweep.vllm_model(config),
-                                           launcher=os.path.relpath(__file__))
-        print(f"wrote {script} ({len(plan.points)} tasks) and {points}")
-        if _SUBMIT.value:
-            print(f"submitted job {slurm.submit(script)}")
-        return
-    concurrent = _MAX_CONCURRENT.value or sweep.default_concurrency()
-    try:
-        report = sweep.run_local(plan, max_concurrent=concurrent,
-                                 status_every_s=_STATUS_EVERY.value)
-    except KeyboardInterrupt:  # the runs were stopped; their checkpoints stay
-        print("interrupted: rerun the same command to resume")
-        sys.exit(130)
-    sys.exit(0 if report.ok else 1)
+  if _TASK_FILE.value is not None:
+    if _TASK_INDEX.value is None:
+      raise app.UsageError("--task_file needs --task_index")
+    sys.exit(slurm.run_task(_TASK_FILE.value, _TASK_INDEX.value))
+  if not _CONFIG.value or not _ROOT.value:
+    raise app.UsageError("--config and --root are required")
+  plan, config = sweep.plan_sweep(
+      _CONFIG.value, _ROOT.value, bp=_numbers("bp", _BP.value, float),
+      n=_numbers("n", _N.value, float), budgets=_numbers("budget", _BUDGET.value, float),
+      b_max=_B_MAX.value, seeds=_numbers("seeds", _SEEDS.value, int),
+      runner=_RUNNER.value, extra_args=argv[1:])
+  if _DRY_RUN.value:
+    print(sweep.format_points(plan.points, sweep.max_tokens(config)))
+    return
+  if _SLURM.value:
+    options = slurm.SlurmOptions(
+        nodes=_NODES.value, gpus_per_node=_GPUS.value, cpus_per_task=_CPUS.value,
+        mem=_MEM.value, partition=_PARTITION.value, account=_ACCOUNT.value,
+        time=_TIME.value, max_parallel=_MAX_PARALLEL.value,
+        sbatch_args=tuple(_SBATCH_ARG.value))
+    script, points = slurm.write_array(plan, options,
+                                       vllm_model=sweep.vllm_model(config),
+                                       launcher=os.path.relpath(__file__))
+    print(f"wrote {script} ({len(plan.points)} tasks) and {points}")
+    if _SUBMIT.value:
+      print(f"submitted job {slurm.submit(script)}")
+    return
+  concurrent = _MAX_CONCURRENT.value or sweep.default_concurrency()
+  try:
+    report = sweep.run_local(plan, max_concurrent=concurrent,
+                             status_every_s=_STATUS_EVERY.value)
+  except KeyboardInterrupt:  # the runs were stopped; their checkpoints stay
+    print("interrupted: rerun the same command to resume")
+    sys.exit(130)
+  sys.exit(0 if report.ok else 1)
 
 
 if __name__ == "__main__":
-    app.run(main)
+  app.run(main)

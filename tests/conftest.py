@@ -22,56 +22,56 @@ README = os.path.join(REPO, "README.md")
 
 
 class Readme:
-    """README.md's code blocks, so that tests run its commands as written."""
+  """README.md's code blocks, so that tests run its commands as written."""
 
-    def __init__(self, path: str = README):
-        with open(path) as f:
-            text = f.read()
-        self.blocks = [(m.group(1), m.group(2))
-                       for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)]
-        self.commands = [cmd for lang, body in self.blocks if lang == "bash"
-                         for cmd in self._split(body)]
+  def __init__(self, path: str = README):
+    with open(path) as f:
+      text = f.read()
+    self.blocks = [(m.group(1), m.group(2))
+                   for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)]
+    self.commands = [cmd for lang, body in self.blocks if lang == "bash"
+                     for cmd in self._split(body)]
 
-    @staticmethod
-    def _split(body: str) -> list[str]:
-        """One string per command: continuation lines joined, comments dropped."""
-        body = body.replace("\\\n", " ")
-        lines = (re.sub(r"\s+#.*$", "", line).strip() for line in body.splitlines())
-        return [" ".join(line.split()) for line in lines if line and not line.startswith("#")]
+  @staticmethod
+  def _split(body: str) -> list[str]:
+    """One string per command: continuation lines joined, comments dropped."""
+    body = body.replace("\\\n", " ")
+    lines = (re.sub(r"\s+#.*$", "", line).strip() for line in body.splitlines())
+    return [" ".join(line.split()) for line in lines if line and not line.startswith("#")]
 
-    def command(self, prefix: str) -> str:
-        """The one README command that starts with `prefix`."""
-        found = [c for c in self.commands if c.startswith(prefix)]
-        assert len(found) == 1, f"README.md has {len(found)} commands starting {prefix!r}"
-        return found[0]
+  def command(self, prefix: str) -> str:
+    """The one README command that starts with `prefix`."""
+    found = [c for c in self.commands if c.startswith(prefix)]
+    assert len(found) == 1, f"README.md has {len(found)} commands starting {prefix!r}"
+    return found[0]
 
-    def block_of(self, prefix: str) -> list[str]:
-        """Every command of the bash block that holds the command starting `prefix`."""
-        blocks = [self._split(body) for lang, body in self.blocks if lang == "bash"]
-        found = [b for b in blocks if any(c.startswith(prefix) for c in b)]
-        assert len(found) == 1, f"README.md has {len(found)} blocks with {prefix!r}"
-        return found[0]
+  def block_of(self, prefix: str) -> list[str]:
+    """Every command of the bash block that holds the command starting `prefix`."""
+    blocks = [self._split(body) for lang, body in self.blocks if lang == "bash"]
+    found = [b for b in blocks if any(c.startswith(prefix) for c in b)]
+    assert len(found) == 1, f"README.md has {len(found)} blocks with {prefix!r}"
+    return found[0]
 
-    @staticmethod
-    def argv(command: str, replace: dict[str, str]) -> list[str]:
-        """`command` as an argv with its placeholders (runs/..., ports) replaced.
+  @staticmethod
+  def argv(command: str, replace: dict[str, str]) -> list[str]:
+    """`command` as an argv with its placeholders (runs/..., ports) replaced.
 
-        Every placeholder must occur, so a README edit that drops one fails here.
-        """
-        for old, new in replace.items():
-            assert old in command, f"{old!r} is not in the README command {command!r}"
-            command = command.replace(old, new)
-        argv = shlex.split(command)
-        return [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
+    Every placeholder must occur, so a README edit that drops one fails here.
+    """
+    for old, new in replace.items():
+      assert old in command, f"{old!r} is not in the README command {command!r}"
+      command = command.replace(old, new)
+    argv = shlex.split(command)
+    return [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
 
-    def python(self, containing: str) -> str:
-        """The one ```python block that contains `containing`."""
-        found = [body for lang, body in self.blocks if lang == "python" and containing in body]
-        assert len(found) == 1, f"README.md has {len(found)} python blocks with {containing!r}"
-        return found[0]
+  def python(self, containing: str) -> str:
+    """The one ```python block that contains `containing`."""
+    found = [body for lang, body in self.blocks if lang == "python" and containing in body]
+    assert len(found) == 1, f"README.md has {len(found)} python blocks with {containing!r}"
+    return found[0]
 
 
 @pytest.fixture(scope="session")
 def readme() -> Readme:
-    return Readme()
+  return Readme()
 

@@ -12,144 +12,144 @@ from isojax.budget import BudgetPoint, Ledger, estimate_tokens, format_table, sw
 
 
 def test_point_arithmetic():
-    p = BudgetPoint(bp=32, n=64, m=100)
-    assert p.batch == 2048
-    assert p.compute == 204_800
-    assert p.to_dict() == {"bp": 32, "n": 64, "m": 100, "batch": 2048, "compute": 204_800}
-    assert p.name == "bp32_n64_m100"
+  p = BudgetPoint(bp=32, n=64, m=100)
+  assert p.batch == 2048
+  assert p.compute == 204_800
+  assert p.to_dict() == {"bp": 32, "n": 64, "m": 100, "batch": 2048, "compute": 204_800}
+  assert p.name == "bp32_n64_m100"
 
 
 def test_from_budget_floors_m():
-    # 2e6 rollouts at Bp=32, n=64: M = floor(2_000_000 / 2048) = 976 (976.5625).
-    p = BudgetPoint.from_budget(2e6, bp=32, n=64)
-    assert (p.bp, p.n, p.m) == (32, 64, 976)
-    assert p.compute == 976 * 2048 <= 2_000_000
-    # Exactly one batch fits.
-    assert BudgetPoint.from_budget(96, bp=8, n=12).m == 1
-    # A budget that is not an integer still floors correctly.
-    assert BudgetPoint.from_budget(1000.5, bp=10, n=10).m == 10
-    # Large integer budgets use exact integer division (no float rounding).
-    big = 10**18 + 1
-    assert BudgetPoint.from_budget(big, bp=3, n=1).m == big // 3
+  # 2e6 rollouts at Bp=32, n=64: M = floor(2_000_000 / 2048) = 976 (976.5625).
+  p = BudgetPoint.from_budget(2e6, bp=32, n=64)
+  assert (p.bp, p.n, p.m) == (32, 64, 976)
+  assert p.compute == 976 * 2048 <= 2_000_000
+  # Exactly one batch fits.
+  assert BudgetPoint.from_budget(96, bp=8, n=12).m == 1
+  # A budget that is not an integer still floors correctly.
+  assert BudgetPoint.from_budget(1000.5, bp=10, n=10).m == 10
+  # Large integer budgets use exact integer division (no float rounding).
+  big = 10**18 + 1
+  assert BudgetPoint.from_budget(big, bp=3, n=1).m == big // 3
 
 
 def test_from_budget_zero_updates_names_numbers():
-    with pytest.raises(ValueError) as e:
-        BudgetPoint.from_budget(2047, bp=32, n=64)
-    msg = str(e.value)
-    for num in ("2047", "32", "64", "2048"):
-        assert num in msg
+  with pytest.raises(ValueError) as e:
+    BudgetPoint.from_budget(2047, bp=32, n=64)
+  msg = str(e.value)
+  for num in ("2047", "32", "64", "2048"):
+    assert num in msg
 
 
 @pytest.mark.parametrize("kwargs", [dict(bp=0, n=1, m=1), dict(bp=1, n=-2, m=1),
                                     dict(bp=1, n=1, m=1.5), dict(bp="8", n=1, m=1),
                                     dict(bp=True, n=1, m=1)])
 def test_point_rejects_bad_numbers(kwargs):
-    with pytest.raises(ValueError):
-        BudgetPoint(**kwargs)
+  with pytest.raises(ValueError):
+    BudgetPoint(**kwargs)
 
 
 def test_budget_rejects_non_positive():
-    for c in (0, -5, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="compute"):
-            BudgetPoint.from_budget(c, bp=1, n=1)
+  for c in (0, -5, float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="compute"):
+      BudgetPoint.from_budget(c, bp=1, n=1)
 
 
 def test_validate_b_max_names_numbers():
-    p = BudgetPoint(bp=1024, n=128, m=1)
-    assert p.validate(131_072) is p
-    with pytest.raises(ValueError) as e:
-        p.validate(65_536)
-    for num in ("1024", "128", "131072", "65536"):
-        assert num in str(e.value)
+  p = BudgetPoint(bp=1024, n=128, m=1)
+  assert p.validate(131_072) is p
+  with pytest.raises(ValueError) as e:
+    p.validate(65_536)
+  for num in ("1024", "128", "131072", "65536"):
+    assert num in str(e.value)
 
 
 def test_paper_grid_feasible_counts():
-    # Paper: Bp in 2^5..2^10, n in 2^3..2^11. With Bp*n <= 2^16 (easy) the exponent
-    # pairs (a, b) need a + b <= 16: 9+8+7+6+5+4 = 39 pairs; with 2^14 (hard):
-    # 7+6+5+4+3+2 = 27 pairs (counted by hand).
-    assert budget.PAPER_BP_VALUES == (32, 64, 128, 256, 512, 1024)
-    assert budget.PAPER_N_VALUES == (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-    huge = 2**40
-    easy = sweep_grid(budget.PAPER_BP_VALUES, budget.PAPER_N_VALUES,
-                      b_max=budget.PAPER_B_MAX_EASY, budget=huge)
-    hard = sweep_grid(budget.PAPER_BP_VALUES, budget.PAPER_N_VALUES,
-                      b_max=budget.PAPER_B_MAX_HARD, budget=huge)
-    assert len(easy) == 39
-    assert len(hard) == 27
-    assert all(p.batch <= 65_536 for p in easy)
-    assert max(p.batch for p in hard) == 16_384
-    assert all(p.m == huge // p.batch for p in easy)
-    # The extreme corners.
-    assert BudgetPoint(bp=32, n=2048, m=huge // 65_536) in easy
-    assert BudgetPoint(bp=1024, n=64, m=huge // 65_536) in easy
-    assert not any(p.bp == 1024 and p.n == 128 for p in easy)
+  # Paper: Bp in 2^5..2^10, n in 2^3..2^11. With Bp*n <= 2^16 (easy) the exponent
+  # pairs (a, b) need a + b <= 16: 9+8+7+6+5+4 = 39 pairs; with 2^14 (hard):
+  # 7+6+5+4+3+2 = 27 pairs (counted by hand).
+  assert budget.PAPER_BP_VALUES == (32, 64, 128, 256, 512, 1024)
+  assert budget.PAPER_N_VALUES == (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+  huge = 2**40
+  easy = sweep_grid(budget.PAPER_BP_VALUES, budget.PAPER_N_VALUES,
+                    b_max=budget.PAPER_B_MAX_EASY, budget=huge)
+  hard = sweep_grid(budget.PAPER_BP_VALUES, budget.PAPER_N_VALUES,
+                    b_max=budget.PAPER_B_MAX_HARD, budget=huge)
+  assert len(easy) == 39
+  assert len(hard) == 27
+  assert all(p.batch <= 65_536 for p in easy)
+  assert max(p.batch for p in hard) == 16_384
+  assert all(p.m == huge // p.batch for p in easy)
+  # The extreme corners.
+  assert BudgetPoint(bp=32, n=2048, m=huge // 65_536) in easy
+  assert BudgetPoint(bp=1024, n=64, m=huge // 65_536) in easy
+  assert not any(p.bp == 1024 and p.n == 128 for p in easy)
 
 
 def test_grid_several_budgets_and_infeasible_m():
-    pts = sweep_grid([8, 16], [2, 4, 8], b_max=64, budget=[64, 1000])
-    # Bp*n <= 64 excludes (16, 8) -> 5 pairs per budget; M = floor(C / (Bp*n)).
-    assert len(pts) == 10
-    # Ordered by budget, then Bp, then n.
-    assert [(p.bp, p.n, p.m) for p in pts[:5]] == [(8, 2, 4), (8, 4, 2), (8, 8, 1),
-                                                   (16, 2, 2), (16, 4, 1)]
-    assert [(p.bp, p.n, p.m) for p in pts[5:]] == [(8, 2, 62), (8, 4, 31), (8, 8, 15),
-                                                   (16, 2, 31), (16, 4, 15)]
-    # A budget smaller than a batch drops that pair instead of giving M = 0.
-    pts = sweep_grid([8], [2, 16], b_max=1000, budget=100)
-    assert [(p.n, p.m) for p in pts] == [(2, 6)]
+  pts = sweep_grid([8, 16], [2, 4, 8], b_max=64, budget=[64, 1000])
+  # Bp*n <= 64 excludes (16, 8) -> 5 pairs per budget; M = floor(C / (Bp*n)).
+  assert len(pts) == 10
+  # Ordered by budget, then Bp, then n.
+  assert [(p.bp, p.n, p.m) for p in pts[:5]] == [(8, 2, 4), (8, 4, 2), (8, 8, 1),
+                                                 (16, 2, 2), (16, 4, 1)]
+  assert [(p.bp, p.n, p.m) for p in pts[5:]] == [(8, 2, 62), (8, 4, 31), (8, 8, 15),
+                                                 (16, 2, 31), (16, 4, 15)]
+  # A budget smaller than a batch drops that pair instead of giving M = 0.
+  pts = sweep_grid([8], [2, 16], b_max=1000, budget=100)
+  assert [(p.n, p.m) for p in pts] == [(2, 6)]
 
 
 def test_grid_all_infeasible_names_numbers():
-    with pytest.raises(ValueError) as e:
-        sweep_grid([64], [128], b_max=4096, budget=1e9)
-    assert "4096" in str(e.value) and "64" in str(e.value) and "128" in str(e.value)
+  with pytest.raises(ValueError) as e:
+    sweep_grid([64], [128], b_max=4096, budget=1e9)
+  assert "4096" in str(e.value) and "64" in str(e.value) and "128" in str(e.value)
 
 
 def test_estimate_tokens_and_table():
-    p = BudgetPoint(bp=8, n=4, m=10)
-    assert estimate_tokens(p, 6.5) == 2080
-    assert estimate_tokens(p, 6.5, mean_prompt_tokens=10) == 320 * 16.5
-    table = format_table([p, BudgetPoint(bp=16, n=4, m=5)], mean_response_tokens=6.5)
-    lines = table.splitlines()
-    assert lines[0].split() == ["Bp", "n", "B", "M", "compute", "est_tokens"]
-    assert lines[1].split() == ["8", "4", "32", "10", "320", "2080"]
-    with pytest.raises(ValueError):
-        estimate_tokens(p, -1)
+  p = BudgetPoint(bp=8, n=4, m=10)
+  assert estimate_tokens(p, 6.5) == 2080
+  assert estimate_tokens(p, 6.5, mean_prompt_tokens=10) == 320 * 16.5
+  table = format_table([p, BudgetPoint(bp=16, n=4, m=5)], mean_response_tokens=6.5)
+  lines = table.splitlines()
+  assert lines[0].split() == ["Bp", "n", "B", "M", "compute", "est_tokens"]
+  assert lines[1].split() == ["8", "4", "32", "10", "320", "2080"]
+  with pytest.raises(ValueError):
+    estimate_tokens(p, -1)
 
 
 def test_ledger_counts_dropped_rollouts():
-    led = Ledger()
-    led = led.add(rollouts=32, tokens=200, dropped_rollouts=8, updates=1)
-    led = led.add(rollouts=32, tokens=150, updates=1)
-    assert (led.rollouts, led.tokens, led.dropped_rollouts, led.updates) == (64, 350, 8, 2)
-    with pytest.raises(ValueError, match="dropped"):
-        led.add(rollouts=4, tokens=1, dropped_rollouts=5)
+  led = Ledger()
+  led = led.add(rollouts=32, tokens=200, dropped_rollouts=8, updates=1)
+  led = led.add(rollouts=32, tokens=150, updates=1)
+  assert (led.rollouts, led.tokens, led.dropped_rollouts, led.updates) == (64, 350, 8, 2)
+  with pytest.raises(ValueError, match="dropped"):
+    led.add(rollouts=4, tokens=1, dropped_rollouts=5)
 
-    class FakeRollouts:
-        num_rollouts = 16
-        num_generated_tokens = 77
+  class FakeRollouts:
+    num_rollouts = 16
+    num_generated_tokens = 77
 
-    led2 = led.add_rollouts(FakeRollouts(), dropped_rollouts=16)
-    assert (led2.rollouts, led2.tokens, led2.dropped_rollouts, led2.updates) == (80, 427, 24, 3)
-    assert led.rollouts == 64  # immutable
+  led2 = led.add_rollouts(FakeRollouts(), dropped_rollouts=16)
+  assert (led2.rollouts, led2.tokens, led2.dropped_rollouts, led2.updates) == (80, 427, 24, 3)
+  assert led.rollouts == 64  # immutable
 
 
 def test_ledger_state_round_trip():
-    led = Ledger(rollouts=1000, tokens=12345, dropped_rollouts=10, updates=7)
-    state = led.state_dict()
-    assert json.loads(json.dumps(state)) == state
-    assert Ledger.from_state_dict(state) == led
-    # As orbax restores them: NumPy scalars.
-    assert Ledger.from_state_dict({k: np.asarray(v) for k, v in state.items()}) == led
-    with pytest.raises(ValueError, match="unknown"):
-        Ledger.from_state_dict(state | {"foo": 1})
-    with pytest.raises(ValueError):
-        Ledger(rollouts=-1)
+  led = Ledger(rollouts=1000, tokens=12345, dropped_rollouts=10, updates=7)
+  state = led.state_dict()
+  assert json.loads(json.dumps(state)) == state
+  assert Ledger.from_state_dict(state) == led
+  # As orbax restores them: NumPy scalars.
+  assert Ledger.from_state_dict({k: np.asarray(v) for k, v in state.items()}) == led
+  with pytest.raises(ValueError, match="unknown"):
+    Ledger.from_state_dict(state | {"foo": 1})
+  with pytest.raises(ValueError):
+    Ledger(rollouts=-1)
 
 
 def test_budget_does_not_import_jax():
-    code = "import sys, isojax.budget; print('jax' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-    assert out.stdout.strip() == "False"
+  code = "import sys, isojax.budget; print('jax' in sys.modules)"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True)
+  assert out.stdout.strip() == "False"

@@ -21,14 +21,14 @@ RUN_BY = {
 
 
 def test_every_readme_command_is_run_by_a_test(readme):
-    assert len(readme.commands) >= len(RUN_BY)
-    for command in readme.commands:
-        owners = [prefix for prefix in RUN_BY if command.startswith(prefix)]
-        assert len(owners) == 1, f"README command {command!r} is run by {owners or 'no test'}"
+  assert len(readme.commands) >= len(RUN_BY)
+  for command in readme.commands:
+    owners = [prefix for prefix in RUN_BY if command.startswith(prefix)]
+    assert len(owners) == 1, f"README command {command!r} is run by {owners or 'no test'}"
 
 
 def test_readme_parsing_joins_continuations_and_drops_comments(readme):
-    assert readme.command("make demo") == "make demo"
-    assert readme.command("bash launch/setup_vllm_venv.sh") == "bash launch/setup_vllm_venv.sh"
-    train = readme.command("python -m isojax.main --config=experiments/tiny.py --workdir")
-    assert train.endswith("--config.sampler.vllm_url=http://127.0.0.1:8000"), train
+  assert readme.command("make demo") == "make demo"
+  assert readme.command("bash launch/setup_vllm_venv.sh") == "bash launch/setup_vllm_venv.sh"
+  train = readme.command("python -m isojax.main --config=experiments/tiny.py --workdir")
+  assert train.endswith("--config.sampler.vllm_url=http://127.0.0.1:8000"), train

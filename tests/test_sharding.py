@@ -16,67 +16,67 @@ TINY = dict(architecture="Qwen2ForCausalLM", vocab_size=128, hidden_size=64,
 
 
 def test_make_mesh_sizes_and_errors():
-    mesh = sharding.make_mesh(data=2, fsdp=-1, tensor=2)
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
-    assert sharding.make_mesh().shape["fsdp"] == 8
-    assert sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]).size == 1
-    with pytest.raises(ValueError, match="3 = 3 != 8 devices|!= 8 devices"):
-        sharding.make_mesh(data=3, fsdp=1, tensor=1)
-    with pytest.raises(ValueError, match="do not split"):
-        sharding.make_mesh(data=3, fsdp=-1)
-    with pytest.raises(ValueError, match="at most one"):
-        sharding.make_mesh(data=-1, fsdp=-1)
+  mesh = sharding.make_mesh(data=2, fsdp=-1, tensor=2)
+  assert mesh.axis_names == ("data", "fsdp", "tensor")
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert sharding.make_mesh().shape["fsdp"] == 8
+  assert sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]).size == 1
+  with pytest.raises(ValueError, match="3 = 3 != 8 devices|!= 8 devices"):
+    sharding.make_mesh(data=3, fsdp=1, tensor=1)
+  with pytest.raises(ValueError, match="do not split"):
+    sharding.make_mesh(data=3, fsdp=-1)
+  with pytest.raises(ValueError, match="at most one"):
+    sharding.make_mesh(data=-1, fsdp=-1)
 
 
 def test_logical_to_spec():
-    assert sharding.logical_to_spec(("vocab", "embed")) == P("tensor", "fsdp")
-    assert sharding.logical_to_spec(("batch", "length")) == P(("data", "fsdp"), None)
-    assert sharding.logical_to_spec(("heads", "head_dim", "embed")) == P("tensor", None, "fsdp")
-    assert sharding.logical_to_spec(("unknown",)) == P(None)
-    assert sharding.logical_to_spec(None) == P()
-    # A mesh axis is used once per spec: the second "mlp" cannot take "tensor" again.
-    assert sharding.logical_to_spec(("mlp", "mlp")) == P("tensor", None)
-    rules = (("embed", ("fsdp", "tensor")), ("mlp", "tensor"))
-    assert sharding.logical_to_spec(("embed", "mlp"), rules) == P(("fsdp", "tensor"), None)
+  assert sharding.logical_to_spec(("vocab", "embed")) == P("tensor", "fsdp")
+  assert sharding.logical_to_spec(("batch", "length")) == P(("data", "fsdp"), None)
+  assert sharding.logical_to_spec(("heads", "head_dim", "embed")) == P("tensor", None, "fsdp")
+  assert sharding.logical_to_spec(("unknown",)) == P(None)
+  assert sharding.logical_to_spec(None) == P()
+  # A mesh axis is used once per spec: the second "mlp" cannot take "tensor" again.
+  assert sharding.logical_to_spec(("mlp", "mlp")) == P("tensor", None)
+  rules = (("embed", ("fsdp", "tensor")), ("mlp", "tensor"))
+  assert sharding.logical_to_spec(("embed", "mlp"), rules) == P(("fsdp", "tensor"), None)
 
 
 def test_state_shardings_follow_param_metadata_and_fall_back_when_indivisible():
-    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-    cfg = ModelConfig(**TINY)
-    state = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
-    shard = sharding.state_shardings(state, mesh)
-    assert shard["embed"].spec == P("tensor", "fsdp")
-    assert shard["layers"][0]["attn"]["q_kernel"].spec == P("fsdp", "tensor", None)
-    assert shard["layers"][0]["mlp"]["down_kernel"].spec == P("tensor", "fsdp")
-    assert shard["norm"]["scale"].spec == P(None)
-    # One kv head cannot be split over tensor=2: that dimension is replicated.
-    cfg1 = ModelConfig(**{**TINY, "num_kv_heads": 1})
-    state1 = nnx.state(nnx.eval_shape(lambda: Decoder(cfg1, rngs=nnx.Rngs(0))))
-    shard1 = sharding.state_shardings(state1, mesh)
-    assert shard1["layers"][0]["attn"]["k_kernel"].spec == P("fsdp", None, None)
-    # Plain arrays (e.g. an optimizer step counter) are replicated.
-    plain = sharding.state_shardings({"count": jnp.zeros(()), "m": jnp.zeros((8, 4))}, mesh)
-    assert plain["count"].is_fully_replicated and plain["m"].is_fully_replicated
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  cfg = ModelConfig(**TINY)
+  state = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+  shard = sharding.state_shardings(state, mesh)
+  assert shard["embed"].spec == P("tensor", "fsdp")
+  assert shard["layers"][0]["attn"]["q_kernel"].spec == P("fsdp", "tensor", None)
+  assert shard["layers"][0]["mlp"]["down_kernel"].spec == P("tensor", "fsdp")
+  assert shard["norm"]["scale"].spec == P(None)
+  # One kv head cannot be split over tensor=2: that dimension is replicated.
+  cfg1 = ModelConfig(**{**TINY, "num_kv_heads": 1})
+  state1 = nnx.state(nnx.eval_shape(lambda: Decoder(cfg1, rngs=nnx.Rngs(0))))
+  shard1 = sharding.state_shardings(state1, mesh)
+  assert shard1["layers"][0]["attn"]["k_kernel"].spec == P("fsdp", None, None)
+  # Plain arrays (e.g. an optimizer step counter) are replicated.
+  plain = sharding.state_shardings({"count": jnp.zeros(()), "m": jnp.zeros((8, 4))}, mesh)
+  assert plain["count"].is_fully_replicated and plain["m"].is_fully_replicated
 
 
 def test_state_shardings_drive_jit_init_without_materialising_on_one_device():
-    mesh = sharding.make_mesh(data=1, fsdp=4, tensor=2)
-    cfg = ModelConfig(**TINY)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
-    shard = sharding.state_shardings(abstract, mesh)
-    state = jax.jit(lambda: nnx.state(Decoder(cfg, rngs=nnx.Rngs(0))), out_shardings=shard)()
-    q = state["layers"][0]["attn"]["q_kernel"][...]
-    assert q.sharding.spec == P("fsdp", "tensor", None)
-    assert q.addressable_shards[0].data.shape == (16, 2, 16)
-    model = nnx.merge(graphdef, state)
-    assert jax.jit(lambda m, x: m(x))(model, jnp.zeros((2, 3), jnp.int32)).shape == (2, 3, 128)
+  mesh = sharding.make_mesh(data=1, fsdp=4, tensor=2)
+  cfg = ModelConfig(**TINY)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+  shard = sharding.state_shardings(abstract, mesh)
+  state = jax.jit(lambda: nnx.state(Decoder(cfg, rngs=nnx.Rngs(0))), out_shardings=shard)()
+  q = state["layers"][0]["attn"]["q_kernel"][...]
+  assert q.sharding.spec == P("fsdp", "tensor", None)
+  assert q.addressable_shards[0].data.shape == (16, 2, 16)
+  model = nnx.merge(graphdef, state)
+  assert jax.jit(lambda m, x: m(x))(model, jnp.zeros((2, 3), jnp.int32)).shape == (2, 3, 128)
 
 
 def test_batch_sharding_and_distributed_noop(monkeypatch):
-    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-    x = jax.device_put(np.zeros((8, 5), np.float32), sharding.batch_sharding(mesh))
-    assert x.addressable_shards[0].data.shape == (2, 5)  # 8 rows over data x fsdp = 4
-    for var in ("SLURM_JOB_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    assert sharding.initialize_distributed() is False  # single process: nothing to start
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  x = jax.device_put(np.zeros((8, 5), np.float32), sharding.batch_sharding(mesh))
+  assert x.addressable_shards[0].data.shape == (2, 5)  # 8 rows over data x fsdp = 4
+  for var in ("SLURM_JOB_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    monkeypatch.delenv(var, raising=False)
+  assert sharding.initialize_distributed() is False  # single process: nothing to start

@@ -65,322 +65,322 @@ FAKE_RUNNER = textwrap.dedent('''
 
 @pytest.fixture
 def fake_runner(tmp_path):
-    path = tmp_path / "fake_runner.py"
-    path.write_text(FAKE_RUNNER)
-    return str(path)
+  path = tmp_path / "fake_runner.py"
+  path.write_text(FAKE_RUNNER)
+  return str(path)
 
 
 def _env(**extra):
-    env = dict(os.environ)
-    # One CPU device per run: the tests' 8 fake devices would only slow the trainer.
-    env["XLA_FLAGS"] = ""
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+  env = dict(os.environ)
+  # One CPU device per run: the tests' 8 fake devices would only slow the trainer.
+  env["XLA_FLAGS"] = ""
+  env.update({k: str(v) for k, v in extra.items()})
+  return env
 
 
 def _launch(*args, env=None, check=True, timeout=120):
-    proc = subprocess.run([sys.executable, LAUNCHER, *args], cwd=REPO, env=env or _env(),
-                          capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"launcher failed ({proc.returncode}):\n{proc.stdout}\n"
-                             f"{proc.stderr}")
-    return proc
+  proc = subprocess.run([sys.executable, LAUNCHER, *args], cwd=REPO, env=env or _env(),
+                        capture_output=True, text=True, timeout=timeout)
+  if check and proc.returncode != 0:
+    raise AssertionError(f"launcher failed ({proc.returncode}):\n{proc.stdout}\n"
+                         f"{proc.stderr}")
+  return proc
 
 
 def _attempts(run_dir):
-    with open(os.path.join(run_dir, sweep.ATTEMPTS_FILE)) as f:
-        return [json.loads(line) for line in f]
+  with open(os.path.join(run_dir, sweep.ATTEMPTS_FILE)) as f:
+    return [json.loads(line) for line in f]
 
 
 def _starts(run_dir):
-    with open(os.path.join(run_dir, "starts.log")) as f:
-        return f.read().splitlines()
+  with open(os.path.join(run_dir, "starts.log")) as f:
+    return f.read().splitlines()
 
 
 # ------------------------------------------------------------------- points and names
 
 def test_expand_points_matches_hand_computed_grid():
-    points = sweep.expand_points([4, 8], [2, 4, 64], b_max=64, budgets=[1000], seeds=[0, 1])
-    # Bp*n <= 64 excludes (4, 64) and (8, 64); M = floor(1000 / (Bp*n)).
-    expected = {(4, 2, 125), (4, 4, 62), (8, 2, 62), (8, 4, 31)}
-    assert {(p.point.bp, p.point.n, p.point.m) for p in points} == expected
-    assert len(points) == 2 * len(expected)
-    names = {p.name for p in points}
-    assert "bp4_n4_m62_s1" in names and "bp8_n4_m31_s0" in names
-    assert len(names) == len(points)
+  points = sweep.expand_points([4, 8], [2, 4, 64], b_max=64, budgets=[1000], seeds=[0, 1])
+  # Bp*n <= 64 excludes (4, 64) and (8, 64); M = floor(1000 / (Bp*n)).
+  expected = {(4, 2, 125), (4, 4, 62), (8, 2, 62), (8, 4, 31)}
+  assert {(p.point.bp, p.point.n, p.point.m) for p in points} == expected
+  assert len(points) == 2 * len(expected)
+  names = {p.name for p in points}
+  assert "bp4_n4_m62_s1" in names and "bp8_n4_m31_s0" in names
+  assert len(names) == len(points)
 
 
 def test_expand_points_rejects_bad_input():
-    with pytest.raises(ValueError, match="seeds"):
-        sweep.expand_points([4], [2], b_max=64, budgets=[100], seeds=[])
-    with pytest.raises(ValueError, match="b_max"):
-        sweep.expand_points([64], [64], b_max=16, budgets=[1e6])
+  with pytest.raises(ValueError, match="seeds"):
+    sweep.expand_points([4], [2], b_max=64, budgets=[100], seeds=[])
+  with pytest.raises(ValueError, match="b_max"):
+    sweep.expand_points([64], [64], b_max=16, budgets=[1e6])
 
 
 def test_command_passes_the_point_through_unchanged():
-    sp = sweep.SweepPoint(budget.BudgetPoint(bp=8, n=4, m=31), seed=2)
-    s = sweep.Sweep(config=TINY, root="runs/x", points=(sp,), python="py",
-                    extra_args=("--config.eval_every=2",))
-    assert s.command(sp) == ["py", "-m", "isojax.main",
-                             "--config=experiments/tiny.py:bp=8,n=4,budget=992",
-                             "--workdir=runs/x/bp8_n4_m31_s2", "--config.seed=2",
-                             "--config.eval_every=2"]
-    # The budget written in the command gives back exactly this point's M.
-    assert budget.BudgetPoint.from_budget(992, bp=8, n=4) == sp.point
+  sp = sweep.SweepPoint(budget.BudgetPoint(bp=8, n=4, m=31), seed=2)
+  s = sweep.Sweep(config=TINY, root="runs/x", points=(sp,), python="py",
+                  extra_args=("--config.eval_every=2",))
+  assert s.command(sp) == ["py", "-m", "isojax.main",
+                           "--config=experiments/tiny.py:bp=8,n=4,budget=992",
+                           "--workdir=runs/x/bp8_n4_m31_s2", "--config.seed=2",
+                           "--config.eval_every=2"]
+  # The budget written in the command gives back exactly this point's M.
+  assert budget.BudgetPoint.from_budget(992, bp=8, n=4) == sp.point
 
 
 def test_plan_reads_grid_defaults_from_the_experiment_file(monkeypatch):
-    monkeypatch.chdir(REPO)
-    plan, config = sweep.plan_sweep(TINY, "runs/t")
-    expected = budget.sweep_grid(config.sweep.bp_values, config.sweep.n_values,
-                                 b_max=config.b_max, budget=config.sweep.budgets)
-    assert [sp.point for sp in plan.points] == expected
-    with pytest.raises(ValueError, match="experiment file alone"):
-        sweep.plan_sweep(TINY + ":bp=8", "runs/t")
-    with pytest.raises(ValueError, match="does not exist"):
-        sweep.plan_sweep("experiments/nope.py", "runs/t")
+  monkeypatch.chdir(REPO)
+  plan, config = sweep.plan_sweep(TINY, "runs/t")
+  expected = budget.sweep_grid(config.sweep.bp_values, config.sweep.n_values,
+                               b_max=config.b_max, budget=config.sweep.budgets)
+  assert [sp.point for sp in plan.points] == expected
+  with pytest.raises(ValueError, match="experiment file alone"):
+    sweep.plan_sweep(TINY + ":bp=8", "runs/t")
+  with pytest.raises(ValueError, match="does not exist"):
+    sweep.plan_sweep("experiments/nope.py", "runs/t")
 
 
 def test_default_concurrency_and_env():
-    assert sweep.default_concurrency(cpus=2, accelerator=False) == 2
-    assert sweep.default_concurrency(cpus=16, accelerator=False) == 16
-    assert sweep.default_concurrency(cpus=16, accelerator=True) == 1
-    env = sweep.run_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
-                        threads=1)
-    assert env["OMP_NUM_THREADS"] == "1"
-    assert env["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=2 ")
-    assert "--xla_cpu_multi_thread_eigen=false" in env["XLA_FLAGS"]
-    assert "multi_thread_eigen" not in sweep.run_env({}, threads=4).get("XLA_FLAGS", "")
+  assert sweep.default_concurrency(cpus=2, accelerator=False) == 2
+  assert sweep.default_concurrency(cpus=16, accelerator=False) == 16
+  assert sweep.default_concurrency(cpus=16, accelerator=True) == 1
+  env = sweep.run_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+                      threads=1)
+  assert env["OMP_NUM_THREADS"] == "1"
+  assert env["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=2 ")
+  assert "--xla_cpu_multi_thread_eigen=false" in env["XLA_FLAGS"]
+  assert "multi_thread_eigen" not in sweep.run_env({}, threads=4).get("XLA_FLAGS", "")
 
 
 # ------------------------------------------------------------------------------ dry run
 
 def test_dry_run_prints_only_the_table(tmp_path):
-    root = tmp_path / "dry"
-    proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=8,4", "--n=2,4,128",
-                   "--budget=1000,2048", "--b_max=256", "--seeds=0,1", "--dry_run")
-    assert not root.exists()
-    lines = proc.stdout.strip().splitlines()
-    assert lines[0].split() == ["run", "Bp", "n", "B", "M", "compute", "est_tokens"]
-    rows = [line.split() for line in lines[1:-1]]
-    max_tokens = 8  # experiments/tiny.py: sampler.max_tokens
-    expected = []
-    for c in (1000, 2048):
-        for bp in (4, 8):
-            for n in (2, 4, 128):
-                if bp * n > 256 or bp * n > c:
-                    continue
-                m = c // (bp * n)
-                for s in (0, 1):
-                    expected.append([f"bp{bp}_n{n}_m{m}_s{s}", str(bp), str(n),
-                                     str(bp * n), str(m), str(bp * n * m),
-                                     str(bp * n * m * max_tokens)])
-    assert sorted(rows) == sorted(expected)
-    total = lines[-1].split()
-    assert total == ["total", str(sum(int(r[5]) for r in expected)),
-                     str(sum(int(r[6]) for r in expected))]
+  root = tmp_path / "dry"
+  proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=8,4", "--n=2,4,128",
+                 "--budget=1000,2048", "--b_max=256", "--seeds=0,1", "--dry_run")
+  assert not root.exists()
+  lines = proc.stdout.strip().splitlines()
+  assert lines[0].split() == ["run", "Bp", "n", "B", "M", "compute", "est_tokens"]
+  rows = [line.split() for line in lines[1:-1]]
+  max_tokens = 8  # experiments/tiny.py: sampler.max_tokens
+  expected = []
+  for c in (1000, 2048):
+    for bp in (4, 8):
+      for n in (2, 4, 128):
+        if bp * n > 256 or bp * n > c:
+          continue
+        m = c // (bp * n)
+        for s in (0, 1):
+          expected.append([f"bp{bp}_n{n}_m{m}_s{s}", str(bp), str(n),
+                           str(bp * n), str(m), str(bp * n * m),
+                           str(bp * n * m * max_tokens)])
+  assert sorted(rows) == sorted(expected)
+  total = lines[-1].split()
+  assert total == ["total", str(sum(int(r[5]) for r in expected)),
+                   str(sum(int(r[6]) for r in expected))]
 
 
 def test_readme_sweep_command_prints_its_table(readme, tmp_path):
-    root = tmp_path / "tiny"
-    argv = readme.argv(readme.command("python launch/sweep.py"), {"runs/tiny": str(root)})
-    assert argv[-1] == "--dry_run", argv
-    proc = subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    names = [line.split()[0] for line in proc.stdout.strip().splitlines()[1:-1]]
-    assert sorted(names) == sorted(f"bp8_n{n}_m{c // (8 * n)}_s{s}" for n in (2, 4, 8)
-                                   for c in (1024, 4096) for s in (0, 1))
-    assert not root.exists()
+  root = tmp_path / "tiny"
+  argv = readme.argv(readme.command("python launch/sweep.py"), {"runs/tiny": str(root)})
+  assert argv[-1] == "--dry_run", argv
+  proc = subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  names = [line.split()[0] for line in proc.stdout.strip().splitlines()[1:-1]]
+  assert sorted(names) == sorted(f"bp8_n{n}_m{c // (8 * n)}_s{s}" for n in (2, 4, 8)
+                                 for c in (1024, 4096) for s in (0, 1))
+  assert not root.exists()
 
 
 # --------------------------------------------------------------------- local execution
 
 def test_failure_is_reported_with_log_tail_and_the_sweep_goes_on(tmp_path, fake_runner):
-    root = tmp_path / "fail"
-    proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=4", "--n=2,4",
-                   "--budget=64", "--max_concurrent=2", f"--runner={fake_runner}",
-                   env=_env(FAKE_FAIL="bp4_n2_m8_s0"), check=False)
-    assert proc.returncode == 1
-    assert "FAILED bp4_n2_m8_s0: exit code 3" in proc.stdout
-    assert "fake runner: something broke in bp4_n2_m8_s0" in proc.stdout  # the log tail
-    assert os.path.exists(root / "bp4_n4_m4_s0" / "DONE")
-    assert not os.path.exists(root / "bp4_n2_m8_s0" / "DONE")
-    # The rerun retries only the failed point.
-    proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=4", "--n=2,4",
-                   "--budget=64", f"--runner={fake_runner}")
-    assert "skip   bp4_n4_m4_s0" in proc.stdout
-    assert os.path.exists(root / "bp4_n2_m8_s0" / "DONE")
-    assert _starts(root / "bp4_n4_m4_s0") == ["run started fresh"]
+  root = tmp_path / "fail"
+  proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=4", "--n=2,4",
+                 "--budget=64", "--max_concurrent=2", f"--runner={fake_runner}",
+                 env=_env(FAKE_FAIL="bp4_n2_m8_s0"), check=False)
+  assert proc.returncode == 1
+  assert "FAILED bp4_n2_m8_s0: exit code 3" in proc.stdout
+  assert "fake runner: something broke in bp4_n2_m8_s0" in proc.stdout  # the log tail
+  assert os.path.exists(root / "bp4_n4_m4_s0" / "DONE")
+  assert not os.path.exists(root / "bp4_n2_m8_s0" / "DONE")
+  # The rerun retries only the failed point.
+  proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=4", "--n=2,4",
+                 "--budget=64", f"--runner={fake_runner}")
+  assert "skip   bp4_n4_m4_s0" in proc.stdout
+  assert os.path.exists(root / "bp4_n2_m8_s0" / "DONE")
+  assert _starts(root / "bp4_n4_m4_s0") == ["run started fresh"]
 
 
 def test_two_launchers_never_run_the_same_point(tmp_path, fake_runner):
-    root = tmp_path / "two"
-    args = [sys.executable, LAUNCHER, f"--config={TINY}", f"--root={root}", "--bp=4",
-            "--n=1,2,4,8", "--budget=64", "--max_concurrent=2", f"--runner={fake_runner}",
-            "--status_every=1"]
-    env = _env(FAKE_STEP_S=0.05)
-    procs = [subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    names = [sp.name for sp in sweep.expand_points([4], [1, 2, 4, 8], b_max=64,
-                                                   budgets=[64])]
-    for name in names:
-        run_dir = root / name
-        assert os.path.exists(run_dir / "DONE")
-        assert _starts(run_dir) == ["run started fresh"], name
-        starts = [a for a in _attempts(run_dir) if a["event"] == "start"]
-        assert len(starts) == 1, (name, outs)
-    # Each point ran under exactly one of the launchers.
-    launched = sum(out.count("start  ") for out in outs)
-    assert launched == len(names), outs
+  root = tmp_path / "two"
+  args = [sys.executable, LAUNCHER, f"--config={TINY}", f"--root={root}", "--bp=4",
+          "--n=1,2,4,8", "--budget=64", "--max_concurrent=2", f"--runner={fake_runner}",
+          "--status_every=1"]
+  env = _env(FAKE_STEP_S=0.05)
+  procs = [subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+  outs = [p.communicate(timeout=120)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs
+  names = [sp.name for sp in sweep.expand_points([4], [1, 2, 4, 8], b_max=64,
+                                                 budgets=[64])]
+  for name in names:
+    run_dir = root / name
+    assert os.path.exists(run_dir / "DONE")
+    assert _starts(run_dir) == ["run started fresh"], name
+    starts = [a for a in _attempts(run_dir) if a["event"] == "start"]
+    assert len(starts) == 1, (name, outs)
+  # Each point ran under exactly one of the launchers.
+  launched = sum(out.count("start  ") for out in outs)
+  assert launched == len(names), outs
 
 
 def _wait_for(predicate, timeout=60.0, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if predicate():
+      return
+    time.sleep(0.05)
+  raise AssertionError(f"timed out waiting for {what}")
 
 
 def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by init) counts as dead.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  # A zombie (exited, not yet reaped by init) counts as dead.
+  with open(f"/proc/{pid}/stat") as f:
+    return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_killed_launcher_stops_its_run_and_releases_the_lock(tmp_path, fake_runner):
-    root = tmp_path / "kill"
-    run_dir = root / "bp4_n2_m200_s0"
-    proc = subprocess.Popen(
-        [sys.executable, LAUNCHER, f"--config={TINY}", f"--root={root}", "--bp=4",
-         "--n=2", "--budget=1600", f"--runner={fake_runner}"],
-        cwd=REPO, env=_env(FAKE_STEP_S=0.05), stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
-    _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), what="the run to start")
-    run_pid = _attempts(run_dir)[0]["pid"]
-    assert sweep.try_lock(str(run_dir)) is None  # held while the run lives
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    _wait_for(lambda: not _alive(run_pid), timeout=20, what="the orphaned run to stop")
-    fd = sweep.try_lock(str(run_dir))
-    assert fd is not None
-    os.close(fd)
-    assert not (run_dir / "DONE").exists()
+  root = tmp_path / "kill"
+  run_dir = root / "bp4_n2_m200_s0"
+  proc = subprocess.Popen(
+      [sys.executable, LAUNCHER, f"--config={TINY}", f"--root={root}", "--bp=4",
+       "--n=2", "--budget=1600", f"--runner={fake_runner}"],
+      cwd=REPO, env=_env(FAKE_STEP_S=0.05), stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL)
+  _wait_for(lambda: (run_dir / "metrics.jsonl").exists(), what="the run to start")
+  run_pid = _attempts(run_dir)[0]["pid"]
+  assert sweep.try_lock(str(run_dir)) is None  # held while the run lives
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  _wait_for(lambda: not _alive(run_pid), timeout=20, what="the orphaned run to stop")
+  fd = sweep.try_lock(str(run_dir))
+  assert fd is not None
+  os.close(fd)
+  assert not (run_dir / "DONE").exists()
 
 
 # ------------------------------------------------------------------------------- SLURM
 
 def test_slurm_array_script_one_task_per_point(tmp_path, fake_runner):
-    root = tmp_path / "slurm"
-    proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=4,8", "--n=2,4",
-                   "--budget=64", "--seeds=0,1", "--slurm", "--partition=gpu",
-                   "--time=01:00:00", f"--runner={fake_runner}", "--",
-                   "--config.eval_every=2")
-    script = (root / "slurm" / "sweep.sbatch").read_text()
-    spec = json.loads((root / "slurm" / "points.json").read_text())
-    names = [f"bp{bp}_n{n}_m{64 // (bp * n)}_s{s}"
-             for bp, n in ((4, 2), (4, 4), (8, 2), (8, 4)) for s in (0, 1)]
-    assert sorted(e["name"] for e in spec["points"]) == sorted(names)
-    assert "#SBATCH --array=0-7\n" in script
-    assert "#SBATCH --nodes=1\n" in script and "#SBATCH --partition=gpu\n" in script
-    assert "#SBATCH --time=01:00:00\n" in script
-    assert '--task_index="${SLURM_ARRAY_TASK_ID}"' in script
-    assert "wrote" in proc.stdout and not any((root / n).exists() for n in names)
-    for i, entry in enumerate(spec["points"]):
-        assert entry["index"] == i and f"#   task {i}: {entry['name']}\n" in script
-        bp, n, m, s = (int(x[1:] if x[0] != "b" else x[2:])
-                       for x in entry["name"].split("_"))
-        assert entry["command"] == [
-            sys.executable, fake_runner, f"--config={TINY}:bp={bp},n={n},budget={bp*n*m}",
-            f"--workdir={root}/{entry['name']}", f"--config.seed={s}",
-            "--config.eval_every=2"]
-    # The script itself, given an array index, runs exactly that point.
-    env = _env(SLURM_ARRAY_TASK_ID=3)
-    subprocess.run(["bash", str(root / "slurm" / "sweep.sbatch")], env=env, check=True,
-                   capture_output=True, timeout=60)
-    done = [e["name"] for e in spec["points"] if (root / e["name"] / "DONE").exists()]
-    assert done == [spec["points"][3]["name"]]
-    # A finished task is skipped when the array task is rerun (e.g. requeued).
-    out = subprocess.run(["bash", str(root / "slurm" / "sweep.sbatch")], env=env,
-                         check=True, capture_output=True, text=True, timeout=60).stdout
-    assert "skip" in out and _starts(root / done[0]) == ["run started fresh"]
+  root = tmp_path / "slurm"
+  proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=4,8", "--n=2,4",
+                 "--budget=64", "--seeds=0,1", "--slurm", "--partition=gpu",
+                 "--time=01:00:00", f"--runner={fake_runner}", "--",
+                 "--config.eval_every=2")
+  script = (root / "slurm" / "sweep.sbatch").read_text()
+  spec = json.loads((root / "slurm" / "points.json").read_text())
+  names = [f"bp{bp}_n{n}_m{64 // (bp * n)}_s{s}"
+           for bp, n in ((4, 2), (4, 4), (8, 2), (8, 4)) for s in (0, 1)]
+  assert sorted(e["name"] for e in spec["points"]) == sorted(names)
+  assert "#SBATCH --array=0-7\n" in script
+  assert "#SBATCH --nodes=1\n" in script and "#SBATCH --partition=gpu\n" in script
+  assert "#SBATCH --time=01:00:00\n" in script
+  assert '--task_index="${SLURM_ARRAY_TASK_ID}"' in script
+  assert "wrote" in proc.stdout and not any((root / n).exists() for n in names)
+  for i, entry in enumerate(spec["points"]):
+    assert entry["index"] == i and f"#   task {i}: {entry['name']}\n" in script
+    bp, n, m, s = (int(x[1:] if x[0] != "b" else x[2:])
+                   for x in entry["name"].split("_"))
+    assert entry["command"] == [
+        sys.executable, fake_runner, f"--config={TINY}:bp={bp},n={n},budget={bp*n*m}",
+        f"--workdir={root}/{entry['name']}", f"--config.seed={s}",
+        "--config.eval_every=2"]
+  # The script itself, given an array index, runs exactly that point.
+  env = _env(SLURM_ARRAY_TASK_ID=3)
+  subprocess.run(["bash", str(root / "slurm" / "sweep.sbatch")], env=env, check=True,
+                 capture_output=True, timeout=60)
+  done = [e["name"] for e in spec["points"] if (root / e["name"] / "DONE").exists()]
+  assert done == [spec["points"][3]["name"]]
+  # A finished task is skipped when the array task is rerun (e.g. requeued).
+  out = subprocess.run(["bash", str(root / "slurm" / "sweep.sbatch")], env=env,
+                       check=True, capture_output=True, text=True, timeout=60).stdout
+  assert "skip" in out and _starts(root / done[0]) == ["run started fresh"]
 
 
 def test_slurm_multi_node_runs_each_node_under_jax_distributed(tmp_path):
-    root = tmp_path / "mn"
-    _launch(f"--config={TINY}", f"--root={root}", "--bp=8", "--n=4", "--budget=64",
-            "--slurm", "--nodes=2", "--gpus_per_node=8")
-    script = (root / "slurm" / "sweep.sbatch").read_text()
-    spec = json.loads((root / "slurm" / "points.json").read_text())
-    assert "#SBATCH --array=0-0\n" in script and "#SBATCH --nodes=2\n" in script
-    assert "#SBATCH --gpus-per-node=8\n" in script and spec["nodes"] == 2
-    cmd = slurm.task_command(spec["points"][0]["command"], nodes=2)
-    assert cmd[:4] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
-    assert cmd[4] == sys.executable and cmd[5] == "-c"
-    assert "initialize_distributed()" in cmd[6]
-    assert cmd[7:] == spec["points"][0]["command"][2:]  # isojax.main and its flags
-    assert slurm.task_command(["py", "-m", "isojax.main"], nodes=1) == [
-        "py", "-m", "isojax.main"]
-    with pytest.raises(ValueError, match="task index 5 out of range"):
-        slurm.load_task(str(root / "slurm" / "points.json"), 5)
+  root = tmp_path / "mn"
+  _launch(f"--config={TINY}", f"--root={root}", "--bp=8", "--n=4", "--budget=64",
+          "--slurm", "--nodes=2", "--gpus_per_node=8")
+  script = (root / "slurm" / "sweep.sbatch").read_text()
+  spec = json.loads((root / "slurm" / "points.json").read_text())
+  assert "#SBATCH --array=0-0\n" in script and "#SBATCH --nodes=2\n" in script
+  assert "#SBATCH --gpus-per-node=8\n" in script and spec["nodes"] == 2
+  cmd = slurm.task_command(spec["points"][0]["command"], nodes=2)
+  assert cmd[:4] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+  assert cmd[4] == sys.executable and cmd[5] == "-c"
+  assert "initialize_distributed()" in cmd[6]
+  assert cmd[7:] == spec["points"][0]["command"][2:]  # isojax.main and its flags
+  assert slurm.task_command(["py", "-m", "isojax.main"], nodes=1) == [
+      "py", "-m", "isojax.main"]
+  with pytest.raises(ValueError, match="task index 5 out of range"):
+    slurm.load_task(str(root / "slurm" / "points.json"), 5)
 
 
 def test_slurm_vllm_config_starts_a_server_per_task(tmp_path, fake_runner, monkeypatch):
-    root = tmp_path / "vllm"
-    _launch(f"--config={TINY}", f"--root={root}", "--bp=4", "--n=2,4", "--budget=64",
-            "--slurm", f"--runner={fake_runner}", "--", "--config.sampler.backend=vllm")
-    points_file = str(root / "slurm" / "points.json")
-    spec = json.loads(open(points_file).read())
-    assert spec["vllm_model"] == sweep.BASE_MODEL_DIR  # model.path "" = the base model
-    assert "vLLM server" in (root / "slurm" / "sweep.sbatch").read_text()
+  root = tmp_path / "vllm"
+  _launch(f"--config={TINY}", f"--root={root}", "--bp=4", "--n=2,4", "--budget=64",
+          "--slurm", f"--runner={fake_runner}", "--", "--config.sampler.backend=vllm")
+  points_file = str(root / "slurm" / "points.json")
+  spec = json.loads(open(points_file).read())
+  assert spec["vllm_model"] == sweep.BASE_MODEL_DIR  # model.path "" = the base model
+  assert "vLLM server" in (root / "slurm" / "sweep.sbatch").read_text()
 
-    events = []
+  events = []
 
-    class FakeServer:  # stands in for isojax.rollout.vllm_server.VLLMServer
-        def __init__(self, model_dir, *, workdir, startup_timeout_s):
-            events.append(("init", model_dir, os.path.basename(workdir)))
-            self.base_url = "http://127.0.0.1:54321"
+  class FakeServer:  # stands in for isojax.rollout.vllm_server.VLLMServer
+    def __init__(self, model_dir, *, workdir, startup_timeout_s):
+      events.append(("init", model_dir, os.path.basename(workdir)))
+      self.base_url = "http://127.0.0.1:54321"
 
-        def start(self):
-            events.append(("start",))
-            return self
+    def start(self):
+      events.append(("start",))
+      return self
 
-        def stop(self):
-            events.append(("stop", (root / spec["points"][1]["name"] / "DONE").exists()))
+    def stop(self):
+      events.append(("stop", (root / spec["points"][1]["name"] / "DONE").exists()))
 
-    import isojax.rollout.vllm_server as vllm_server
-    monkeypatch.setattr(vllm_server, "VLLMServer", FakeServer)
-    monkeypatch.chdir(REPO)
-    monkeypatch.setenv("XLA_FLAGS", "")
-    assert slurm.run_task(points_file, 1, print_fn=lambda *_: None) == 0
-    # The server came up before the run, which was pointed at it, and went down after.
-    assert events == [("init", sweep.BASE_MODEL_DIR, "vllm"), ("start",), ("stop", True)]
-    argv = json.loads((root / spec["points"][1]["name"] / "argv.json").read_text())
-    assert argv == spec["points"][1]["command"][2:] + [
-        "--config.sampler.vllm_url=http://127.0.0.1:54321"]
-    # Multi-node points cannot reach a loopback server on the first node: refused.
-    proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=4", "--n=2", "--budget=64",
-                   "--slurm", "--nodes=2", "--", "--config.sampler.backend=vllm",
-                   check=False)
-    assert proc.returncode != 0 and "--nodes=1" in proc.stderr
+  import isojax.rollout.vllm_server as vllm_server
+  monkeypatch.setattr(vllm_server, "VLLMServer", FakeServer)
+  monkeypatch.chdir(REPO)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  assert slurm.run_task(points_file, 1, print_fn=lambda *_: None) == 0
+  # The server came up before the run, which was pointed at it, and went down after.
+  assert events == [("init", sweep.BASE_MODEL_DIR, "vllm"), ("start",), ("stop", True)]
+  argv = json.loads((root / spec["points"][1]["name"] / "argv.json").read_text())
+  assert argv == spec["points"][1]["command"][2:] + [
+      "--config.sampler.vllm_url=http://127.0.0.1:54321"]
+  # Multi-node points cannot reach a loopback server on the first node: refused.
+  proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=4", "--n=2", "--budget=64",
+                 "--slurm", "--nodes=2", "--", "--config.sampler.backend=vllm",
+                 check=False)
+  assert proc.returncode != 0 and "--nodes=1" in proc.stderr
 
 
 def test_run_arguments_are_checked_before_any_run(tmp_path):
-    proc = _launch(f"--config={TINY}", f"--root={tmp_path}/x", "--bp=4", "--n=2",
-                   "--budget=64", "--dry_run", "--", "--config.sampler.max_tokes=4",
-                   check=False)
-    assert proc.returncode != 0 and "sampler.max_tokes" in proc.stderr
-    proc = _launch(f"--config={TINY}", f"--root={tmp_path}/x", "--bp=4", "--n=2",
-                   "--budget=64", "--dry_run", "--", "--config.sampler.max_tokens=3")
-    assert proc.stdout.splitlines()[1].split()[-1] == str(64 // 8 * 8 * 3)
+  proc = _launch(f"--config={TINY}", f"--root={tmp_path}/x", "--bp=4", "--n=2",
+                 "--budget=64", "--dry_run", "--", "--config.sampler.max_tokes=4",
+                 check=False)
+  assert proc.returncode != 0 and "sampler.max_tokes" in proc.stderr
+  proc = _launch(f"--config={TINY}", f"--root={tmp_path}/x", "--bp=4", "--n=2",
+                 "--budget=64", "--dry_run", "--", "--config.sampler.max_tokens=3")
+  assert proc.stdout.splitlines()[1].split()[-1] == str(64 // 8 * 8 * 3)
 
 
 # ------------------------------------------------------------- end to end, real trainer
@@ -393,98 +393,98 @@ E2E_RUN_ARGS = ["--", "--config.checkpoint_every=2", "--config.eval_every=4",
 
 
 def _metrics(run_dir):
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 def test_kill_and_rerun_real_tiny_sweep(tmp_path):
-    from isojax.analysis import load_runs, read_runs
+  from isojax.analysis import load_runs, read_runs
 
-    root = tmp_path / "tiny"
-    args = [sys.executable, LAUNCHER, f"--config={TINY}", f"--root={root}", *E2E_GRID,
-            "--max_concurrent=2", "--status_every=5", *E2E_RUN_ARGS]
-    points = sweep.expand_points([4], [2, 4], b_max=256, budgets=[64], seeds=[0, 1])
-    dirs = {sp.name: root / sp.name for sp in points}
-    log = open(tmp_path / "first.log", "w")
-    first = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=log, stderr=log)
+  root = tmp_path / "tiny"
+  args = [sys.executable, LAUNCHER, f"--config={TINY}", f"--root={root}", *E2E_GRID,
+          "--max_concurrent=2", "--status_every=5", *E2E_RUN_ARGS]
+  points = sweep.expand_points([4], [2, 4], b_max=256, budgets=[64], seeds=[0, 1])
+  dirs = {sp.name: root / sp.name for sp in points}
+  log = open(tmp_path / "first.log", "w")
+  first = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=log, stderr=log)
 
-    def mid_sweep():  # one point finished, another one past its first checkpoint
-        done = [n for n, d in dirs.items() if (d / "DONE").exists()]
-        partial = [n for n, d in dirs.items()
-                   if not (d / "DONE").exists() and len(_metrics(d)) >= 3]
-        assert first.poll() is None, "the sweep ended before it could be interrupted"
-        return done and partial
+  def mid_sweep():  # one point finished, another one past its first checkpoint
+    done = [n for n, d in dirs.items() if (d / "DONE").exists()]
+    partial = [n for n, d in dirs.items()
+               if not (d / "DONE").exists() and len(_metrics(d)) >= 3]
+    assert first.poll() is None, "the sweep ended before it could be interrupted"
+    return done and partial
 
-    try:
-        _wait_for(mid_sweep, timeout=600, what="a finished and a half-finished point")
-    finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait()
-        log.close()
+  try:
+    _wait_for(mid_sweep, timeout=600, what="a finished and a half-finished point")
+  finally:
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    log.close()
 
-    def unlocked():  # the killed launcher's runs die with it, and their locks with them
-        fds = [sweep.try_lock(str(d)) for d in dirs.values()]
-        for fd in fds:
-            if fd is not None:
-                os.close(fd)
-        return all(fd is not None for fd in fds)
+  def unlocked():  # the killed launcher's runs die with it, and their locks with them
+    fds = [sweep.try_lock(str(d)) for d in dirs.values()]
+    for fd in fds:
+      if fd is not None:
+        os.close(fd)
+    return all(fd is not None for fd in fds)
 
-    _wait_for(unlocked, timeout=60, what="the killed launcher's locks to be released")
-    done_before = {n for n, d in dirs.items() if (d / "DONE").exists()}
-    started = {n for n, d in dirs.items() if (d / "metrics.jsonl").exists()}
-    interrupted = started - done_before
-    assert done_before and interrupted
+  _wait_for(unlocked, timeout=60, what="the killed launcher's locks to be released")
+  done_before = {n for n, d in dirs.items() if (d / "DONE").exists()}
+  started = {n for n, d in dirs.items() if (d / "metrics.jsonl").exists()}
+  interrupted = started - done_before
+  assert done_before and interrupted
 
-    second = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True,
-                            timeout=900)
-    if second.returncode != 0:
-        pytest.fail(f"the rerun failed:\n{second.stdout}\n{second.stderr}", pytrace=False)
-    for name in done_before:
-        assert f"skip   {name}" in second.stdout
+  second = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=900)
+  if second.returncode != 0:
+    pytest.fail(f"the rerun failed:\n{second.stdout}\n{second.stderr}", pytrace=False)
+  for name in done_before:
+    assert f"skip   {name}" in second.stdout
 
-    for sp in points:
-        run_dir = dirs[sp.name]
-        done = json.loads((run_dir / "DONE").read_text())
-        assert done["step"] == sp.point.m, (sp.name, done)
-        attempts = _attempts(run_dir)
-        starts = [a for a in attempts if a["event"] == "start"]
-        ends = [a for a in attempts if a["event"] == "end"]
-        # Started once, or (interrupted) twice with the second a resume; never after DONE.
-        assert len(starts) == (2 if sp.name in interrupted else 1), (sp.name, attempts)
-        if sp.name in interrupted:
-            assert starts[1]["resumed"] and starts[1]["launcher_pid"] != first.pid
-        if sp.name not in done_before:  # ended under the second launcher
-            assert [(a["rc"], a["done"]) for a in ends] == [(0, True)], (sp.name, attempts)
-        # Every update logged exactly once, in order, and the whole budget spent.
-        rows = _metrics(run_dir)
-        assert [r["step"] for r in rows] == list(range(sp.point.m + 1)), sp.name
-        assert rows[-1]["rollouts"] == sp.point.compute
+  for sp in points:
+    run_dir = dirs[sp.name]
+    done = json.loads((run_dir / "DONE").read_text())
+    assert done["step"] == sp.point.m, (sp.name, done)
+    attempts = _attempts(run_dir)
+    starts = [a for a in attempts if a["event"] == "start"]
+    ends = [a for a in attempts if a["event"] == "end"]
+    # Started once, or (interrupted) twice with the second a resume; never after DONE.
+    assert len(starts) == (2 if sp.name in interrupted else 1), (sp.name, attempts)
+    if sp.name in interrupted:
+      assert starts[1]["resumed"] and starts[1]["launcher_pid"] != first.pid
+    if sp.name not in done_before:  # ended under the second launcher
+      assert [(a["rc"], a["done"]) for a in ends] == [(0, True)], (sp.name, attempts)
+    # Every update logged exactly once, in order, and the whole budget spent.
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(sp.point.m + 1)), sp.name
+    assert rows[-1]["rollouts"] == sp.point.compute
 
-    result = read_runs(root)
-    assert sorted(r.name for r in result.runs) == sorted(dirs)
-    assert not result.problems, result.problems
-    runs = load_runs(root)
-    assert {(r.bp, r.n, r.m, r.seed) for r in runs} == {
-        (sp.point.bp, sp.point.n, sp.point.m, sp.seed) for sp in points}
-    assert all(any("val/avg@4" in row for row in r.rows) for r in runs)
+  result = read_runs(root)
+  assert sorted(r.name for r in result.runs) == sorted(dirs)
+  assert not result.problems, result.problems
+  runs = load_runs(root)
+  assert {(r.bp, r.n, r.m, r.seed) for r in runs} == {
+      (sp.point.bp, sp.point.n, sp.point.m, sp.seed) for sp in points}
+  assert all(any("val/avg@4" in row for row in r.rows) for r in runs)
 
 
 def test_slurm_submit_calls_sbatch(tmp_path, monkeypatch):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "calls.txt"
-    fake = bin_dir / "sbatch"  # records its arguments, answers like `sbatch --parsable`
-    fake.write_text(f'#!/bin/bash\necho "$@" >> {calls}\necho "4242;cluster"\n')
-    fake.chmod(0o755)
-    root = tmp_path / "sub"
-    env = _env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=4", "--n=2", "--budget=64",
-                   "--slurm", "--submit", env=env)
-    assert "submitted job 4242" in proc.stdout
-    assert calls.read_text().split() == ["--parsable", str(root / "slurm" / "sweep.sbatch")]
-    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
-    with pytest.raises(ValueError, match="sbatch not found"):
-        slurm.submit(str(root / "slurm" / "sweep.sbatch"))
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  calls = tmp_path / "calls.txt"
+  fake = bin_dir / "sbatch"  # records its arguments, answers like `sbatch --parsable`
+  fake.write_text(f'#!/bin/bash\necho "$@" >> {calls}\necho "4242;cluster"\n')
+  fake.chmod(0o755)
+  root = tmp_path / "sub"
+  env = _env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+  proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=4", "--n=2", "--budget=64",
+                 "--slurm", "--submit", env=env)
+  assert "submitted job 4242" in proc.stdout
+  assert calls.read_text().split() == ["--parsable", str(root / "slurm" / "sweep.sbatch")]
+  monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+  with pytest.raises(ValueError, match="sbatch not found"):
+    slurm.submit(str(root / "slurm" / "sweep.sbatch"))

@@ -16,58 +16,58 @@ from isojax.analysis.runs import read_runs
 
 
 def _budgets(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--budgets: {e}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"--budgets must be positive numbers, got {text!r}")
-    return values
+  try:
+    values = [float(x) for x in text.split(",") if x.strip()]
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(f"--budgets: {e}") from None
+  if not values or any(v <= 0 for v in values):
+    raise argparse.ArgumentTypeError(f"--budgets must be positive numbers, got {text!r}")
+  return values
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="isojax-analyze", description=__doc__.splitlines()[0])
-    p.add_argument("runs_dir", help="directory holding run directories (searched recursively)")
-    p.add_argument("--out", required=True, help="report directory to write")
-    p.add_argument("--metric", default=None,
-                   help="validation metric to optimise (default: val/avg@4, else avg@k)")
-    p.add_argument("--bin-width", type=float, default=0.005,
-                   help="reward bin of the record-breaking extraction")
-    p.add_argument("--n-boot", type=int, default=100,
-                   help="bootstrap resamples of whole runs (0: no intervals)")
-    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
-    p.add_argument("--budgets", type=_budgets, default=None,
-                   help="comma-separated rollout budgets to prescribe for")
-    p.add_argument("--bp", type=int, default=None,
-                   help="Bp for prescriptions (default: the sweep's Bp)")
-    return p.parse_args(argv)
+  p = argparse.ArgumentParser(prog="isojax-analyze", description=__doc__.splitlines()[0])
+  p.add_argument("runs_dir", help="directory holding run directories (searched recursively)")
+  p.add_argument("--out", required=True, help="report directory to write")
+  p.add_argument("--metric", default=None,
+                 help="validation metric to optimise (default: val/avg@4, else avg@k)")
+  p.add_argument("--bin-width", type=float, default=0.005,
+                 help="reward bin of the record-breaking extraction")
+  p.add_argument("--n-boot", type=int, default=100,
+                 help="bootstrap resamples of whole runs (0: no intervals)")
+  p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+  p.add_argument("--budgets", type=_budgets, default=None,
+                 help="comma-separated rollout budgets to prescribe for")
+  p.add_argument("--bp", type=int, default=None,
+                 help="Bp for prescriptions (default: the sweep's Bp)")
+  return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    """Console entry point; returns the exit status (0 ok, 1 nothing analysable)."""
-    if "matplotlib.pyplot" not in sys.modules:  # never switch a notebook's backend
-        matplotlib.use("Agg")  # figures are only written to files here
-    args = parse_args(argv)
-    try:
-        loaded = read_runs(args.runs_dir)
-    except ValueError as e:
-        print(f"isojax-analyze: {e}", file=sys.stderr)
-        return 1
-    for problem in loaded.problems:
-        print(f"warning: {problem}", file=sys.stderr)
-    try:
-        analysis = pipeline.analyze(
-            list(loaded.runs), root=args.runs_dir, metric=args.metric,
-            bin_width=args.bin_width, n_boot=args.n_boot, seed=args.seed,
-            budgets=args.budgets, bp=args.bp, load_problems=loaded.problems)
-    except ValueError as e:
-        print(f"isojax-analyze: {e}", file=sys.stderr)
-        return 1
-    written = report.write_report(analysis, args.out)
-    print(f"wrote {args.out}/report.md, fits.json and {len(written['figures'])} figures "
-          f"from {len(loaded.runs)} runs ({len(loaded.problems)} loading problems)")
-    return 0
+  """Console entry point; returns the exit status (0 ok, 1 nothing analysable)."""
+  if "matplotlib.pyplot" not in sys.modules:  # never switch a notebook's backend
+    matplotlib.use("Agg")  # figures are only written to files here
+  args = parse_args(argv)
+  try:
+    loaded = read_runs(args.runs_dir)
+  except ValueError as e:
+    print(f"isojax-analyze: {e}", file=sys.stderr)
+    return 1
+  for problem in loaded.problems:
+    print(f"warning: {problem}", file=sys.stderr)
+  try:
+    analysis = pipeline.analyze(
+        list(loaded.runs), root=args.runs_dir, metric=args.metric,
+        bin_width=args.bin_width, n_boot=args.n_boot, seed=args.seed,
+        budgets=args.budgets, bp=args.bp, load_problems=loaded.problems)
+  except ValueError as e:
+    print(f"isojax-analyze: {e}", file=sys.stderr)
+    return 1
+  written = report.write_report(analysis, args.out)
+  print(f"wrote {args.out}/report.md, fits.json and {len(written['figures'])} figures "
+        f"from {len(loaded.runs)} runs ({len(loaded.problems)} loading problems)")
+  return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+  sys.exit(main())

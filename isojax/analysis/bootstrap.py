@@ -15,99 +15,99 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Interval:
-    """A point estimate with its bootstrap percentile interval.
+  """A point estimate with its bootstrap percentile interval.
 
-    Attributes:
-      estimate: fn on the original runs.
-      low, high: percentiles (100-level)/2 and 100-(100-level)/2 of the resamples.
-      n_ok: resamples in which fn returned a finite value for this quantity.
-    """
+  Attributes:
+    estimate: fn on the original runs.
+    low, high: percentiles (100-level)/2 and 100-(100-level)/2 of the resamples.
+    n_ok: resamples in which fn returned a finite value for this quantity.
+  """
 
-    estimate: float
-    low: float
-    high: float
-    n_ok: int
+  estimate: float
+  low: float
+  high: float
+  n_ok: int
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
 class BootstrapResult:
-    """Intervals per named quantity, plus how the resampling went.
+  """Intervals per named quantity, plus how the resampling went.
 
-    Attributes:
-      intervals: quantity name -> Interval (a scalar fn is named "value").
-      n_boot: resamples drawn.
-      n_failed: resamples where fn raised ValueError (e.g. a curve lost all its runs).
-      level: the interval's coverage, e.g. 0.9.
-      stratified: whether runs were resampled within strata.
-    """
+  Attributes:
+    intervals: quantity name -> Interval (a scalar fn is named "value").
+    n_boot: resamples drawn.
+    n_failed: resamples where fn raised ValueError (e.g. a curve lost all its runs).
+    level: the interval's coverage, e.g. 0.9.
+    stratified: whether runs were resampled within strata.
+  """
 
-    intervals: Mapping[str, Interval]
-    n_boot: int
-    n_failed: int
-    level: float
-    stratified: bool
+  intervals: Mapping[str, Interval]
+  n_boot: int
+  n_failed: int
+  level: float
+  stratified: bool
 
-    def __getitem__(self, name: str) -> Interval:
-        return self.intervals[name]
+  def __getitem__(self, name: str) -> Interval:
+    return self.intervals[name]
 
 
 def _as_dict(value) -> dict[str, float]:
-    if isinstance(value, Mapping):
-        return {str(k): float(v) for k, v in value.items()}
-    return {"value": float(value)}
+  if isinstance(value, Mapping):
+    return {str(k): float(v) for k, v in value.items()}
+  return {"value": float(value)}
 
 
 def bootstrap(runs: Sequence, fn: Callable, *, n_boot: int = 200, seed: int = 0,
               level: float = 0.9, strata: Callable | None = None) -> BootstrapResult:
-    """Percentile intervals of fn(runs) from resampling whole runs with replacement.
+  """Percentile intervals of fn(runs) from resampling whole runs with replacement.
 
-    Args:
-      runs: the runs (their order does not matter: they are sorted by name first).
-      fn: runs -> float, or runs -> {name: float}. Missing or non-finite names in a
-        resample are not counted for that name; a ValueError counts the resample failed.
-      n_boot: number of resamples.
-      seed: seed of NumPy's generator: the same inputs give the same intervals.
-      level: coverage of the interval, in (0, 1).
-      strata: optional run -> hashable; resampling then happens within each stratum
-        (e.g. per configuration, so every configuration stays represented).
+  Args:
+    runs: the runs (their order does not matter: they are sorted by name first).
+    fn: runs -> float, or runs -> {name: float}. Missing or non-finite names in a
+      resample are not counted for that name; a ValueError counts the resample failed.
+    n_boot: number of resamples.
+    seed: seed of NumPy's generator: the same inputs give the same intervals.
+    level: coverage of the interval, in (0, 1).
+    strata: optional run -> hashable; resampling then happens within each stratum
+      (e.g. per configuration, so every configuration stays represented).
 
-    Raises:
-      ValueError: on empty runs, n_boot < 1, a bad level, or if fn fails on `runs`.
-    """
-    if not runs:
-        raise ValueError("bootstrap: no runs")
-    if n_boot < 1:
-        raise ValueError(f"bootstrap: n_boot must be >= 1, got {n_boot}")
-    if not 0 < level < 1:
-        raise ValueError(f"bootstrap: level must be in (0, 1), got {level}")
-    runs = sorted(runs, key=lambda r: r.name)
-    estimate = _as_dict(fn(runs))
-    groups: dict = {}
-    for i, run in enumerate(runs):
-        groups.setdefault(strata(run) if strata else None, []).append(i)
-    index_groups = [np.array(groups[k]) for k in sorted(groups, key=repr)]
-    rng = np.random.default_rng(seed)
-    samples: dict[str, list[float]] = {name: [] for name in estimate}
-    failed = 0
-    for _ in range(n_boot):
-        idx = np.concatenate([rng.choice(g, size=g.size, replace=True)
-                              for g in index_groups])
-        try:
-            out = _as_dict(fn([runs[i] for i in np.sort(idx)]))
-        except ValueError:
-            failed += 1
-            continue
-        for name, v in out.items():
-            if math.isfinite(v):
-                samples.setdefault(name, []).append(v)
-    tail = 100 * (1 - level) / 2
-    intervals = {}
-    for name, vals in samples.items():
-        lo, hi = (np.percentile(vals, [tail, 100 - tail]) if vals else (math.nan,) * 2)
-        intervals[name] = Interval(estimate=estimate.get(name, math.nan), low=float(lo),
-                                   high=float(hi), n_ok=len(vals))
-    return BootstrapResult(intervals=intervals, n_boot=n_boot, n_failed=failed,
-                           level=level, stratified=strata is not None)
+  Raises:
+    ValueError: on empty runs, n_boot < 1, a bad level, or if fn fails on `runs`.
+  """
+  if not runs:
+    raise ValueError("bootstrap: no runs")
+  if n_boot < 1:
+    raise ValueError(f"bootstrap: n_boot must be >= 1, got {n_boot}")
+  if not 0 < level < 1:
+    raise ValueError(f"bootstrap: level must be in (0, 1), got {level}")
+  runs = sorted(runs, key=lambda r: r.name)
+  estimate = _as_dict(fn(runs))
+  groups: dict = {}
+  for i, run in enumerate(runs):
+    groups.setdefault(strata(run) if strata else None, []).append(i)
+  index_groups = [np.array(groups[k]) for k in sorted(groups, key=repr)]
+  rng = np.random.default_rng(seed)
+  samples: dict[str, list[float]] = {name: [] for name in estimate}
+  failed = 0
+  for _ in range(n_boot):
+    idx = np.concatenate([rng.choice(g, size=g.size, replace=True)
+                          for g in index_groups])
+    try:
+      out = _as_dict(fn([runs[i] for i in np.sort(idx)]))
+    except ValueError:
+      failed += 1
+      continue
+    for name, v in out.items():
+      if math.isfinite(v):
+        samples.setdefault(name, []).append(v)
+  tail = 100 * (1 - level) / 2
+  intervals = {}
+  for name, vals in samples.items():
+    lo, hi = (np.percentile(vals, [tail, 100 - tail]) if vals else (math.nan,) * 2)
+    intervals[name] = Interval(estimate=estimate.get(name, math.nan), low=float(lo),
+                               high=float(hi), n_ok=len(vals))
+  return BootstrapResult(intervals=intervals, n_boot=n_boot, n_failed=failed,
+                         level=level, stratified=strata is not None)

@@ -29,261 +29,261 @@ _KEYS: dict[str, Callable] = {
 
 
 def key_n(key) -> int:
-    """The n of a curve key: keys are n, or (bp, n) for joint (Bp, n, M) frontiers."""
-    return int(key[-1]) if isinstance(key, tuple) else int(key)
+  """The n of a curve key: keys are n, or (bp, n) for joint (Bp, n, M) frontiers."""
+  return int(key[-1]) if isinstance(key, tuple) else int(key)
 
 
 def key_label(key) -> str:
-    return f"Bp={key[0]}, n={key[1]}" if isinstance(key, tuple) else f"n={key}"
+  return f"Bp={key[0]}, n={key[1]}" if isinstance(key, tuple) else f"n={key}"
 
 
 @dataclasses.dataclass(frozen=True)
 class CurveSet:
-    """Per-configuration fits of one metric against one compute unit.
+  """Per-configuration fits of one metric against one compute unit.
 
-    Attributes:
-      fits: curve key -> SigmoidFit, for keys with enough record points.
-      points: key -> (compute, reward) of every pooled evaluation.
-      records: key -> (compute, reward) of the record-breaking points.
-      skipped: key -> why it was not fitted.
-      n_runs: key -> number of runs pooled.
-    """
+  Attributes:
+    fits: curve key -> SigmoidFit, for keys with enough record points.
+    points: key -> (compute, reward) of every pooled evaluation.
+    records: key -> (compute, reward) of the record-breaking points.
+    skipped: key -> why it was not fitted.
+    n_runs: key -> number of runs pooled.
+  """
 
-    metric: str
-    unit: str
-    bin_width: float
-    fits: Mapping[Hashable, fits_lib.SigmoidFit]
-    points: Mapping[Hashable, tuple[np.ndarray, np.ndarray]]
-    records: Mapping[Hashable, tuple[np.ndarray, np.ndarray]]
-    skipped: Mapping[Hashable, str]
-    n_runs: Mapping[Hashable, int]
+  metric: str
+  unit: str
+  bin_width: float
+  fits: Mapping[Hashable, fits_lib.SigmoidFit]
+  points: Mapping[Hashable, tuple[np.ndarray, np.ndarray]]
+  records: Mapping[Hashable, tuple[np.ndarray, np.ndarray]]
+  skipped: Mapping[Hashable, str]
+  n_runs: Mapping[Hashable, int]
 
 
 @functools.lru_cache(maxsize=4096)
 def _fit_records(compute_bytes: bytes, reward_bytes: bytes) -> fits_lib.SigmoidFit:
-    # Bootstrap resamples refit the same record sets over and over (a run drawn twice
-    # adds no new records); the fit is a pure function of the points, so memoise it.
-    return fits_lib.fit_sigmoid(np.frombuffer(compute_bytes), np.frombuffer(reward_bytes))
+  # Bootstrap resamples refit the same record sets over and over (a run drawn twice
+  # adds no new records); the fit is a pure function of the points, so memoise it.
+  return fits_lib.fit_sigmoid(np.frombuffer(compute_bytes), np.frombuffer(reward_bytes))
 
 
 def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rollouts",
                bin_width: float = 0.005, max_compute: float | None = None) -> CurveSet:
-    """Fits one sigmoid per configuration to the record-breaking points of its runs.
+  """Fits one sigmoid per configuration to the record-breaking points of its runs.
 
-    Args:
-      runs: the runs to use (already restricted to one difficulty / Bp as wanted).
-      metric: e.g. "val/avg@4".
-      key: "n", "bp_n", or a function run -> hashable naming a configuration.
-      unit: compute unit, "rollouts", "tokens" or "steps".
-      bin_width: reward bin of the record-breaking extraction.
-      max_compute: use only points at compute <= this (for extrapolation checks).
-    """
-    key_fn = _KEYS[key] if isinstance(key, str) else key
-    groups: dict = {}
-    for run in runs:
-        groups.setdefault(key_fn(run), []).append(run)
-    fits, points, recs, skipped = {}, {}, {}, {}
-    for k in sorted(groups):
-        points[k] = records.pool_points(groups[k], metric, unit, max_compute=max_compute)
-        recs[k] = records.record_points(groups[k], metric, unit, bin_width=bin_width,
-                                        max_compute=max_compute)
-        if points[k][0].size == 0:
-            skipped[k] = f"no '{metric}' points with {unit} > 0"
-            continue
-        try:
-            fit = _fit_records(recs[k][0].tobytes(), recs[k][1].tobytes())
-        except ValueError as e:
-            skipped[k] = f"{recs[k][0].size} record-breaking point(s): {e}"
-            continue
-        # The curve is supported up to the last evaluation, not just the last record:
-        # the evaluations after it show the plateau the fit predicts.
-        fits[k] = dataclasses.replace(
-            fit, compute_range=(fit.compute_range[0], float(points[k][0].max())))
-    return CurveSet(metric=metric, unit=unit, bin_width=bin_width, fits=fits,
-                    points=points, records=recs, skipped=skipped,
-                    n_runs={k: len(v) for k, v in groups.items()})
+  Args:
+    runs: the runs to use (already restricted to one difficulty / Bp as wanted).
+    metric: e.g. "val/avg@4".
+    key: "n", "bp_n", or a function run -> hashable naming a configuration.
+    unit: compute unit, "rollouts", "tokens" or "steps".
+    bin_width: reward bin of the record-breaking extraction.
+    max_compute: use only points at compute <= this (for extrapolation checks).
+  """
+  key_fn = _KEYS[key] if isinstance(key, str) else key
+  groups: dict = {}
+  for run in runs:
+    groups.setdefault(key_fn(run), []).append(run)
+  fits, points, recs, skipped = {}, {}, {}, {}
+  for k in sorted(groups):
+    points[k] = records.pool_points(groups[k], metric, unit, max_compute=max_compute)
+    recs[k] = records.record_points(groups[k], metric, unit, bin_width=bin_width,
+                                    max_compute=max_compute)
+    if points[k][0].size == 0:
+      skipped[k] = f"no '{metric}' points with {unit} > 0"
+      continue
+    try:
+      fit = _fit_records(recs[k][0].tobytes(), recs[k][1].tobytes())
+    except ValueError as e:
+      skipped[k] = f"{recs[k][0].size} record-breaking point(s): {e}"
+      continue
+    # The curve is supported up to the last evaluation, not just the last record:
+    # the evaluations after it show the plateau the fit predicts.
+    fits[k] = dataclasses.replace(
+        fit, compute_range=(fit.compute_range[0], float(points[k][0].max())))
+  return CurveSet(metric=metric, unit=unit, bin_width=bin_width, fits=fits,
+                  points=points, records=recs, skipped=skipped,
+                  n_runs={k: len(v) for k, v in groups.items()})
 
 
 @dataclasses.dataclass(frozen=True)
 class Frontier:
-    """The upper envelope of per-configuration curves on a compute grid (G points).
+  """The upper envelope of per-configuration curves on a compute grid (G points).
 
-    Attributes:
-      compute: the grid, increasing.
-      reward: envelope value per grid point (NaN where no curve is supported).
-      n_star: n of the attaining curve (0 where undefined).
-      winner: index into `keys` of the attaining curve (-1 where undefined).
-      extrapolated: True where the attaining curve is used beyond its last data point.
-      keys: the curve keys, sorted.
-      curves: reward of each curve per grid point, shape (len(keys), G); NaN where a
-        curve is not allowed (outside its data, unless extrapolation was asked for).
-    """
+  Attributes:
+    compute: the grid, increasing.
+    reward: envelope value per grid point (NaN where no curve is supported).
+    n_star: n of the attaining curve (0 where undefined).
+    winner: index into `keys` of the attaining curve (-1 where undefined).
+    extrapolated: True where the attaining curve is used beyond its last data point.
+    keys: the curve keys, sorted.
+    curves: reward of each curve per grid point, shape (len(keys), G); NaN where a
+      curve is not allowed (outside its data, unless extrapolation was asked for).
+  """
 
-    compute: np.ndarray
-    reward: np.ndarray
-    n_star: np.ndarray
-    winner: np.ndarray
-    extrapolated: np.ndarray
-    keys: tuple
-    curves: np.ndarray
+  compute: np.ndarray
+  reward: np.ndarray
+  n_star: np.ndarray
+  winner: np.ndarray
+  extrapolated: np.ndarray
+  keys: tuple
+  curves: np.ndarray
 
-    @property
-    def defined(self) -> np.ndarray:
-        return self.winner >= 0
+  @property
+  def defined(self) -> np.ndarray:
+    return self.winner >= 0
 
-    def n_star_points(self) -> tuple[np.ndarray, np.ndarray]:
-        """(compute, n*) where the frontier is defined, for `fit_n_star`."""
-        d = self.defined
-        return self.compute[d], self.n_star[d].astype(np.float64)
+  def n_star_points(self) -> tuple[np.ndarray, np.ndarray]:
+    """(compute, n*) where the frontier is defined, for `fit_n_star`."""
+    d = self.defined
+    return self.compute[d], self.n_star[d].astype(np.float64)
 
-    def winner_keys(self) -> list:
-        return [self.keys[i] if i >= 0 else None for i in self.winner]
+  def winner_keys(self) -> list:
+    return [self.keys[i] if i >= 0 else None for i in self.winner]
 
 
 def log_grid(fits: Mapping, num: int = 200) -> np.ndarray:
-    """A log-spaced grid spanning the union of the curves' data ranges."""
-    if not fits:
-        raise ValueError("log_grid: no fitted curves")
-    lo = min(f.compute_range[0] for f in fits.values())
-    hi = max(f.compute_range[1] for f in fits.values())
-    return np.geomspace(lo, hi, num) if hi > lo else np.array([lo])
+  """A log-spaced grid spanning the union of the curves' data ranges."""
+  if not fits:
+    raise ValueError("log_grid: no fitted curves")
+  lo = min(f.compute_range[0] for f in fits.values())
+  hi = max(f.compute_range[1] for f in fits.values())
+  return np.geomspace(lo, hi, num) if hi > lo else np.array([lo])
 
 
 def frontier(fits: Mapping[Hashable, fits_lib.SigmoidFit], compute_grid=None, *,
              extrapolate: float = 1.0, tie_tol: float = 0.0) -> Frontier:
-    """Upper envelope of fitted curves and the n attaining it at each compute.
+  """Upper envelope of fitted curves and the n attaining it at each compute.
 
-    Args:
-      fits: curve key (n, or (bp, n)) -> SigmoidFit.
-      compute_grid: compute values (> 0); default a 200-point log grid over the data.
-      extrapolate: a curve may be used up to `extrapolate` x its last data point
-        (1.0: never beyond its data; math.inf: anywhere above its first point).
-        Grid points that need it are marked in `Frontier.extrapolated`.
-      tie_tol: curves within tie_tol of the best count as tied, and a tie goes to the
-        smallest n (then the smallest key): where curves cannot be told apart, e.g. all
-        near the base model's reward at small C, the cheaper configuration is optimal
-        and fit noise does not decide n*. The envelope value stays the maximum.
+  Args:
+    fits: curve key (n, or (bp, n)) -> SigmoidFit.
+    compute_grid: compute values (> 0); default a 200-point log grid over the data.
+    extrapolate: a curve may be used up to `extrapolate` x its last data point
+      (1.0: never beyond its data; math.inf: anywhere above its first point).
+      Grid points that need it are marked in `Frontier.extrapolated`.
+    tie_tol: curves within tie_tol of the best count as tied, and a tie goes to the
+      smallest n (then the smallest key): where curves cannot be told apart, e.g. all
+      near the base model's reward at small C, the cheaper configuration is optimal
+      and fit noise does not decide n*. The envelope value stays the maximum.
 
-    The result does not depend on the order of the mapping.
-    """
-    if not fits:
-        raise ValueError("frontier: no fitted curves (every configuration was skipped?)")
-    if not extrapolate >= 1.0:
-        raise ValueError(f"frontier: extrapolate must be >= 1, got {extrapolate}")
-    keys = tuple(sorted(fits))
-    grid = log_grid(fits) if compute_grid is None else np.asarray(
-        compute_grid, dtype=np.float64).ravel()
-    if grid.size == 0 or not np.all(np.isfinite(grid)) or np.any(grid <= 0):
-        raise ValueError("frontier: compute grid must be non-empty, finite and > 0")
-    curves = np.full((len(keys), grid.size), np.nan)
-    beyond = np.zeros((len(keys), grid.size), dtype=bool)
-    rel = 1e-9  # grid end points computed by geomspace may miss the data range by ulps
-    for i, k in enumerate(keys):
-        lo, hi = fits[k].compute_range
-        ok = (grid >= lo * (1 - rel)) & (grid <= hi * extrapolate * (1 + rel))
-        curves[i, ok] = fits[k].predict(grid[ok])
-        beyond[i] = ok & (grid > hi * (1 + rel))
-    if not tie_tol >= 0:
-        raise ValueError(f"frontier: tie_tol must be >= 0, got {tie_tol}")
-    filled = np.where(np.isfinite(curves), curves, -np.inf)
-    defined = np.any(np.isfinite(curves), axis=0)
-    best = filled.max(axis=0)
-    reward = np.where(defined, best, np.nan)
-    # Among curves within tie_tol of the best, the smallest (n, key) wins.
-    preference = sorted(range(len(keys)), key=lambda i: (key_n(keys[i]), i))
-    winner = np.full(grid.size, -1)
-    for i in reversed(preference):
-        winner = np.where(defined & (filled[i] >= best - tie_tol), i, winner)
-    cols = np.arange(grid.size)
-    n_star = np.array([key_n(keys[w]) if w >= 0 else 0 for w in winner], dtype=np.int64)
-    extrapolated = defined & beyond[np.maximum(winner, 0), cols]
-    return Frontier(compute=grid, reward=reward, n_star=n_star, winner=winner,
-                    extrapolated=extrapolated, keys=keys, curves=curves)
+  The result does not depend on the order of the mapping.
+  """
+  if not fits:
+    raise ValueError("frontier: no fitted curves (every configuration was skipped?)")
+  if not extrapolate >= 1.0:
+    raise ValueError(f"frontier: extrapolate must be >= 1, got {extrapolate}")
+  keys = tuple(sorted(fits))
+  grid = log_grid(fits) if compute_grid is None else np.asarray(
+      compute_grid, dtype=np.float64).ravel()
+  if grid.size == 0 or not np.all(np.isfinite(grid)) or np.any(grid <= 0):
+    raise ValueError("frontier: compute grid must be non-empty, finite and > 0")
+  curves = np.full((len(keys), grid.size), np.nan)
+  beyond = np.zeros((len(keys), grid.size), dtype=bool)
+  rel = 1e-9  # grid end points computed by geomspace may miss the data range by ulps
+  for i, k in enumerate(keys):
+    lo, hi = fits[k].compute_range
+    ok = (grid >= lo * (1 - rel)) & (grid <= hi * extrapolate * (1 + rel))
+    curves[i, ok] = fits[k].predict(grid[ok])
+    beyond[i] = ok & (grid > hi * (1 + rel))
+  if not tie_tol >= 0:
+    raise ValueError(f"frontier: tie_tol must be >= 0, got {tie_tol}")
+  filled = np.where(np.isfinite(curves), curves, -np.inf)
+  defined = np.any(np.isfinite(curves), axis=0)
+  best = filled.max(axis=0)
+  reward = np.where(defined, best, np.nan)
+  # Among curves within tie_tol of the best, the smallest (n, key) wins.
+  preference = sorted(range(len(keys)), key=lambda i: (key_n(keys[i]), i))
+  winner = np.full(grid.size, -1)
+  for i in reversed(preference):
+    winner = np.where(defined & (filled[i] >= best - tie_tol), i, winner)
+  cols = np.arange(grid.size)
+  n_star = np.array([key_n(keys[w]) if w >= 0 else 0 for w in winner], dtype=np.int64)
+  extrapolated = defined & beyond[np.maximum(winner, 0), cols]
+  return Frontier(compute=grid, reward=reward, n_star=n_star, winner=winner,
+                  extrapolated=extrapolated, keys=keys, curves=curves)
 
 
 def observed_frontier(curve_set: CurveSet, grid) -> np.ndarray:
-    """Best reward seen at compute <= C across all configurations (model-free; noisy
-    and biased upward by taking maxima, but independent of any fit)."""
-    grid = np.asarray(grid, dtype=np.float64)
-    out = np.full(grid.shape, np.nan)
-    for c, r in curve_set.points.values():
-        if c.size:
-            best = np.maximum.accumulate(r[np.argsort(c, kind="stable")])
-            idx = np.searchsorted(np.sort(c), grid, side="right") - 1
-            seen = np.where(idx >= 0, best[np.maximum(idx, 0)], np.nan)
-            out = np.fmax(out, seen)
-    return out
+  """Best reward seen at compute <= C across all configurations (model-free; noisy
+  and biased upward by taking maxima, but independent of any fit)."""
+  grid = np.asarray(grid, dtype=np.float64)
+  out = np.full(grid.shape, np.nan)
+  for c, r in curve_set.points.values():
+    if c.size:
+      best = np.maximum.accumulate(r[np.argsort(c, kind="stable")])
+      idx = np.searchsorted(np.sort(c), grid, side="right") - 1
+      seen = np.where(idx >= 0, best[np.maximum(idx, 0)], np.nan)
+      out = np.fmax(out, seen)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
 class ExtrapolationCheck:
-    """How well curves fitted on compute <= c_cut predict the frontier beyond it.
+  """How well curves fitted on compute <= c_cut predict the frontier beyond it.
 
-    Attributes:
-      c_cut: the cut; fits saw only points at or below it.
-      compute: grid over (c_cut, last data point].
-      predicted: the frontier from the cut fits (extrapolated) on that grid.
-      reference: the frontier from fits to all the data on that grid.
-      observed: the model-free best reward seen at compute <= C.
-      frontier_rmse, frontier_max_error: |predicted - reference| over the grid.
-      n_star_agreement: fraction of grid points where both give the same n*.
-      heldout_rmse: RMS error of the cut fits at the held-out record points.
-      n_heldout: number of held-out record points.
-      lost: curve keys the cut data could not fit (they never reach the prediction).
-      flagged: curve keys whose cut fit ended at a bound (typically a curve cut before
-        its midpoint, whose asymptote the early data cannot pin down).
-    """
+  Attributes:
+    c_cut: the cut; fits saw only points at or below it.
+    compute: grid over (c_cut, last data point].
+    predicted: the frontier from the cut fits (extrapolated) on that grid.
+    reference: the frontier from fits to all the data on that grid.
+    observed: the model-free best reward seen at compute <= C.
+    frontier_rmse, frontier_max_error: |predicted - reference| over the grid.
+    n_star_agreement: fraction of grid points where both give the same n*.
+    heldout_rmse: RMS error of the cut fits at the held-out record points.
+    n_heldout: number of held-out record points.
+    lost: curve keys the cut data could not fit (they never reach the prediction).
+    flagged: curve keys whose cut fit ended at a bound (typically a curve cut before
+      its midpoint, whose asymptote the early data cannot pin down).
+  """
 
-    c_cut: float
-    compute: np.ndarray
-    predicted: np.ndarray
-    reference: np.ndarray
-    observed: np.ndarray
-    frontier_rmse: float
-    frontier_max_error: float
-    n_star_agreement: float
-    heldout_rmse: float
-    n_heldout: int
-    lost: tuple
-    flagged: tuple = ()
+  c_cut: float
+  compute: np.ndarray
+  predicted: np.ndarray
+  reference: np.ndarray
+  observed: np.ndarray
+  frontier_rmse: float
+  frontier_max_error: float
+  n_star_agreement: float
+  heldout_rmse: float
+  n_heldout: int
+  lost: tuple
+  flagged: tuple = ()
 
 
 def extrapolation_check(runs, *, c_cut: float, metric: str, key: str | Callable = "n",
                         unit: str = "rollouts", bin_width: float = 0.005,
                         num: int = 100) -> ExtrapolationCheck:
-    """Fits on points with compute <= c_cut and measures the error beyond it.
+  """Fits on points with compute <= c_cut and measures the error beyond it.
 
-    Raises:
-      ValueError: if nothing lies beyond `c_cut` or nothing can be fitted below it.
-    """
-    full = fit_curves(runs, metric=metric, key=key, unit=unit, bin_width=bin_width)
-    cut = fit_curves(runs, metric=metric, key=key, unit=unit, bin_width=bin_width,
-                     max_compute=c_cut)
-    if not full.fits or not cut.fits:
-        raise ValueError(f"extrapolation_check: no curve could be fitted "
-                         f"({'below c_cut=' + repr(c_cut) if full.fits else 'at all'})")
-    c_max = max(f.compute_range[1] for f in full.fits.values())
-    if not c_max > c_cut:
-        raise ValueError(f"extrapolation_check: c_cut={c_cut!r} leaves no data beyond "
-                         f"it (last point at {c_max!r})")
-    grid = np.geomspace(c_cut, c_max, num + 1)[1:]
-    predicted = frontier(cut.fits, grid, extrapolate=math.inf)
-    reference = frontier(full.fits, grid)
-    both = predicted.defined & reference.defined
-    err = np.abs(predicted.reward - reference.reward)[both]
-    held = []
-    for k, f in cut.fits.items():
-        c, r = full.records[k]
-        beyond = c > c_cut
-        held.append(f.predict(c[beyond]) - r[beyond])
-    held = np.concatenate(held) if held else np.zeros(0)
-    return ExtrapolationCheck(
-        c_cut=float(c_cut), compute=grid, predicted=predicted.reward,
-        reference=reference.reward, observed=observed_frontier(full, grid),
-        frontier_rmse=float(np.sqrt(np.mean(err**2))) if err.size else math.nan,
-        frontier_max_error=float(err.max()) if err.size else math.nan,
-        n_star_agreement=float(np.mean(predicted.n_star[both] == reference.n_star[both]))
-        if both.any() else math.nan,
-        heldout_rmse=float(np.sqrt(np.mean(held**2))) if held.size else math.nan,
-        n_heldout=int(held.size), lost=tuple(k for k in full.fits if k not in cut.fits),
-        flagged=tuple(k for k, f in cut.fits.items() if f.flags))
+  Raises:
+    ValueError: if nothing lies beyond `c_cut` or nothing can be fitted below it.
+  """
+  full = fit_curves(runs, metric=metric, key=key, unit=unit, bin_width=bin_width)
+  cut = fit_curves(runs, metric=metric, key=key, unit=unit, bin_width=bin_width,
+                   max_compute=c_cut)
+  if not full.fits or not cut.fits:
+    raise ValueError(f"extrapolation_check: no curve could be fitted "
+                     f"({'below c_cut=' + repr(c_cut) if full.fits else 'at all'})")
+  c_max = max(f.compute_range[1] for f in full.fits.values())
+  if not c_max > c_cut:
+    raise ValueError(f"extrapolation_check: c_cut={c_cut!r} leaves no data beyond "
+                     f"it (last point at {c_max!r})")
+  grid = np.geomspace(c_cut, c_max, num + 1)[1:]
+  predicted = frontier(cut.fits, grid, extrapolate=math.inf)
+  reference = frontier(full.fits, grid)
+  both = predicted.defined & reference.defined
+  err = np.abs(predicted.reward - reference.reward)[both]
+  held = []
+  for k, f in cut.fits.items():
+    c, r = full.records[k]
+    beyond = c > c_cut
+    held.append(f.predict(c[beyond]) - r[beyond])
+  held = np.concatenate(held) if held else np.zeros(0)
+  return ExtrapolationCheck(
+      c_cut=float(c_cut), compute=grid, predicted=predicted.reward,
+      reference=reference.reward, observed=observed_frontier(full, grid),
+      frontier_rmse=float(np.sqrt(np.mean(err**2))) if err.size else math.nan,
+      frontier_max_error=float(err.max()) if err.size else math.nan,
+      n_star_agreement=float(np.mean(predicted.n_star[both] == reference.n_star[both]))
+      if both.any() else math.nan,
+      heldout_rmse=float(np.sqrt(np.mean(held**2))) if held.size else math.nan,
+      n_heldout=int(held.size), lost=tuple(k for k in full.fits if k not in cut.fits),
+      flagged=tuple(k for k, f in cut.fits.items() if f.flags))

@@ -16,276 +16,276 @@ from isojax.analysis.pipeline import (LAW_PARAMS, SIGMOID_PARAMS, Analysis, Grou
 
 
 def _jsonable(x):
-    """Plain JSON types; floats keep full precision (json writes repr), NaN -> null."""
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return _jsonable(x.tolist())
-    if isinstance(x, (bool, np.bool_)):
-        return bool(x)
-    if isinstance(x, (int, np.integer)):
-        return int(x)
-    if isinstance(x, (float, np.floating)):
-        return finite_or_none(x)
-    return x
+  """Plain JSON types; floats keep full precision (json writes repr), NaN -> null."""
+  if isinstance(x, dict):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, np.ndarray):
+    return _jsonable(x.tolist())
+  if isinstance(x, (bool, np.bool_)):
+    return bool(x)
+  if isinstance(x, (int, np.integer)):
+    return int(x)
+  if isinstance(x, (float, np.floating)):
+    return finite_or_none(x)
+  return x
 
 
 def _interval(group: GroupAnalysis, name: str):
-    if group.intervals is None or name not in group.intervals.intervals:
-        return None
-    iv = group.intervals[name]
-    return {"low": iv.low, "high": iv.high, "n_ok": iv.n_ok}
+  if group.intervals is None or name not in group.intervals.intervals:
+    return None
+  iv = group.intervals[name]
+  return {"low": iv.low, "high": iv.high, "n_ok": iv.n_ok}
 
 
 def _curves_dict(group, prefix, fits, n_runs=None) -> dict:
-    out = {}
-    for k, f in fits.items():
-        d = f.to_dict()
-        if n_runs is not None:
-            d["runs"] = n_runs[k]
-        d["interval"] = {p: _interval(group, f"{prefix}|curve[{key_label(k)}].{p}")
-                         for p in SIGMOID_PARAMS}
-        out[key_label(k)] = d
-    return out
+  out = {}
+  for k, f in fits.items():
+    d = f.to_dict()
+    if n_runs is not None:
+      d["runs"] = n_runs[k]
+    d["interval"] = {p: _interval(group, f"{prefix}|curve[{key_label(k)}].{p}")
+                     for p in SIGMOID_PARAMS}
+    out[key_label(k)] = d
+  return out
 
 
 def _law_dict(group, prefix, law) -> dict | None:
-    if law is None:
-        return None
-    d = law.to_dict()
-    d["formula"] = "log2 n* = L / (1 + exp(-k (log10 C - x0))) + b"
-    d["interval"] = {p: _interval(group, f"{prefix}|law.{p}") for p in LAW_PARAMS}
-    return d
+  if law is None:
+    return None
+  d = law.to_dict()
+  d["formula"] = "log2 n* = L / (1 + exp(-k (log10 C - x0))) + b"
+  d["interval"] = {p: _interval(group, f"{prefix}|law.{p}") for p in LAW_PARAMS}
+  return d
 
 
 def _sweep_dict(group: GroupAnalysis, sweep) -> dict:
-    name = sweep_name(sweep)
-    fr = sweep.frontier
-    return {
-        "label": sweep.label, "metric": sweep.metric, "unit": sweep.unit,
-        "primary": sweep is group.primary,
-        "sigmoid_formula": "R = r0 + (a - r0) / (1 + (c_mid / C)^b)",
-        "curves": _curves_dict(group, name, sweep.curves.fits, sweep.curves.n_runs),
-        "skipped": {key_label(k): v for k, v in sweep.curves.skipped.items()},
-        "n_star_law": _law_dict(group, name, sweep.law),
-        "frontier": None if fr is None else {
-            "compute": fr.compute, "reward": fr.reward, "n_star": fr.n_star,
-            "extrapolated": fr.extrapolated},
-    }
+  name = sweep_name(sweep)
+  fr = sweep.frontier
+  return {
+      "label": sweep.label, "metric": sweep.metric, "unit": sweep.unit,
+      "primary": sweep is group.primary,
+      "sigmoid_formula": "R = r0 + (a - r0) / (1 + (c_mid / C)^b)",
+      "curves": _curves_dict(group, name, sweep.curves.fits, sweep.curves.n_runs),
+      "skipped": {key_label(k): v for k, v in sweep.curves.skipped.items()},
+      "n_star_law": _law_dict(group, name, sweep.law),
+      "frontier": None if fr is None else {
+          "compute": fr.compute, "reward": fr.reward, "n_star": fr.n_star,
+          "extrapolated": fr.extrapolated},
+  }
 
 
 def fits_dict(analysis: Analysis) -> dict:
-    """Every fitted parameter, in full precision, with its bootstrap interval."""
-    groups = {}
-    for g in analysis.groups:
-        fixed = [{"batch": fb.batch,
-                  "curves": _curves_dict(g, f"fixed[B={fb.batch}]", fb.curves.fits,
-                                         fb.curves.n_runs),
-                  "n_star_law": _law_dict(g, f"fixed[B={fb.batch}]", fb.law),
-                  "frontier": {"steps": fb.frontier.compute, "n_star": fb.frontier.n_star,
-                               "bp_star": fb.bp_star}}
-                 for fb in g.fixed_batches]
-        s = g.sensitivity
-        ex = g.extrapolation
-        groups[group_name(g)] = {
-            "runs": list(g.run_names),
-            "sweeps": [_sweep_dict(g, sw) for sw in g.sweeps],
-            "fixed_batch": fixed,
-            "sensitivity": {"across_bp": s.across_bp, "across_n": s.across_n,
-                            "spread_bp": s.spread_bp, "spread_n": s.spread_n,
-                            "mean_spread_bp": s.mean_spread_bp,
-                            "mean_spread_n": s.mean_spread_n},
-            "extrapolation": None if ex is None else {
-                f.name: getattr(ex, f.name) for f in dataclasses.fields(ex)
-                if f.name not in ("predicted", "reference", "observed", "compute")},
-            "prescriptions": [{"budget": p.budget, "n_star": p.n_star,
-                               "extrapolated": p.extrapolated, "note": p.note,
-                               "point": None if p.point is None else p.point.to_dict(),
-                               "n_star_interval": _interval(g, f"n_star@{p.budget:g}")}
-                              for p in g.prescriptions],
-            "bootstrap": None if g.intervals is None else {
-                "n_boot": g.intervals.n_boot, "n_failed": g.intervals.n_failed,
-                "level": g.intervals.level, "stratified": g.intervals.stratified},
-            "problems": list(g.problems),
-        }
-    return _jsonable({"metric": analysis.metric, "root": analysis.root, "groups": groups,
-                      "load_problems": [str(p) for p in analysis.load_problems]})
+  """Every fitted parameter, in full precision, with its bootstrap interval."""
+  groups = {}
+  for g in analysis.groups:
+    fixed = [{"batch": fb.batch,
+              "curves": _curves_dict(g, f"fixed[B={fb.batch}]", fb.curves.fits,
+                                     fb.curves.n_runs),
+              "n_star_law": _law_dict(g, f"fixed[B={fb.batch}]", fb.law),
+              "frontier": {"steps": fb.frontier.compute, "n_star": fb.frontier.n_star,
+                           "bp_star": fb.bp_star}}
+             for fb in g.fixed_batches]
+    s = g.sensitivity
+    ex = g.extrapolation
+    groups[group_name(g)] = {
+        "runs": list(g.run_names),
+        "sweeps": [_sweep_dict(g, sw) for sw in g.sweeps],
+        "fixed_batch": fixed,
+        "sensitivity": {"across_bp": s.across_bp, "across_n": s.across_n,
+                        "spread_bp": s.spread_bp, "spread_n": s.spread_n,
+                        "mean_spread_bp": s.mean_spread_bp,
+                        "mean_spread_n": s.mean_spread_n},
+        "extrapolation": None if ex is None else {
+            f.name: getattr(ex, f.name) for f in dataclasses.fields(ex)
+            if f.name not in ("predicted", "reference", "observed", "compute")},
+        "prescriptions": [{"budget": p.budget, "n_star": p.n_star,
+                           "extrapolated": p.extrapolated, "note": p.note,
+                           "point": None if p.point is None else p.point.to_dict(),
+                           "n_star_interval": _interval(g, f"n_star@{p.budget:g}")}
+                          for p in g.prescriptions],
+        "bootstrap": None if g.intervals is None else {
+            "n_boot": g.intervals.n_boot, "n_failed": g.intervals.n_failed,
+            "level": g.intervals.level, "stratified": g.intervals.stratified},
+        "problems": list(g.problems),
+    }
+  return _jsonable({"metric": analysis.metric, "root": analysis.root, "groups": groups,
+                    "load_problems": [str(p) for p in analysis.load_problems]})
 
 
 def write_figures(analysis: Analysis, out_dir: str) -> list[str]:
-    """Saves every figure as PNG under out_dir; returns the file names written."""
-    written = []
+  """Saves every figure as PNG under out_dir; returns the file names written."""
+  written = []
 
-    def save(fig, name):
-        if fig is not None:
-            fig.savefig(os.path.join(out_dir, name), dpi=120)
-            written.append(name)
+  def save(fig, name):
+    if fig is not None:
+      fig.savefig(os.path.join(out_dir, name), dpi=120)
+      written.append(name)
 
-    for g in analysis.groups:
-        tag = group_name(g)
-        if g.primary is not None:
-            save(plots.plot_records(g.primary.curves, title=f"{tag}, {g.primary.label}: "
-                                    f"record-breaking points ({g.metric})"),
-                 f"fig5_records_{tag}.png")
-        for sw in g.sweeps:
-            if sw.frontier is None:
-                continue
-            metric = sw.metric.split("/")[-1].replace("@", "at")
-            save(plots.plot_frontier(sw, title=f"{tag}, {sw.label}: {sw.metric} vs "
-                                     f"{sw.unit}"),
-                 f"fig6_frontier_{tag}_{sw.label.replace('=', '')}_{metric}_{sw.unit}.png")
-        laws = [sw for sw in g.sweeps if sw.frontier is not None and sw.metric == g.metric
-                and (sw is g.primary or sw.label == "joint"
-                     or (g.primary and sw.label == g.primary.label))]
-        if laws:
-            save(plots.plot_n_star(laws, title=f"{tag}: compute-optimal n*"),
-                 f"fig7_nstar_{tag}.png")
-        for fb in g.fixed_batches:
-            save(plots.plot_fixed_batch(fb, title=f"{tag}: fixed B = Bp·n = {fb.batch}"),
-                 f"fig9_fixed_batch_{tag}_B{fb.batch}.png")
-        if g.sensitivity.across_bp or g.sensitivity.across_n:
-            save(plots.plot_sensitivity(g.sensitivity, title=f"{tag}: sensitivity to Bp vs n"),
-                 f"fig10_sensitivity_{tag}.png")
-        if g.pass1_runs:
-            save(plots.plot_pass1_hist(g.pass1_runs), f"fig11_pass1_hist_{tag}.png")
-        if g.extrapolation is not None:
-            save(plots.plot_extrapolation(g.extrapolation, metric=g.metric),
-                 f"extrapolation_{tag}.png")
-    return written
+  for g in analysis.groups:
+    tag = group_name(g)
+    if g.primary is not None:
+      save(plots.plot_records(g.primary.curves, title=f"{tag}, {g.primary.label}: "
+                              f"record-breaking points ({g.metric})"),
+           f"fig5_records_{tag}.png")
+    for sw in g.sweeps:
+      if sw.frontier is None:
+        continue
+      metric = sw.metric.split("/")[-1].replace("@", "at")
+      save(plots.plot_frontier(sw, title=f"{tag}, {sw.label}: {sw.metric} vs "
+                               f"{sw.unit}"),
+           f"fig6_frontier_{tag}_{sw.label.replace('=', '')}_{metric}_{sw.unit}.png")
+    laws = [sw for sw in g.sweeps if sw.frontier is not None and sw.metric == g.metric
+            and (sw is g.primary or sw.label == "joint"
+                 or (g.primary and sw.label == g.primary.label))]
+    if laws:
+      save(plots.plot_n_star(laws, title=f"{tag}: compute-optimal n*"),
+           f"fig7_nstar_{tag}.png")
+    for fb in g.fixed_batches:
+      save(plots.plot_fixed_batch(fb, title=f"{tag}: fixed B = Bp·n = {fb.batch}"),
+           f"fig9_fixed_batch_{tag}_B{fb.batch}.png")
+    if g.sensitivity.across_bp or g.sensitivity.across_n:
+      save(plots.plot_sensitivity(g.sensitivity, title=f"{tag}: sensitivity to Bp vs n"),
+           f"fig10_sensitivity_{tag}.png")
+    if g.pass1_runs:
+      save(plots.plot_pass1_hist(g.pass1_runs), f"fig11_pass1_hist_{tag}.png")
+    if g.extrapolation is not None:
+      save(plots.plot_extrapolation(g.extrapolation, metric=g.metric),
+           f"extrapolation_{tag}.png")
+  return written
 
 
 def _g(x, digits=4):
-    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) \
-        else f"{x:.{digits}g}"
+  return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) \
+      else f"{x:.{digits}g}"
 
 
 def _ci(group, name, digits=3):
-    iv = _interval(group, name)
-    if iv is None or iv["n_ok"] == 0:
-        return ""
-    return f" [{_g(iv['low'], digits)}, {_g(iv['high'], digits)}]"
+  iv = _interval(group, name)
+  if iv is None or iv["n_ok"] == 0:
+    return ""
+  return f" [{_g(iv['low'], digits)}, {_g(iv['high'], digits)}]"
 
 
 def _group_md(g: GroupAnalysis) -> list[str]:
-    out = [f"## {group_name(g)} ({len(g.run_names)} runs)", ""]
-    p = g.primary
-    if p is None:
-        return out + ["No curve could be fitted.", ""]
-    unit = p.unit
-    level = f"{100 * g.intervals.level:.0f}%" if g.intervals else ""
-    if g.intervals is not None:
-        out += [f"Intervals: {level} bootstrap over whole runs ({g.intervals.n_boot} "
-                f"resamples, {g.intervals.n_failed} failed, "
-                f"{'within each configuration' if g.intervals.stratified else 'unstratified: one run per configuration, so they reflect which configurations were run, not seed noise'}).", ""]
-    law = p.law
-    if law is not None:
-        out += [f"### n*(C) law ({p.label}, {g.metric}, C in {unit})", "",
-                "log2 n* = L / (1 + exp(-k (log10 C - x0))) + b", "",
-                "| param | value | interval |", "|---|---|---|"]
-        for name in LAW_PARAMS:
-            out.append(f"| {name} | {getattr(law, name):.6g} |"
-                       f"{_ci(g, f'{sweep_name(p)}|law.{name}', 4)} |")
-        out += ["", f"Fit rms {law.rms:.4f} (log2 n units), R² {_g(law.r2)}; "
-                f"fitted on C in [{law.compute_range[0]:.3g}, {law.compute_range[1]:.3g}]."
-                + (f" Flags: {'; '.join(law.flags)}." if law.flags else ""), ""]
-    fr = p.frontier
-    if fr is not None:
-        siblings = [s for s in g.sweeps if s.label == p.label and s is not p
-                    and s.frontier is not None and s.unit == unit]
-        header = ["C", f"frontier {g.metric}", "n*"] + [f"n* ({s.metric})" for s in siblings]
-        out += [f"### Frontier ({p.label}, {unit})", "",
-                "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-        for i in np.unique(np.linspace(0, fr.compute.size - 1, 9).round().astype(int)):
-            cols = [f"{fr.compute[i]:.3g}", f"{fr.reward[i]:.4f}", str(fr.n_star[i])]
-            for s in siblings:
-                j = int(np.argmin(np.abs(np.log(s.frontier.compute / fr.compute[i]))))
-                cols.append(str(s.frontier.n_star[j]) if s.frontier.defined[j] else "–")
-            out.append("| " + " | ".join(cols) + " |")
-        out += ["", "Per-configuration sigmoids R = R0 + (A − R0)/(1 + (C_mid/C)^B):", "",
-                "| config | runs | A | B | C_mid | R0 | rms | R² | flags |",
-                "|---|---|---|---|---|---|---|---|---|"]
-        for k, f in p.curves.fits.items():
-            out.append(f"| {key_label(k)} | {p.curves.n_runs[k]} | {f.a:.4f}"
-                       f"{_ci(g, f'{sweep_name(p)}|curve[{key_label(k)}].a')} | "
-                       f"{f.b:.3f} | {f.c_mid:.4g} | "
-                       f"{f.r0:.4f} | {f.rms:.4f} | {_g(f.r2)} | {'; '.join(f.flags)} |")
-        out.append("")
-    if g.prescriptions:
-        out += ["### Prescriptions", "",
-                "| budget C | n* (law) | n | Bp | M | C used | note |",
-                "|---|---|---|---|---|---|---|"]
-        for pr in g.prescriptions:
-            note = "; ".join(x for x in ("extrapolated beyond the data"
-                                         if pr.extrapolated else "", pr.note) if x)
-            pt = pr.point
-            cells = ([str(pt.n), str(pt.bp), str(pt.m), str(pt.compute)] if pt else
-                     ["–"] * 4)
-            out.append(f"| {pr.budget:.3g} | {pr.n_star:.3g}"
-                       f"{_ci(g, f'n_star@{pr.budget:g}')} | " + " | ".join(cells)
-                       + f" | {note} |")
-        out += ["", "n is n* rounded to a power of two (in log2); Bp is the sweep's Bp "
-                "(use the smallest Bp that trains stably); M = floor(C / (Bp·n)).", ""]
-    if g.fixed_batches:
-        out += ["### Fixed batch B = Bp·n (n*(M), Bp*(M))", ""]
-        for fb in g.fixed_batches:
-            m, n = fb.frontier.n_star_points()
-            idx = np.unique(np.linspace(0, m.size - 1, 5).round().astype(int))
-            pts = ", ".join(f"M={m[i]:.3g}: n*={int(n[i])}, Bp*={fb.batch // int(n[i])}"
-                            for i in idx)
-            law_s = (f"; law L={fb.law.L:.4g}, k={fb.law.k:.4g}, x0={fb.law.x0:.4g}, "
-                     f"b={fb.law.b:.4g}" if fb.law else f"; no law ({fb.problem})")
-            out.append(f"- B={fb.batch}: {pts}{law_s}")
-        out.append("")
-    s = g.sensitivity
-    if s.across_bp or s.across_n:
-        def line(what, spreads, mean, name):
-            if not spreads:
-                return f"- across {what}: no comparison (needs >= 2 values)"
-            per = ", ".join(f"{name}={k}: {100 * v:.2f}" for k, v in spreads.items())
-            return f"- across {what}: mean range {100 * mean:.2f} points ({per})"
+  out = [f"## {group_name(g)} ({len(g.run_names)} runs)", ""]
+  p = g.primary
+  if p is None:
+    return out + ["No curve could be fitted.", ""]
+  unit = p.unit
+  level = f"{100 * g.intervals.level:.0f}%" if g.intervals else ""
+  if g.intervals is not None:
+    out += [f"Intervals: {level} bootstrap over whole runs ({g.intervals.n_boot} "
+            f"resamples, {g.intervals.n_failed} failed, "
+            f"{'within each configuration' if g.intervals.stratified else 'unstratified: one run per configuration, so they reflect which configurations were run, not seed noise'}).", ""]
+  law = p.law
+  if law is not None:
+    out += [f"### n*(C) law ({p.label}, {g.metric}, C in {unit})", "",
+            "log2 n* = L / (1 + exp(-k (log10 C - x0))) + b", "",
+            "| param | value | interval |", "|---|---|---|"]
+    for name in LAW_PARAMS:
+      out.append(f"| {name} | {getattr(law, name):.6g} |"
+                 f"{_ci(g, f'{sweep_name(p)}|law.{name}', 4)} |")
+    out += ["", f"Fit rms {law.rms:.4f} (log2 n units), R² {_g(law.r2)}; "
+            f"fitted on C in [{law.compute_range[0]:.3g}, {law.compute_range[1]:.3g}]."
+            + (f" Flags: {'; '.join(law.flags)}." if law.flags else ""), ""]
+  fr = p.frontier
+  if fr is not None:
+    siblings = [s for s in g.sweeps if s.label == p.label and s is not p
+                and s.frontier is not None and s.unit == unit]
+    header = ["C", f"frontier {g.metric}", "n*"] + [f"n* ({s.metric})" for s in siblings]
+    out += [f"### Frontier ({p.label}, {unit})", "",
+            "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for i in np.unique(np.linspace(0, fr.compute.size - 1, 9).round().astype(int)):
+      cols = [f"{fr.compute[i]:.3g}", f"{fr.reward[i]:.4f}", str(fr.n_star[i])]
+      for s in siblings:
+        j = int(np.argmin(np.abs(np.log(s.frontier.compute / fr.compute[i]))))
+        cols.append(str(s.frontier.n_star[j]) if s.frontier.defined[j] else "–")
+      out.append("| " + " | ".join(cols) + " |")
+    out += ["", "Per-configuration sigmoids R = R0 + (A − R0)/(1 + (C_mid/C)^B):", "",
+            "| config | runs | A | B | C_mid | R0 | rms | R² | flags |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for k, f in p.curves.fits.items():
+      out.append(f"| {key_label(k)} | {p.curves.n_runs[k]} | {f.a:.4f}"
+                 f"{_ci(g, f'{sweep_name(p)}|curve[{key_label(k)}].a')} | "
+                 f"{f.b:.3f} | {f.c_mid:.4g} | "
+                 f"{f.r0:.4f} | {f.rms:.4f} | {_g(f.r2)} | {'; '.join(f.flags)} |")
+    out.append("")
+  if g.prescriptions:
+    out += ["### Prescriptions", "",
+            "| budget C | n* (law) | n | Bp | M | C used | note |",
+            "|---|---|---|---|---|---|---|"]
+    for pr in g.prescriptions:
+      note = "; ".join(x for x in ("extrapolated beyond the data"
+                                   if pr.extrapolated else "", pr.note) if x)
+      pt = pr.point
+      cells = ([str(pt.n), str(pt.bp), str(pt.m), str(pt.compute)] if pt else
+               ["–"] * 4)
+      out.append(f"| {pr.budget:.3g} | {pr.n_star:.3g}"
+                 f"{_ci(g, f'n_star@{pr.budget:g}')} | " + " | ".join(cells)
+                 + f" | {note} |")
+    out += ["", "n is n* rounded to a power of two (in log2); Bp is the sweep's Bp "
+            "(use the smallest Bp that trains stably); M = floor(C / (Bp·n)).", ""]
+  if g.fixed_batches:
+    out += ["### Fixed batch B = Bp·n (n*(M), Bp*(M))", ""]
+    for fb in g.fixed_batches:
+      m, n = fb.frontier.n_star_points()
+      idx = np.unique(np.linspace(0, m.size - 1, 5).round().astype(int))
+      pts = ", ".join(f"M={m[i]:.3g}: n*={int(n[i])}, Bp*={fb.batch // int(n[i])}"
+                      for i in idx)
+      law_s = (f"; law L={fb.law.L:.4g}, k={fb.law.k:.4g}, x0={fb.law.x0:.4g}, "
+               f"b={fb.law.b:.4g}" if fb.law else f"; no law ({fb.problem})")
+      out.append(f"- B={fb.batch}: {pts}{law_s}")
+    out.append("")
+  s = g.sensitivity
+  if s.across_bp or s.across_n:
+    def line(what, spreads, mean, name):
+      if not spreads:
+        return f"- across {what}: no comparison (needs >= 2 values)"
+      per = ", ".join(f"{name}={k}: {100 * v:.2f}" for k, v in spreads.items())
+      return f"- across {what}: mean range {100 * mean:.2f} points ({per})"
 
-        out += ["### Sensitivity (reward range at matched compute)", "",
-                line("Bp at fixed n", s.spread_bp, s.mean_spread_bp, "n"),
-                line("n at fixed Bp", s.spread_n, s.mean_spread_n, "Bp"), ""]
-    ex = g.extrapolation
-    if ex is not None:
-        out += ["### Extrapolation check", "",
-                f"Curves fitted on C ≤ {ex.c_cut:.3g} predict the frontier beyond it with "
-                f"RMSE {ex.frontier_rmse:.4f} (max {ex.frontier_max_error:.4f}) against the "
-                f"all-data frontier; same n* at {100 * ex.n_star_agreement:.0f}% of the "
-                f"grid; RMSE {ex.heldout_rmse:.4f} on {ex.n_heldout} held-out record "
-                f"points." + (f" Not fittable below the cut: "
-                              f"{', '.join(key_label(k) for k in ex.lost)}." if ex.lost else "")
-                + (f" Cut fits at a bound (their extrapolation is unreliable): "
-                   f"{', '.join(key_label(k) for k in ex.flagged)}." if ex.flagged else ""),
-                ""]
-    if g.problems:
-        out += ["### Problems found in the analysis", ""] + [f"- {q}" for q in g.problems]
-        out.append("")
-    return out
+    out += ["### Sensitivity (reward range at matched compute)", "",
+            line("Bp at fixed n", s.spread_bp, s.mean_spread_bp, "n"),
+            line("n at fixed Bp", s.spread_n, s.mean_spread_n, "Bp"), ""]
+  ex = g.extrapolation
+  if ex is not None:
+    out += ["### Extrapolation check", "",
+            f"Curves fitted on C ≤ {ex.c_cut:.3g} predict the frontier beyond it with "
+            f"RMSE {ex.frontier_rmse:.4f} (max {ex.frontier_max_error:.4f}) against the "
+            f"all-data frontier; same n* at {100 * ex.n_star_agreement:.0f}% of the "
+            f"grid; RMSE {ex.heldout_rmse:.4f} on {ex.n_heldout} held-out record "
+            f"points." + (f" Not fittable below the cut: "
+                          f"{', '.join(key_label(k) for k in ex.lost)}." if ex.lost else "")
+            + (f" Cut fits at a bound (their extrapolation is unreliable): "
+               f"{', '.join(key_label(k) for k in ex.flagged)}." if ex.flagged else ""),
+            ""]
+  if g.problems:
+    out += ["### Problems found in the analysis", ""] + [f"- {q}" for q in g.problems]
+    out.append("")
+  return out
 
 
 def report_markdown(analysis: Analysis, figures=()) -> str:
-    lines = ["# isojax analysis report", "",
-             f"Runs: `{analysis.root}`. Metric: `{analysis.metric}`. Compute in rollouts "
-             f"unless stated (C = Bp·n·M).", ""]
-    for g in analysis.groups:
-        lines += _group_md(g)
-    lines += ["## Problems found while loading", ""]
-    lines += [f"- {p}" for p in analysis.load_problems] or ["- none"]
-    if figures:
-        lines += ["", "## Figures", ""] + [f"![{f}]({f})" for f in figures]
-    return "\n".join(lines) + "\n"
+  lines = ["# isojax analysis report", "",
+           f"Runs: `{analysis.root}`. Metric: `{analysis.metric}`. Compute in rollouts "
+           f"unless stated (C = Bp·n·M).", ""]
+  for g in analysis.groups:
+    lines += _group_md(g)
+  lines += ["## Problems found while loading", ""]
+  lines += [f"- {p}" for p in analysis.load_problems] or ["- none"]
+  if figures:
+    lines += ["", "## Figures", ""] + [f"![{f}]({f})" for f in figures]
+  return "\n".join(lines) + "\n"
 
 
 def write_report(analysis: Analysis, out_dir: str) -> dict:
-    """Writes figures, fits.json and report.md into out_dir (created if needed)."""
-    os.makedirs(out_dir, exist_ok=True)
-    figures = write_figures(analysis, out_dir)
-    with open(os.path.join(out_dir, "fits.json"), "w") as f:
-        json.dump(fits_dict(analysis), f, indent=1, allow_nan=False)
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write(report_markdown(analysis, figures))
-    return {"figures": figures, "fits": "fits.json", "report": "report.md"}
+  """Writes figures, fits.json and report.md into out_dir (created if needed)."""
+  os.makedirs(out_dir, exist_ok=True)
+  figures = write_figures(analysis, out_dir)
+  with open(os.path.join(out_dir, "fits.json"), "w") as f:
+    json.dump(fits_dict(analysis), f, indent=1, allow_nan=False)
+  with open(os.path.join(out_dir, "report.md"), "w") as f:
+    f.write(report_markdown(analysis, figures))
+  return {"figures": figures, "fits": "fits.json", "report": "report.md"}

@@ -28,248 +28,248 @@ UNITS = ("rollouts", "tokens", "steps")
 
 
 class RunLoadWarning(UserWarning):
-    """Something in a run directory was skipped or dropped while loading."""
+  """Something in a run directory was skipped or dropped while loading."""
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadProblem:
-    """One thing found wrong while loading: where, what kind, and the details."""
+  """One thing found wrong while loading: where, what kind, and the details."""
 
-    path: str
-    kind: str  # no_metrics, no_config, bad_config, empty, corrupt_lines, non_finite, ...
-    detail: str
+  path: str
+  kind: str  # no_metrics, no_config, bad_config, empty, corrupt_lines, non_finite, ...
+  detail: str
 
-    def __str__(self) -> str:
-        return f"{self.path}: [{self.kind}] {self.detail}"
+  def __str__(self) -> str:
+    return f"{self.path}: [{self.kind}] {self.detail}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One training run: its budget point, config and metric rows (sorted by step).
+  """One training run: its budget point, config and metric rows (sorted by step).
 
-    Attributes:
-      name: path relative to the loaded root (POSIX separators); the sort key.
-      path: absolute path of the run directory.
-      bp, n: problems per batch and rollouts per problem.
-      m: the planned number of updates (None when the config does not say).
-      difficulty: the data difficulty split (None when the config does not say).
-      seed: the run's seed (None when absent).
-      config: the whole resolved config as loaded from config.json.
-      rows: metric records, one dict per logged step, sorted by step.
-    """
+  Attributes:
+    name: path relative to the loaded root (POSIX separators); the sort key.
+    path: absolute path of the run directory.
+    bp, n: problems per batch and rollouts per problem.
+    m: the planned number of updates (None when the config does not say).
+    difficulty: the data difficulty split (None when the config does not say).
+    seed: the run's seed (None when absent).
+    config: the whole resolved config as loaded from config.json.
+    rows: metric records, one dict per logged step, sorted by step.
+  """
 
-    name: str
-    path: str
-    bp: int
-    n: int
-    m: int | None
-    difficulty: str | None
-    seed: int | None
-    config: Mapping[str, Any]
-    rows: tuple[Mapping[str, Any], ...]
+  name: str
+  path: str
+  bp: int
+  n: int
+  m: int | None
+  difficulty: str | None
+  seed: int | None
+  config: Mapping[str, Any]
+  rows: tuple[Mapping[str, Any], ...]
 
-    @property
-    def batch(self) -> int:
-        """Rollouts per update, B = Bp * n."""
-        return self.bp * self.n
+  @property
+  def batch(self) -> int:
+    """Rollouts per update, B = Bp * n."""
+    return self.bp * self.n
 
-    def get(self, dotted: str, default=None):
-        """A config field by dotted path, e.g. run.get("rl.kl_coef")."""
-        node: Any = self.config
-        for part in dotted.split("."):
-            if not isinstance(node, Mapping) or part not in node:
-                return default
-            node = node[part]
-        return node
+  def get(self, dotted: str, default=None):
+    """A config field by dotted path, e.g. run.get("rl.kl_coef")."""
+    node: Any = self.config
+    for part in dotted.split("."):
+      if not isinstance(node, Mapping) or part not in node:
+        return default
+      node = node[part]
+    return node
 
-    def column(self, key: str) -> np.ndarray:
-        """A scalar metric as float64 per row, NaN where the row lacks it."""
-        out = np.full(len(self.rows), np.nan)
-        for i, row in enumerate(self.rows):
-            v = row.get(key)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                out[i] = v
-        return out
+  def column(self, key: str) -> np.ndarray:
+    """A scalar metric as float64 per row, NaN where the row lacks it."""
+    out = np.full(len(self.rows), np.nan)
+    for i, row in enumerate(self.rows):
+      v = row.get(key)
+      if isinstance(v, (int, float)) and not isinstance(v, bool):
+        out[i] = v
+    return out
 
-    def compute(self, unit: str = "rollouts") -> np.ndarray:
-        """Cumulative compute per row in `unit` ("rollouts", "tokens" or "steps")."""
-        if unit not in UNITS:
-            raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
-        if unit == "tokens":
-            return self.column("tokens")
-        rollouts = self.column("rollouts")
-        # Rows without a ledger count fall back to the budget identity C = Bp*n*step.
-        missing = np.isnan(rollouts)
-        if missing.any():
-            rollouts[missing] = self.column("step")[missing] * self.batch
-        return rollouts / self.batch if unit == "steps" else rollouts
+  def compute(self, unit: str = "rollouts") -> np.ndarray:
+    """Cumulative compute per row in `unit` ("rollouts", "tokens" or "steps")."""
+    if unit not in UNITS:
+      raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
+    if unit == "tokens":
+      return self.column("tokens")
+    rollouts = self.column("rollouts")
+    # Rows without a ledger count fall back to the budget identity C = Bp*n*step.
+    missing = np.isnan(rollouts)
+    if missing.any():
+      rollouts[missing] = self.column("step")[missing] * self.batch
+    return rollouts / self.batch if unit == "steps" else rollouts
 
-    def points(self, metric: str, unit: str = "rollouts") -> tuple[np.ndarray, np.ndarray]:
-        """(compute, value) at the rows that logged `metric`, both finite."""
-        c, v = self.compute(unit), self.column(metric)
-        keep = np.isfinite(c) & np.isfinite(v)
-        return c[keep], v[keep]
+  def points(self, metric: str, unit: str = "rollouts") -> tuple[np.ndarray, np.ndarray]:
+    """(compute, value) at the rows that logged `metric`, both finite."""
+    c, v = self.compute(unit), self.column(metric)
+    keep = np.isfinite(c) & np.isfinite(v)
+    return c[keep], v[keep]
 
-    def metric_names(self) -> list[str]:
-        """Every key logged by any row, sorted."""
-        return sorted({k for row in self.rows for k in row})
+  def metric_names(self) -> list[str]:
+    """Every key logged by any row, sorted."""
+    return sorted({k for row in self.rows for k in row})
 
-    @property
-    def config_key(self) -> tuple:
-        """(difficulty, bp, n): runs sharing it are seeds of one configuration."""
-        return (self.difficulty or "", self.bp, self.n)
+  @property
+  def config_key(self) -> tuple:
+    """(difficulty, bp, n): runs sharing it are seeds of one configuration."""
+    return (self.difficulty or "", self.bp, self.n)
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadResult:
-    """Everything `read_runs` found: the usable runs and the problems met."""
+  """Everything `read_runs` found: the usable runs and the problems met."""
 
-    runs: tuple[Run, ...]
-    problems: tuple[LoadProblem, ...]
+  runs: tuple[Run, ...]
+  problems: tuple[LoadProblem, ...]
 
 
 def _find(config: Mapping, key: str):
-    """A budget field at top level, else under "budget" (both layouts are written)."""
-    if key in config and config[key] is not None:
-        return config[key]
-    budget = config.get("budget")
-    if isinstance(budget, Mapping) and budget.get(key) is not None:
-        return budget[key]
-    return None
+  """A budget field at top level, else under "budget" (both layouts are written)."""
+  if key in config and config[key] is not None:
+    return config[key]
+  budget = config.get("budget")
+  if isinstance(budget, Mapping) and budget.get(key) is not None:
+    return budget[key]
+  return None
 
 
 def _as_int(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value == int(value) and value > 0):
-        raise ValueError(f"{what} must be a positive integer, got {value!r}")
-    return int(value)
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+          math.isfinite(value) and value == int(value) and value > 0):
+    raise ValueError(f"{what} must be a positive integer, got {value!r}")
+  return int(value)
 
 
 def _parse_config(config: Mapping) -> dict:
-    bp, n, m = _find(config, "bp"), _find(config, "n"), _find(config, "m")
-    if bp is None or n is None:
-        raise ValueError(f"no bp/n at top level or under 'budget' (keys: {sorted(config)})")
-    data = config.get("data")
-    difficulty = data.get("difficulty") if isinstance(data, Mapping) else None
-    if difficulty is None:
-        difficulty = config.get("difficulty")
-    seed = config.get("seed")
-    return dict(bp=_as_int(bp, "bp"), n=_as_int(n, "n"),
-                m=None if m is None else _as_int(m, "m"),
-                difficulty=None if difficulty is None else str(difficulty),
-                seed=seed if isinstance(seed, int) and not isinstance(seed, bool) else None)
+  bp, n, m = _find(config, "bp"), _find(config, "n"), _find(config, "m")
+  if bp is None or n is None:
+    raise ValueError(f"no bp/n at top level or under 'budget' (keys: {sorted(config)})")
+  data = config.get("data")
+  difficulty = data.get("difficulty") if isinstance(data, Mapping) else None
+  if difficulty is None:
+    difficulty = config.get("difficulty")
+  seed = config.get("seed")
+  return dict(bp=_as_int(bp, "bp"), n=_as_int(n, "n"),
+              m=None if m is None else _as_int(m, "m"),
+              difficulty=None if difficulty is None else str(difficulty),
+              seed=seed if isinstance(seed, int) and not isinstance(seed, bool) else None)
 
 
 def _read_metrics(path: str, problems: list[LoadProblem]) -> list[dict]:
-    """Rows of metrics.jsonl; corrupt lines and non-finite values are reported."""
-    rows: dict[Any, dict] = {}
-    corrupt, duplicates, non_finite = [], 0, {}
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                corrupt.append(lineno)
-                continue
-            if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)):
-                corrupt.append(lineno)
-                continue
-            clean = {}
-            for k, v in row.items():
-                if isinstance(v, float) and not math.isfinite(v):
-                    non_finite[k] = non_finite.get(k, 0) + 1
-                    continue  # dropped: a NaN reward must not pull a fit
-                clean[k] = v
-            if row["step"] in rows:
-                duplicates += 1  # a resumed run re-logs steps; the last write wins
-            rows[row["step"]] = clean
-    if corrupt:
-        shown = ", ".join(map(str, corrupt[:10])) + (" ..." if len(corrupt) > 10 else "")
-        problems.append(LoadProblem(path, "corrupt_lines",
-                                    f"skipped {len(corrupt)} unparseable line(s): {shown}"))
-    if non_finite:
-        detail = ", ".join(f"{k} x{c}" for k, c in sorted(non_finite.items()))
-        problems.append(LoadProblem(path, "non_finite",
-                                    f"dropped non-finite values: {detail}"))
-    if duplicates:
-        problems.append(LoadProblem(path, "duplicate_steps",
-                                    f"{duplicates} step(s) logged twice; kept the last"))
-    return [rows[s] for s in sorted(rows)]
+  """Rows of metrics.jsonl; corrupt lines and non-finite values are reported."""
+  rows: dict[Any, dict] = {}
+  corrupt, duplicates, non_finite = [], 0, {}
+  with open(path, encoding="utf-8", errors="replace") as f:
+    for lineno, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        corrupt.append(lineno)
+        continue
+      if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)):
+        corrupt.append(lineno)
+        continue
+      clean = {}
+      for k, v in row.items():
+        if isinstance(v, float) and not math.isfinite(v):
+          non_finite[k] = non_finite.get(k, 0) + 1
+          continue  # dropped: a NaN reward must not pull a fit
+        clean[k] = v
+      if row["step"] in rows:
+        duplicates += 1  # a resumed run re-logs steps; the last write wins
+      rows[row["step"]] = clean
+  if corrupt:
+    shown = ", ".join(map(str, corrupt[:10])) + (" ..." if len(corrupt) > 10 else "")
+    problems.append(LoadProblem(path, "corrupt_lines",
+                                f"skipped {len(corrupt)} unparseable line(s): {shown}"))
+  if non_finite:
+    detail = ", ".join(f"{k} x{c}" for k, c in sorted(non_finite.items()))
+    problems.append(LoadProblem(path, "non_finite",
+                                f"dropped non-finite values: {detail}"))
+  if duplicates:
+    problems.append(LoadProblem(path, "duplicate_steps",
+                                f"{duplicates} step(s) logged twice; kept the last"))
+  return [rows[s] for s in sorted(rows)]
 
 
 def _load_one(root: str, path: str, problems: list[LoadProblem]) -> Run | None:
-    config_path = os.path.join(path, CONFIG_FILE)
-    metrics_path = os.path.join(path, METRICS_FILE)
-    if not os.path.isfile(metrics_path):
-        problems.append(LoadProblem(path, "no_metrics", f"no {METRICS_FILE}; run skipped"))
-        return None
-    if not os.path.isfile(config_path):
-        problems.append(LoadProblem(path, "no_config", f"no {CONFIG_FILE}; run skipped"))
-        return None
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-        if not isinstance(config, dict):
-            raise ValueError("not a JSON object")
-        fields = _parse_config(config)
-    except (ValueError, OSError) as e:
-        problems.append(LoadProblem(config_path, "bad_config", f"{e}; run skipped"))
-        return None
-    rows = _read_metrics(metrics_path, problems)
-    if not rows:
-        problems.append(LoadProblem(path, "empty", "no usable metric rows; run skipped"))
-        return None
-    if not any(k.startswith("val/") for row in rows for k in row):
-        problems.append(LoadProblem(path, "no_eval", "no 'val/...' metrics logged yet"))
-    name = os.path.relpath(path, root).replace(os.sep, "/")
-    return Run(name=name, path=path, config=config, rows=tuple(rows), **fields)
+  config_path = os.path.join(path, CONFIG_FILE)
+  metrics_path = os.path.join(path, METRICS_FILE)
+  if not os.path.isfile(metrics_path):
+    problems.append(LoadProblem(path, "no_metrics", f"no {METRICS_FILE}; run skipped"))
+    return None
+  if not os.path.isfile(config_path):
+    problems.append(LoadProblem(path, "no_config", f"no {CONFIG_FILE}; run skipped"))
+    return None
+  try:
+    with open(config_path, encoding="utf-8") as f:
+      config = json.load(f)
+    if not isinstance(config, dict):
+      raise ValueError("not a JSON object")
+    fields = _parse_config(config)
+  except (ValueError, OSError) as e:
+    problems.append(LoadProblem(config_path, "bad_config", f"{e}; run skipped"))
+    return None
+  rows = _read_metrics(metrics_path, problems)
+  if not rows:
+    problems.append(LoadProblem(path, "empty", "no usable metric rows; run skipped"))
+    return None
+  if not any(k.startswith("val/") for row in rows for k in row):
+    problems.append(LoadProblem(path, "no_eval", "no 'val/...' metrics logged yet"))
+  name = os.path.relpath(path, root).replace(os.sep, "/")
+  return Run(name=name, path=path, config=config, rows=tuple(rows), **fields)
 
 
 def _run_dirs(root: str) -> list[str]:
-    """Directories holding a config.json or metrics.jsonl; their insides are not searched
-    (checkpoints live there)."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        if CONFIG_FILE in filenames or METRICS_FILE in filenames:
-            found.append(dirpath)
-            dirnames[:] = []
-    return sorted(found)
+  """Directories holding a config.json or metrics.jsonl; their insides are not searched
+  (checkpoints live there)."""
+  found = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    if CONFIG_FILE in filenames or METRICS_FILE in filenames:
+      found.append(dirpath)
+      dirnames[:] = []
+  return sorted(found)
 
 
 def read_runs(root: str | os.PathLike) -> LoadResult:
-    """Loads every run under `root` and returns them with the problems found.
+  """Loads every run under `root` and returns them with the problems found.
 
-    Runs are sorted by their path relative to `root`, so results never depend on the
-    order the filesystem lists them.
+  Runs are sorted by their path relative to `root`, so results never depend on the
+  order the filesystem lists them.
 
-    Raises:
-      ValueError: if `root` is not a directory.
-    """
-    root = os.path.abspath(os.fspath(root))
-    if not os.path.isdir(root):
-        raise ValueError(f"runs directory {root!r} does not exist or is not a directory")
-    problems: list[LoadProblem] = []
-    runs = [r for p in _run_dirs(root) if (r := _load_one(root, p, problems)) is not None]
-    if not runs:
-        problems.append(LoadProblem(root, "no_runs", "no loadable run directory found"))
-    runs.sort(key=lambda r: r.name)
-    return LoadResult(runs=tuple(runs), problems=tuple(problems))
+  Raises:
+    ValueError: if `root` is not a directory.
+  """
+  root = os.path.abspath(os.fspath(root))
+  if not os.path.isdir(root):
+    raise ValueError(f"runs directory {root!r} does not exist or is not a directory")
+  problems: list[LoadProblem] = []
+  runs = [r for p in _run_dirs(root) if (r := _load_one(root, p, problems)) is not None]
+  if not runs:
+    problems.append(LoadProblem(root, "no_runs", "no loadable run directory found"))
+  runs.sort(key=lambda r: r.name)
+  return LoadResult(runs=tuple(runs), problems=tuple(problems))
 
 
 def load_runs(root: str | os.PathLike) -> list[Run]:
-    """Every run directory under `root`, sorted by name; problems become warnings.
+  """Every run directory under `root`, sorted by name; problems become warnings.
 
-    Each problem (corrupt lines with their count, a directory without metrics, dropped
-    non-finite values, ...) is issued as a `RunLoadWarning`; use `read_runs` to get them
-    as data instead.
-    """
-    result = read_runs(root)
-    for problem in result.problems:
-        warnings.warn(str(problem), RunLoadWarning, stacklevel=2)
-    return list(result.runs)
+  Each problem (corrupt lines with their count, a directory without metrics, dropped
+  non-finite values, ...) is issued as a `RunLoadWarning`; use `read_runs` to get them
+  as data instead.
+  """
+  result = read_runs(root)
+  for problem in result.problems:
+    warnings.warn(str(problem), RunLoadWarning, stacklevel=2)
+  return list(result.runs)
 
 
 _HIST_LIST_KEYS = ("train/pass1_hist", "train/pass@1_hist")
@@ -277,35 +277,35 @@ _HIST_PREFIX = "train/pass@1_hist/"
 
 
 def pass1_histogram(row: Mapping) -> np.ndarray | None:
-    """The training pass@1 histogram of a metric row as fractions per bin, or None.
+  """The training pass@1 histogram of a metric row as fractions per bin, or None.
 
-    Two layouts are read: a list of bin counts under "train/pass1_hist", or one scalar
-    per bin, "train/pass@1_hist/<bin start>" (the run loop's flattened form).
-    """
-    for key in _HIST_LIST_KEYS:
-        v = row.get(key)
-        if isinstance(v, list) and v:
-            counts = np.asarray([x if isinstance(x, (int, float)) else np.nan for x in v],
-                                dtype=np.float64)
-            break
-    else:
-        bins = []
-        for k, v in row.items():
-            if k.startswith(_HIST_PREFIX) and isinstance(v, (int, float)):
-                try:
-                    bins.append((float(k[len(_HIST_PREFIX):]), float(v)))
-                except ValueError:
-                    continue
-        if not bins:
-            return None
-        counts = np.asarray([v for _, v in sorted(bins)])
-    total = counts.sum()
-    if not np.isfinite(total) or total <= 0 or np.any(counts < 0):
-        return None
-    return counts / total
+  Two layouts are read: a list of bin counts under "train/pass1_hist", or one scalar
+  per bin, "train/pass@1_hist/<bin start>" (the run loop's flattened form).
+  """
+  for key in _HIST_LIST_KEYS:
+    v = row.get(key)
+    if isinstance(v, list) and v:
+      counts = np.asarray([x if isinstance(x, (int, float)) else np.nan for x in v],
+                          dtype=np.float64)
+      break
+  else:
+    bins = []
+    for k, v in row.items():
+      if k.startswith(_HIST_PREFIX) and isinstance(v, (int, float)):
+        try:
+          bins.append((float(k[len(_HIST_PREFIX):]), float(v)))
+        except ValueError:
+          continue
+    if not bins:
+      return None
+    counts = np.asarray([v for _, v in sorted(bins)])
+  total = counts.sum()
+  if not np.isfinite(total) or total <= 0 or np.any(counts < 0):
+    return None
+  return counts / total
 
 
 def eval_metrics(runs) -> list[str]:
-    """The validation metrics ("val/avg@4", ...) logged by any of `runs`, sorted."""
-    return sorted({k for r in runs for row in r.rows for k in row
-                   if k.startswith("val/") and isinstance(row[k], (int, float))})
+  """The validation metrics ("val/avg@4", ...) logged by any of `runs`, sorted."""
+  return sorted({k for r in runs for row in r.rows for k in row
+                 if k.startswith("val/") and isinstance(row[k], (int, float))})

@@ -17,216 +17,216 @@ from collections.abc import Iterable, Sequence
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """A prompt with a verifiable answer."""
+  """A prompt with a verifiable answer."""
 
-    id: str
-    prompt: str
-    answer: str
+  id: str
+  prompt: str
+  answer: str
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
 class Fields:
-    """Which record fields hold the prompt, answer and (optional) id."""
+  """Which record fields hold the prompt, answer and (optional) id."""
 
-    prompt: str = "prompt"
-    answer: str = "answer"
-    id: str | None = None
+  prompt: str = "prompt"
+  answer: str = "answer"
+  id: str | None = None
 
 
 def _lookup(record: dict, path: str):
-    value = record
-    for part in path.split("."):
-        if not isinstance(value, dict) or part not in value:
-            raise KeyError(path)
-        value = value[part]
-    return value
+  value = record
+  for part in path.split("."):
+    if not isinstance(value, dict) or part not in value:
+      raise KeyError(path)
+    value = value[part]
+  return value
 
 
 def _prompt_text(value) -> str:
-    if isinstance(value, str):
-        return value
-    # A chat-format prompt: [{"role": ..., "content": ...}, ...].
-    if isinstance(value, (list, tuple)) and value and all(
-            isinstance(m, dict) and "content" in m for m in value):
-        users = [m for m in value if m.get("role", "user") == "user"]
-        return str((users or list(value))[-1]["content"])
-    raise TypeError(f"prompt must be a string or a list of chat messages, "
-                    f"got {type(value).__name__}")
+  if isinstance(value, str):
+    return value
+  # A chat-format prompt: [{"role": ..., "content": ...}, ...].
+  if isinstance(value, (list, tuple)) and value and all(
+          isinstance(m, dict) and "content" in m for m in value):
+    users = [m for m in value if m.get("role", "user") == "user"]
+    return str((users or list(value))[-1]["content"])
+  raise TypeError(f"prompt must be a string or a list of chat messages, "
+                  f"got {type(value).__name__}")
 
 
 def _answer_text(value) -> str:
-    if isinstance(value, (list, tuple)) and len(value) == 1:
-        value = value[0]
-    if isinstance(value, (dict, list, tuple)) or value is None:
-        raise TypeError(f"answer must be a scalar, got {value!r:.80}")
-    return str(value)
+  if isinstance(value, (list, tuple)) and len(value) == 1:
+    value = value[0]
+  if isinstance(value, (dict, list, tuple)) or value is None:
+    raise TypeError(f"answer must be a scalar, got {value!r:.80}")
+  return str(value)
 
 
 def record_to_problem(record: dict, fields: Fields, *, where: str, index: int) -> Problem:
-    """One record -> Problem; errors name `where` (file and line/row) and the field."""
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    try:
-        prompt = _prompt_text(_lookup(record, fields.prompt))
-        answer = _answer_text(_lookup(record, fields.answer))
-        pid = str(_lookup(record, fields.id)) if fields.id else str(index)
-    except KeyError as e:
-        raise ValueError(f"{where}: missing field {e.args[0]!r}; record has keys "
-                         f"{sorted(record)}") from None
-    except TypeError as e:
-        raise ValueError(f"{where}: {e}") from None
-    return Problem(id=pid, prompt=prompt, answer=answer)
+  """One record -> Problem; errors name `where` (file and line/row) and the field."""
+  if not isinstance(record, dict):
+    raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+  try:
+    prompt = _prompt_text(_lookup(record, fields.prompt))
+    answer = _answer_text(_lookup(record, fields.answer))
+    pid = str(_lookup(record, fields.id)) if fields.id else str(index)
+  except KeyError as e:
+    raise ValueError(f"{where}: missing field {e.args[0]!r}; record has keys "
+                     f"{sorted(record)}") from None
+  except TypeError as e:
+    raise ValueError(f"{where}: {e}") from None
+  return Problem(id=pid, prompt=prompt, answer=answer)
 
 
 def load_jsonl(path: str | os.PathLike, fields: Fields = Fields()) -> list[Problem]:
-    """Problems from a JSON-lines file (blank lines are skipped).
+  """Problems from a JSON-lines file (blank lines are skipped).
 
-    Raises:
-      ValueError: naming the file and 1-based line number of a malformed line or a
-        record that lacks a field.
-    """
-    path = os.fspath(path)
-    problems = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: malformed JSON ({e.msg} at column "
-                                 f"{e.colno})") from None
-            problems.append(record_to_problem(record, fields, where=where,
-                                              index=len(problems)))
-    return _check_ids(problems, path)
+  Raises:
+    ValueError: naming the file and 1-based line number of a malformed line or a
+      record that lacks a field.
+  """
+  path = os.fspath(path)
+  problems = []
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      where = f"{path}:{lineno}"
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: malformed JSON ({e.msg} at column "
+                         f"{e.colno})") from None
+      problems.append(record_to_problem(record, fields, where=where,
+                                        index=len(problems)))
+  return _check_ids(problems, path)
 
 
 def load_parquet(path: str | os.PathLike, fields: Fields = Fields()) -> list[Problem]:
-    """Problems from a Parquet file (nested struct columns allowed)."""
-    import pyarrow.parquet as pq
+  """Problems from a Parquet file (nested struct columns allowed)."""
+  import pyarrow.parquet as pq
 
-    path = os.fspath(path)
-    try:
-        rows = pq.read_table(path).to_pylist()
-    except Exception as e:  # pyarrow raises several types for a bad file
-        raise ValueError(f"{path}: cannot read Parquet ({e})") from e
-    problems = [record_to_problem(r, fields, where=f"{path}: row {i}", index=i)
-                for i, r in enumerate(rows)]
-    return _check_ids(problems, path)
+  path = os.fspath(path)
+  try:
+    rows = pq.read_table(path).to_pylist()
+  except Exception as e:  # pyarrow raises several types for a bad file
+    raise ValueError(f"{path}: cannot read Parquet ({e})") from e
+  problems = [record_to_problem(r, fields, where=f"{path}: row {i}", index=i)
+              for i, r in enumerate(rows)]
+  return _check_ids(problems, path)
 
 
 def load_datasets_dir(path: str | os.PathLike, fields: Fields = Fields(),
                       split: str | None = None) -> list[Problem]:
-    """Problems from a `datasets` dataset saved with `save_to_disk`.
+  """Problems from a `datasets` dataset saved with `save_to_disk`.
 
-    Args:
-      split: required when the directory holds a DatasetDict with several splits.
-    """
-    import datasets
+  Args:
+    split: required when the directory holds a DatasetDict with several splits.
+  """
+  import datasets
 
-    path = os.fspath(path)
-    ds = datasets.load_from_disk(path)
-    if isinstance(ds, datasets.DatasetDict):
-        if split is None:
-            if len(ds) != 1:
-                raise ValueError(f"{path}: a DatasetDict with splits {list(ds)}; "
-                                 f"choose one with split=")
-            split = next(iter(ds))
-        if split not in ds:
-            raise ValueError(f"{path}: no split {split!r}; available {list(ds)}")
-        ds = ds[split]
-    problems = [record_to_problem(r, fields, where=f"{path}: row {i}", index=i)
-                for i, r in enumerate(ds)]
-    return _check_ids(problems, path)
+  path = os.fspath(path)
+  ds = datasets.load_from_disk(path)
+  if isinstance(ds, datasets.DatasetDict):
+    if split is None:
+      if len(ds) != 1:
+        raise ValueError(f"{path}: a DatasetDict with splits {list(ds)}; "
+                         f"choose one with split=")
+      split = next(iter(ds))
+    if split not in ds:
+      raise ValueError(f"{path}: no split {split!r}; available {list(ds)}")
+    ds = ds[split]
+  problems = [record_to_problem(r, fields, where=f"{path}: row {i}", index=i)
+              for i, r in enumerate(ds)]
+  return _check_ids(problems, path)
 
 
 def load_problems(path: str | os.PathLike, *, prompt_field: str = "prompt",
                   answer_field: str = "answer", id_field: str | None = None,
                   split: str | None = None) -> list[Problem]:
-    """Problems from a path, dispatching on its form.
+  """Problems from a path, dispatching on its form.
 
-    *.jsonl / *.json (JSON lines) -> `load_jsonl`; *.parquet -> `load_parquet`;
-    a directory written by `datasets.save_to_disk` -> `load_datasets_dir`.
-    """
-    path = os.fspath(path)
-    fields = Fields(prompt=prompt_field, answer=answer_field, id=id_field)
-    if not os.path.exists(path):
-        raise ValueError(f"problem source {path!r} does not exist")
-    if os.path.isdir(path):
-        markers = ("dataset_info.json", "state.json", "dataset_dict.json")
-        if not any(os.path.exists(os.path.join(path, m)) for m in markers):
-            raise ValueError(f"{path}: a directory but not a `datasets` save_to_disk "
-                             f"directory (none of {markers} found)")
-        return load_datasets_dir(path, fields, split)
-    if path.endswith((".jsonl", ".json")):
-        return load_jsonl(path, fields)
-    if path.endswith(".parquet"):
-        return load_parquet(path, fields)
-    raise ValueError(f"{path}: unknown problem source type; expected .jsonl, .json, "
-                     f".parquet or a datasets directory")
+  *.jsonl / *.json (JSON lines) -> `load_jsonl`; *.parquet -> `load_parquet`;
+  a directory written by `datasets.save_to_disk` -> `load_datasets_dir`.
+  """
+  path = os.fspath(path)
+  fields = Fields(prompt=prompt_field, answer=answer_field, id=id_field)
+  if not os.path.exists(path):
+    raise ValueError(f"problem source {path!r} does not exist")
+  if os.path.isdir(path):
+    markers = ("dataset_info.json", "state.json", "dataset_dict.json")
+    if not any(os.path.exists(os.path.join(path, m)) for m in markers):
+      raise ValueError(f"{path}: a directory but not a `datasets` save_to_disk "
+                       f"directory (none of {markers} found)")
+    return load_datasets_dir(path, fields, split)
+  if path.endswith((".jsonl", ".json")):
+    return load_jsonl(path, fields)
+  if path.endswith(".parquet"):
+    return load_parquet(path, fields)
+  raise ValueError(f"{path}: unknown problem source type; expected .jsonl, .json, "
+                   f".parquet or a datasets directory")
 
 
 def write_jsonl(problems: Iterable[Problem], path: str | os.PathLike,
                 extra: Sequence[dict] | None = None) -> None:
-    """Write problems (plus optional per-problem extra fields) as JSON lines, atomically."""
-    path = os.fspath(path)
-    problems = list(problems)
-    if extra is not None and len(extra) != len(problems):
-        raise ValueError(f"extra has {len(extra)} rows for {len(problems)} problems")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for i, p in enumerate(problems):
-            record = p.to_dict() | (dict(extra[i]) if extra is not None else {})
-            f.write(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+  """Write problems (plus optional per-problem extra fields) as JSON lines, atomically."""
+  path = os.fspath(path)
+  problems = list(problems)
+  if extra is not None and len(extra) != len(problems):
+    raise ValueError(f"extra has {len(extra)} rows for {len(problems)} problems")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w", encoding="utf-8") as f:
+    for i, p in enumerate(problems):
+      record = p.to_dict() | (dict(extra[i]) if extra is not None else {})
+      f.write(json.dumps(record) + "\n")
+  os.replace(tmp, path)
 
 
 def _check_ids(problems: list[Problem], where: str) -> list[Problem]:
-    seen = set()
-    for p in problems:
-        if p.id in seen:
-            raise ValueError(f"{where}: duplicate problem id {p.id!r}")
-        seen.add(p.id)
-    return problems
+  seen = set()
+  for p in problems:
+    if p.id in seen:
+      raise ValueError(f"{where}: duplicate problem id {p.id!r}")
+    seen.add(p.id)
+  return problems
 
 
 def encode_prompts(tokenizer, problems: Sequence[Problem] | Sequence[str], *,
                    chat_template: bool = False, system_prompt: str | None = None,
                    prompt_template: str = "{prompt}") -> list[list[int]]:
-    """Token ids for each prompt.
+  """Token ids for each prompt.
 
-    Args:
-      tokenizer: isojax.models.Tokenizer (or anything with `encode` and
-        `apply_chat_template(messages, add_generation_prompt=True) -> list[int]`).
-      chat_template: wrap the prompt as a user message and apply the tokenizer's chat
-        template (instruct models); otherwise encode the text with the tokenizer's
-        default special tokens (e.g. BOS).
-      system_prompt: optional system message (chat template only).
-      prompt_template: text in which "{prompt}" is replaced by the prompt, e.g. to
-        append an instruction such as "... within \\boxed{}".
-    """
-    out = []
-    for p in problems:
-        # str.replace, not str.format: templates often contain literal braces (\boxed{}).
-        prompt = p.prompt if isinstance(p, Problem) else p
-        text = prompt_template.replace("{prompt}", prompt)
-        if chat_template:
-            messages = ([{"role": "system", "content": system_prompt}]
-                        if system_prompt else []) + [{"role": "user", "content": text}]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            if hasattr(ids, "keys"):  # a raw transformers tokenizer returns an encoding
-                ids = ids["input_ids"]
-        else:
-            # Raw text gets the tokenizer's own special tokens (BOS for Llama and the
-            # synthetic vocabulary, nothing for Qwen), as transformers would add them.
-            try:
-                ids = tokenizer.encode(text, add_special_tokens=True)
-            except TypeError:  # a minimal tokenizer without the keyword
-                ids = tokenizer.encode(text)
-        out.append([int(t) for t in ids])
-    return out
+  Args:
+    tokenizer: isojax.models.Tokenizer (or anything with `encode` and
+      `apply_chat_template(messages, add_generation_prompt=True) -> list[int]`).
+    chat_template: wrap the prompt as a user message and apply the tokenizer's chat
+      template (instruct models); otherwise encode the text with the tokenizer's
+      default special tokens (e.g. BOS).
+    system_prompt: optional system message (chat template only).
+    prompt_template: text in which "{prompt}" is replaced by the prompt, e.g. to
+      append an instruction such as "... within \\boxed{}".
+  """
+  out = []
+  for p in problems:
+    # str.replace, not str.format: templates often contain literal braces (\boxed{}).
+    prompt = p.prompt if isinstance(p, Problem) else p
+    text = prompt_template.replace("{prompt}", prompt)
+    if chat_template:
+      messages = ([{"role": "system", "content": system_prompt}]
+                  if system_prompt else []) + [{"role": "user", "content": text}]
+      ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+      if hasattr(ids, "keys"):  # a raw transformers tokenizer returns an encoding
+        ids = ids["input_ids"]
+    else:
+      # Raw text gets the tokenizer's own special tokens (BOS for Llama and the
+      # synthetic vocabulary, nothing for Qwen), as transformers would add them.
+      try:
+        ids = tokenizer.encode(text, add_special_tokens=True)
+      except TypeError:  # a minimal tokenizer without the keyword
+        ids = tokenizer.encode(text)
+    out.append([int(t) for t in ids])
+  return out

@@ -28,199 +28,199 @@ EXTREME_SAMPLES = 128
 
 
 def indices_in_range(counts_P, n: int, lo: float, hi: float) -> np.ndarray:
-    """Indices of problems whose pass rate c/n lies in the closed range [lo, hi]."""
-    counts_P = np.asarray(counts_P)
-    if counts_P.ndim != 1:
-        raise ValueError(f"counts_P must be 1-D, got shape {counts_P.shape}")
-    if n < 1 or np.any(counts_P < 0) or np.any(counts_P > n):
-        raise ValueError(f"counts must lie in [0, n] with n >= 1; got n={n}, range "
-                         f"[{counts_P.min(initial=0)}, {counts_P.max(initial=0)}]")
-    if not 0.0 <= lo <= hi <= 1.0:
-        raise ValueError(f"range must satisfy 0 <= lo <= hi <= 1, got [{lo}, {hi}]")
-    rate = counts_P / n
-    # A tolerance so that 1/16 = 0.0625 sits inside [0, 0.0625] despite rounding.
-    eps = 1e-9
-    return np.flatnonzero((rate >= lo - eps) & (rate <= hi + eps))
+  """Indices of problems whose pass rate c/n lies in the closed range [lo, hi]."""
+  counts_P = np.asarray(counts_P)
+  if counts_P.ndim != 1:
+    raise ValueError(f"counts_P must be 1-D, got shape {counts_P.shape}")
+  if n < 1 or np.any(counts_P < 0) or np.any(counts_P > n):
+    raise ValueError(f"counts must lie in [0, n] with n >= 1; got n={n}, range "
+                     f"[{counts_P.min(initial=0)}, {counts_P.max(initial=0)}]")
+  if not 0.0 <= lo <= hi <= 1.0:
+    raise ValueError(f"range must satisfy 0 <= lo <= hi <= 1, got [{lo}, {hi}]")
+  rate = counts_P / n
+  # A tolerance so that 1/16 = 0.0625 sits inside [0, 0.0625] despite rounding.
+  eps = 1e-9
+  return np.flatnonzero((rate >= lo - eps) & (rate <= hi + eps))
 
 
 def split_indices(counts_P, n: int, ranges: Mapping[str, tuple[float, float]] = SPLIT_RANGES,
                   extreme_counts_P=None, extreme_n: int | None = None) -> dict[str, np.ndarray]:
-    """Indices per named split.
+  """Indices per named split.
 
-    Args:
-      counts_P, n: correct counts out of n samples per problem (n = 16 in the paper).
-      ranges: name -> closed avg@n range.
-      extreme_counts_P, extreme_n: counts out of extreme_n >= 128 samples; when given,
-        adds "extremely_hard" = problems with no success among them.
-    """
-    out = {name: indices_in_range(counts_P, n, lo, hi) for name, (lo, hi) in ranges.items()}
-    if extreme_counts_P is not None:
-        if extreme_n is None or extreme_n < EXTREME_SAMPLES:
-            raise ValueError(f"extremely hard means pass@{EXTREME_SAMPLES} = 0: need "
-                             f"extreme_n >= {EXTREME_SAMPLES}, got {extreme_n}")
-        extreme = np.asarray(extreme_counts_P)
-        if extreme.shape != np.shape(counts_P):
-            raise ValueError(f"extreme_counts_P shape {extreme.shape} != counts_P shape "
-                             f"{np.shape(counts_P)}")
-        out["extremely_hard"] = np.flatnonzero(extreme == 0)
-    return out
+  Args:
+    counts_P, n: correct counts out of n samples per problem (n = 16 in the paper).
+    ranges: name -> closed avg@n range.
+    extreme_counts_P, extreme_n: counts out of extreme_n >= 128 samples; when given,
+      adds "extremely_hard" = problems with no success among them.
+  """
+  out = {name: indices_in_range(counts_P, n, lo, hi) for name, (lo, hi) in ranges.items()}
+  if extreme_counts_P is not None:
+    if extreme_n is None or extreme_n < EXTREME_SAMPLES:
+      raise ValueError(f"extremely hard means pass@{EXTREME_SAMPLES} = 0: need "
+                       f"extreme_n >= {EXTREME_SAMPLES}, got {extreme_n}")
+    extreme = np.asarray(extreme_counts_P)
+    if extreme.shape != np.shape(counts_P):
+      raise ValueError(f"extreme_counts_P shape {extreme.shape} != counts_P shape "
+                       f"{np.shape(counts_P)}")
+    out["extremely_hard"] = np.flatnonzero(extreme == 0)
+  return out
 
 
 def mixture_indices(splits: Mapping[str, np.ndarray], weights: Mapping[str, float],
                     total: int, seed: int) -> np.ndarray:
-    """Indices of a mixture: round(w * total) problems from each split, shuffled.
+  """Indices of a mixture: round(w * total) problems from each split, shuffled.
 
-    Draws without replacement inside each split; a problem in two splits (impossible
-    for the paper's disjoint ranges) may appear once per split.
+  Draws without replacement inside each split; a problem in two splits (impossible
+  for the paper's disjoint ranges) may appear once per split.
 
-    Raises:
-      ValueError: if weights do not sum to 1, name an unknown split, or ask for more
-        problems than a split holds (names split, wanted and available).
-    """
-    if not weights or abs(sum(weights.values()) - 1.0) > 1e-6:
-        raise ValueError(f"mixture weights must sum to 1, got {dict(weights)}")
-    unknown = set(weights) - set(splits)
-    if unknown:
-        raise ValueError(f"mixture names unknown splits {sorted(unknown)}; have "
-                         f"{sorted(splits)}")
-    names = sorted(weights)
-    wanted = {k: int(round(weights[k] * total)) for k in names}
-    wanted[names[-1]] += total - sum(wanted.values())  # rounding remainder
-    rng = np.random.default_rng(seed)
-    parts = []
-    for name in names:
-        pool = np.asarray(splits[name])
-        if wanted[name] > len(pool):
-            raise ValueError(f"mixture wants {wanted[name]} problems from split {name!r} "
-                             f"(weight {weights[name]} of {total}) but it has {len(pool)}")
-        parts.append(rng.choice(pool, size=wanted[name], replace=False))
-    out = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    return rng.permutation(out)
+  Raises:
+    ValueError: if weights do not sum to 1, name an unknown split, or ask for more
+      problems than a split holds (names split, wanted and available).
+  """
+  if not weights or abs(sum(weights.values()) - 1.0) > 1e-6:
+    raise ValueError(f"mixture weights must sum to 1, got {dict(weights)}")
+  unknown = set(weights) - set(splits)
+  if unknown:
+    raise ValueError(f"mixture names unknown splits {sorted(unknown)}; have "
+                     f"{sorted(splits)}")
+  names = sorted(weights)
+  wanted = {k: int(round(weights[k] * total)) for k in names}
+  wanted[names[-1]] += total - sum(wanted.values())  # rounding remainder
+  rng = np.random.default_rng(seed)
+  parts = []
+  for name in names:
+    pool = np.asarray(splits[name])
+    if wanted[name] > len(pool):
+      raise ValueError(f"mixture wants {wanted[name]} problems from split {name!r} "
+                       f"(weight {weights[name]} of {total}) but it has {len(pool)}")
+    parts.append(rng.choice(pool, size=wanted[name], replace=False))
+  out = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+  return rng.permutation(out)
 
 
 def estimate_counts(sampler, problems: Sequence[Problem], tokenizer, *, n: int = 16,
                     temperature: float = 0.6, max_tokens: int = 16, reward_fn=None,
                     seed: int = 0, batch_size: int = 256, chat_template: bool = False
                     ) -> np.ndarray:
-    """Correct counts out of n samples per problem under `sampler` (the base model)."""
-    from isojax.evaluate import evaluate
+  """Correct counts out of n samples per problem under `sampler` (the base model)."""
+  from isojax.evaluate import evaluate
 
-    result = evaluate(sampler, problems, tokenizer, k=n, temperature=temperature,
-                      max_tokens=max_tokens, reward_fn=reward_fn, seed=seed,
-                      batch_size=batch_size, chat_template=chat_template, prefix="")
-    return result.counts_P
+  result = evaluate(sampler, problems, tokenizer, k=n, temperature=temperature,
+                    max_tokens=max_tokens, reward_fn=reward_fn, seed=seed,
+                    batch_size=batch_size, chat_template=chat_template, prefix="")
+  return result.counts_P
 
 
 def write_splits(out_dir: str, problems: Sequence[Problem], counts_P, n: int,
                  splits: Mapping[str, np.ndarray], extreme_counts_P=None,
                  extreme_n: int | None = None, command: str | None = None) -> dict:
-    """Write `<name>.jsonl` per split (with each problem's avg@n) and `summary.json`."""
-    os.makedirs(out_dir, exist_ok=True)
-    counts_P = np.asarray(counts_P)
-    summary = {"num_problems": len(problems), "samples": n, "splits": {}}
-    if command:
-        summary["command"] = command
-    for name, idx in splits.items():
-        extra = []
-        for i in idx:
-            row = {f"avg@{n}": float(counts_P[i] / n)}
-            if extreme_counts_P is not None:
-                row[f"pass@{extreme_n}"] = float(extreme_counts_P[i] > 0)
-            extra.append(row)
-        write_jsonl([problems[i] for i in idx], os.path.join(out_dir, f"{name}.jsonl"),
-                    extra=extra)
-        summary["splits"][name] = int(len(idx))
-    tmp = os.path.join(out_dir, "summary.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(tmp, os.path.join(out_dir, "summary.json"))
-    return summary
+  """Write `<name>.jsonl` per split (with each problem's avg@n) and `summary.json`."""
+  os.makedirs(out_dir, exist_ok=True)
+  counts_P = np.asarray(counts_P)
+  summary = {"num_problems": len(problems), "samples": n, "splits": {}}
+  if command:
+    summary["command"] = command
+  for name, idx in splits.items():
+    extra = []
+    for i in idx:
+      row = {f"avg@{n}": float(counts_P[i] / n)}
+      if extreme_counts_P is not None:
+        row[f"pass@{extreme_n}"] = float(extreme_counts_P[i] > 0)
+      extra.append(row)
+    write_jsonl([problems[i] for i in idx], os.path.join(out_dir, f"{name}.jsonl"),
+                extra=extra)
+    summary["splits"][name] = int(len(idx))
+  tmp = os.path.join(out_dir, "summary.json.tmp")
+  with open(tmp, "w") as f:
+    json.dump(summary, f, indent=1)
+  os.replace(tmp, os.path.join(out_dir, "summary.json"))
+  return summary
 
 
 def main(argv=None) -> None:
-    """Estimate avg@16 (and pass@128 for the zeros) and write split files."""
-    import argparse
+  """Estimate avg@16 (and pass@128 for the zeros) and write split files."""
+  import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m isojax.data.splits", description=main.__doc__)
-    ap.add_argument("--model", default=os.path.normpath(os.path.join(
-        os.path.dirname(__file__), "..", "assets", "base_model")))
-    ap.add_argument("--source", default="synthetic",
-                    help="'synthetic' or a .jsonl/.parquet/datasets path")
-    ap.add_argument("--num", type=int, default=1024, help="synthetic problems to draw")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--samples", type=int, default=16)
-    ap.add_argument("--extreme_samples", type=int, default=0,
-                    help=f"e.g. {EXTREME_SAMPLES}: also write extremely_hard.jsonl")
-    ap.add_argument("--temperature", type=float, default=0.6)
-    ap.add_argument("--max_tokens", type=int, default=16)
-    ap.add_argument("--reward", default="exact_match")
-    ap.add_argument("--chat_template", action="store_true")
-    ap.add_argument("--mix", action="append", default=[],
-                    help="a mixture file NAME=SPLIT:W,SPLIT:W (e.g. "
-                         "hard_easy=hard:0.5,easy:0.5), as large as its smallest part allows")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    if args.extreme_samples and args.extreme_samples <= args.samples:
-        ap.error(f"--extreme_samples={args.extreme_samples} must exceed "
-                 f"--samples={args.samples}")
+  ap = argparse.ArgumentParser(prog="python -m isojax.data.splits", description=main.__doc__)
+  ap.add_argument("--model", default=os.path.normpath(os.path.join(
+      os.path.dirname(__file__), "..", "assets", "base_model")))
+  ap.add_argument("--source", default="synthetic",
+                  help="'synthetic' or a .jsonl/.parquet/datasets path")
+  ap.add_argument("--num", type=int, default=1024, help="synthetic problems to draw")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--samples", type=int, default=16)
+  ap.add_argument("--extreme_samples", type=int, default=0,
+                  help=f"e.g. {EXTREME_SAMPLES}: also write extremely_hard.jsonl")
+  ap.add_argument("--temperature", type=float, default=0.6)
+  ap.add_argument("--max_tokens", type=int, default=16)
+  ap.add_argument("--reward", default="exact_match")
+  ap.add_argument("--chat_template", action="store_true")
+  ap.add_argument("--mix", action="append", default=[],
+                  help="a mixture file NAME=SPLIT:W,SPLIT:W (e.g. "
+                       "hard_easy=hard:0.5,easy:0.5), as large as its smallest part allows")
+  ap.add_argument("--out", required=True)
+  args = ap.parse_args(argv)
+  if args.extreme_samples and args.extreme_samples <= args.samples:
+    ap.error(f"--extreme_samples={args.extreme_samples} must exceed "
+             f"--samples={args.samples}")
 
-    from isojax.data.rewards import get_reward_fn
-    from isojax.data.sources import load_problems
-    from isojax.data.synthetic import synthetic_problems
-    from isojax.evaluate import format_histogram
-    from isojax.models import Tokenizer, load_pretrained
-    from isojax.rollout.jax_sampler import JaxSampler
+  from isojax.data.rewards import get_reward_fn
+  from isojax.data.sources import load_problems
+  from isojax.data.synthetic import synthetic_problems
+  from isojax.evaluate import format_histogram
+  from isojax.models import Tokenizer, load_pretrained
+  from isojax.rollout.jax_sampler import JaxSampler
 
-    problems = (synthetic_problems(args.num, seed=args.seed) if args.source == "synthetic"
-                else load_problems(args.source))
-    model, _ = load_pretrained(args.model)
-    tokenizer = Tokenizer.from_pretrained(args.model)
-    sampler = JaxSampler(model)
-    kw = dict(temperature=args.temperature, max_tokens=args.max_tokens,
-              reward_fn=get_reward_fn(args.reward), chat_template=args.chat_template)
-    counts = estimate_counts(sampler, problems, tokenizer, n=args.samples, seed=args.seed,
-                             **kw)
-    print(format_histogram(counts, args.samples))
-    extreme = None
-    if args.extreme_samples:
-        # Only problems with no success so far can have pass@extreme = 0; top them up.
-        zero = np.flatnonzero(counts == 0)
-        extreme = counts.copy()
-        if len(zero):
-            more = estimate_counts(sampler, [problems[i] for i in zero], tokenizer,
-                                   n=args.extreme_samples - args.samples,
-                                   seed=args.seed + 1, **kw)
-            extreme[zero] += more
-    splits = split_indices(counts, args.samples, extreme_counts_P=extreme,
-                           extreme_n=args.extreme_samples or None)
-    for spec in args.mix:
-        name, weights = parse_mix(spec)
-        splits[name] = mixture_indices(splits, weights, mixture_size(splits, weights),
-                                       seed=args.seed)
-    summary = write_splits(args.out, problems, counts, args.samples, splits,
-                           extreme_counts_P=extreme, extreme_n=args.extreme_samples or None,
-                           command=" ".join(["python -m isojax.data.splits",
-                                             *(sys.argv[1:] if argv is None else argv)]))
-    print(json.dumps(summary))
+  problems = (synthetic_problems(args.num, seed=args.seed) if args.source == "synthetic"
+              else load_problems(args.source))
+  model, _ = load_pretrained(args.model)
+  tokenizer = Tokenizer.from_pretrained(args.model)
+  sampler = JaxSampler(model)
+  kw = dict(temperature=args.temperature, max_tokens=args.max_tokens,
+            reward_fn=get_reward_fn(args.reward), chat_template=args.chat_template)
+  counts = estimate_counts(sampler, problems, tokenizer, n=args.samples, seed=args.seed,
+                           **kw)
+  print(format_histogram(counts, args.samples))
+  extreme = None
+  if args.extreme_samples:
+    # Only problems with no success so far can have pass@extreme = 0; top them up.
+    zero = np.flatnonzero(counts == 0)
+    extreme = counts.copy()
+    if len(zero):
+      more = estimate_counts(sampler, [problems[i] for i in zero], tokenizer,
+                             n=args.extreme_samples - args.samples,
+                             seed=args.seed + 1, **kw)
+      extreme[zero] += more
+  splits = split_indices(counts, args.samples, extreme_counts_P=extreme,
+                         extreme_n=args.extreme_samples or None)
+  for spec in args.mix:
+    name, weights = parse_mix(spec)
+    splits[name] = mixture_indices(splits, weights, mixture_size(splits, weights),
+                                   seed=args.seed)
+  summary = write_splits(args.out, problems, counts, args.samples, splits,
+                         extreme_counts_P=extreme, extreme_n=args.extreme_samples or None,
+                         command=" ".join(["python -m isojax.data.splits",
+                                           *(sys.argv[1:] if argv is None else argv)]))
+  print(json.dumps(summary))
 
 
 def parse_mix(spec: str) -> tuple[str, dict[str, float]]:
-    """'hard_easy=hard:0.5,easy:0.5' -> ('hard_easy', {'hard': 0.5, 'easy': 0.5})."""
-    try:
-        name, parts = spec.split("=", 1)
-        weights = {k: float(v) for k, v in (p.split(":") for p in parts.split(","))}
-    except ValueError:
-        raise ValueError(f"bad mixture {spec!r}; expected NAME=SPLIT:W,SPLIT:W") from None
-    return name, weights
+  """'hard_easy=hard:0.5,easy:0.5' -> ('hard_easy', {'hard': 0.5, 'easy': 0.5})."""
+  try:
+    name, parts = spec.split("=", 1)
+    weights = {k: float(v) for k, v in (p.split(":") for p in parts.split(","))}
+  except ValueError:
+    raise ValueError(f"bad mixture {spec!r}; expected NAME=SPLIT:W,SPLIT:W") from None
+  return name, weights
 
 
 def mixture_size(splits: Mapping[str, np.ndarray], weights: Mapping[str, float]) -> int:
-    """The largest total whose parts each fit in their split."""
-    unknown = set(weights) - set(splits)
-    if unknown:
-        raise ValueError(f"mixture names unknown splits {sorted(unknown)}")
-    return int(min(len(splits[k]) / w for k, w in weights.items() if w > 0))
+  """The largest total whose parts each fit in their split."""
+  unknown = set(weights) - set(splits)
+  if unknown:
+    raise ValueError(f"mixture names unknown splits {sorted(unknown)}")
+  return int(min(len(splits[k]) / w for k, w in weights.items() if w > 0))
 
 
 if __name__ == "__main__":
-    main()
+  main()

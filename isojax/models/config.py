@@ -27,189 +27,189 @@ _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp
 
 
 def as_dtype(dtype: Any) -> Any:
-    """'bfloat16' | jnp.bfloat16 | np.dtype -> the jnp scalar type (hashable)."""
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        if name not in _DTYPE_NAMES:
-            raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPE_NAMES)}")
-        return _DTYPE_NAMES[name]
-    return _DTYPE_NAMES[np.dtype(dtype).name]
+  """'bfloat16' | jnp.bfloat16 | np.dtype -> the jnp scalar type (hashable)."""
+  if isinstance(dtype, str):
+    name = dtype.removeprefix("torch.")
+    if name not in _DTYPE_NAMES:
+      raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[name]
+  return _DTYPE_NAMES[np.dtype(dtype).name]
 
 
 def dtype_name(dtype: Any) -> str:
-    return np.dtype(as_dtype(dtype)).name
+  return np.dtype(as_dtype(dtype)).name
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture + numerics of a decoder-only LM (frozen, hashable).
+  """Architecture + numerics of a decoder-only LM (frozen, hashable).
 
-    `dtype` is the compute dtype of activations, `param_dtype` the storage dtype of
-    parameters; `lm_head_fp32` computes the final projection and logits in float32
-    (the ScaleRL precision fix for bf16 training); `remat` checkpoints each layer.
+  `dtype` is the compute dtype of activations, `param_dtype` the storage dtype of
+  parameters; `lm_head_fp32` computes the final projection and logits in float32
+  (the ScaleRL precision fix for bf16 training); `remat` checkpoints each layer.
+  """
+
+  architecture: str
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  rope_type: str = "default"
+  # Llama-3 `rope_scaling` ("llama3"); ignored for rope_type "default".
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_position: int = 8192
+  max_position_embeddings: int = 4096
+  attention_bias: bool = False
+  qk_norm: bool = False
+  tie_word_embeddings: bool = False
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  lm_head_fp32: bool = True
+  remat: bool = False
+  # The config.json this came from, as JSON text (immutable, kept out of eq/hash).
+  hf_config_json: str = dataclasses.field(default="", compare=False, repr=False)
+
+  def __post_init__(self):
+    if self.architecture not in SUPPORTED_ARCHITECTURES:
+      raise ValueError(
+          f"unsupported architecture {self.architecture!r}; "
+          f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                       f"num_key_value_heads={self.num_kv_heads}")
+    if self.rope_type not in SUPPORTED_ROPE_TYPES:
+      raise ValueError(f"unsupported rope_type {self.rope_type!r}; "
+                       f"supported: {SUPPORTED_ROPE_TYPES}")
+    object.__setattr__(self, "dtype", as_dtype(self.dtype))
+    object.__setattr__(self, "param_dtype", as_dtype(self.param_dtype))
+
+  @property
+  def model_type(self) -> str:
+    return SUPPORTED_ARCHITECTURES[self.architecture][0]
+
+  def replace(self, **changes) -> ModelConfig:
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def from_hf_dict(cls, hf: dict, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                   lm_head_fp32: bool = True, remat: bool = False) -> ModelConfig:
+    """Parse a transformers `config.json` dict (old and new rope formats).
+
+    Raises ValueError on an unsupported `architectures` entry or on features
+    this decoder does not implement (sliding window, MLP bias, non-SiLU act).
     """
+    archs = hf.get("architectures") or []
+    if not archs:
+      if hf.get("model_type") not in _ARCH_BY_MODEL_TYPE:
+        raise ValueError(
+            f"config has no 'architectures' and model_type {hf.get('model_type')!r} is "
+            f"not supported; supported architectures: {sorted(SUPPORTED_ARCHITECTURES)}")
+      archs = [_ARCH_BY_MODEL_TYPE[hf["model_type"]]]
+    bad = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    if bad or len(archs) != 1:
+      raise ValueError(f"unsupported architectures {archs!r}; supported: "
+                       f"{sorted(SUPPORTED_ARCHITECTURES)}")
+    arch = archs[0]
+    _, forced_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+    if hf.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only 'silu')")
+    if hf.get("mlp_bias"):
+      raise ValueError("unsupported mlp_bias=true")
+    if hf.get("use_sliding_window"):
+      raise ValueError("unsupported use_sliding_window=true (only full attention)")
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    rope = _parse_rope(hf)
+    return cls(
+        architecture=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hidden // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        attention_bias=bool(forced_bias or hf.get("attention_bias", False)),
+        qk_norm=qk_norm,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=dtype, param_dtype=param_dtype, lm_head_fp32=lm_head_fp32, remat=remat,
+        hf_config_json=json.dumps(hf, sort_keys=True),
+        **rope)
 
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_type: str = "default"
-    # Llama-3 `rope_scaling` ("llama3"); ignored for rope_type "default".
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position: int = 8192
-    max_position_embeddings: int = 4096
-    attention_bias: bool = False
-    qk_norm: bool = False
-    tie_word_embeddings: bool = False
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    lm_head_fp32: bool = True
-    remat: bool = False
-    # The config.json this came from, as JSON text (immutable, kept out of eq/hash).
-    hf_config_json: str = dataclasses.field(default="", compare=False, repr=False)
+  def to_hf_dict(self, dtype=None) -> dict:
+    """The config.json dict: the original one (if any) with isojax's numbers on top.
 
-    def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_kv_heads}")
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope_type {self.rope_type!r}; "
-                             f"supported: {SUPPORTED_ROPE_TYPES}")
-        object.__setattr__(self, "dtype", as_dtype(self.dtype))
-        object.__setattr__(self, "param_dtype", as_dtype(self.param_dtype))
-
-    @property
-    def model_type(self) -> str:
-        return SUPPORTED_ARCHITECTURES[self.architecture][0]
-
-    def replace(self, **changes) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_hf_dict(cls, hf: dict, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                     lm_head_fp32: bool = True, remat: bool = False) -> ModelConfig:
-        """Parse a transformers `config.json` dict (old and new rope formats).
-
-        Raises ValueError on an unsupported `architectures` entry or on features
-        this decoder does not implement (sliding window, MLP bias, non-SiLU act).
-        """
-        archs = hf.get("architectures") or []
-        if not archs:
-            if hf.get("model_type") not in _ARCH_BY_MODEL_TYPE:
-                raise ValueError(
-                    f"config has no 'architectures' and model_type {hf.get('model_type')!r} is "
-                    f"not supported; supported architectures: {sorted(SUPPORTED_ARCHITECTURES)}")
-            archs = [_ARCH_BY_MODEL_TYPE[hf["model_type"]]]
-        bad = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
-        if bad or len(archs) != 1:
-            raise ValueError(f"unsupported architectures {archs!r}; supported: "
-                             f"{sorted(SUPPORTED_ARCHITECTURES)}")
-        arch = archs[0]
-        _, forced_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only 'silu')")
-        if hf.get("mlp_bias"):
-            raise ValueError("unsupported mlp_bias=true")
-        if hf.get("use_sliding_window"):
-            raise ValueError("unsupported use_sliding_window=true (only full attention)")
-        hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-        rope = _parse_rope(hf)
-        return cls(
-            architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hidden // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            attention_bias=bool(forced_bias or hf.get("attention_bias", False)),
-            qk_norm=qk_norm,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            dtype=dtype, param_dtype=param_dtype, lm_head_fp32=lm_head_fp32, remat=remat,
-            hf_config_json=json.dumps(hf, sort_keys=True),
-            **rope)
-
-    def to_hf_dict(self, dtype=None) -> dict:
-        """The config.json dict: the original one (if any) with isojax's numbers on top.
-
-        `dtype` (default: param_dtype) is written as both `dtype` (transformers 5) and
-        `torch_dtype` (older transformers / vLLM) since readers differ in which they use.
-        """
-        hf = json.loads(self.hf_config_json) if self.hf_config_json else {}
-        hf.update(
-            architectures=[self.architecture], model_type=self.model_type,
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, hidden_act="silu",
-            max_position_embeddings=self.max_position_embeddings,
-            tie_word_embeddings=self.tie_word_embeddings)
-        if self.architecture != "Qwen2ForCausalLM":  # Qwen2 has no such field: bias is implied
-            hf["attention_bias"] = self.attention_bias
-        name = dtype_name(self.param_dtype if dtype is None else dtype)
-        hf["dtype"] = hf["torch_dtype"] = name
-        rope = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
-        if self.rope_type == "llama3":
-            rope.update(factor=self.rope_factor, low_freq_factor=self.rope_low_freq_factor,
-                        high_freq_factor=self.rope_high_freq_factor,
-                        original_max_position_embeddings=self.rope_original_max_position)
-        if "rope_parameters" in hf or "rope_theta" not in hf:
-            hf["rope_parameters"] = rope
-        else:  # legacy layout: keep it legacy so old readers still understand it
-            hf["rope_theta"] = self.rope_theta
-            hf["rope_scaling"] = None if self.rope_type == "default" else dict(rope)
-        return hf
+    `dtype` (default: param_dtype) is written as both `dtype` (transformers 5) and
+    `torch_dtype` (older transformers / vLLM) since readers differ in which they use.
+    """
+    hf = json.loads(self.hf_config_json) if self.hf_config_json else {}
+    hf.update(
+        architectures=[self.architecture], model_type=self.model_type,
+        vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+        intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+        num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+        head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, hidden_act="silu",
+        max_position_embeddings=self.max_position_embeddings,
+        tie_word_embeddings=self.tie_word_embeddings)
+    if self.architecture != "Qwen2ForCausalLM":  # Qwen2 has no such field: bias is implied
+      hf["attention_bias"] = self.attention_bias
+    name = dtype_name(self.param_dtype if dtype is None else dtype)
+    hf["dtype"] = hf["torch_dtype"] = name
+    rope = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
+    if self.rope_type == "llama3":
+      rope.update(factor=self.rope_factor, low_freq_factor=self.rope_low_freq_factor,
+                  high_freq_factor=self.rope_high_freq_factor,
+                  original_max_position_embeddings=self.rope_original_max_position)
+    if "rope_parameters" in hf or "rope_theta" not in hf:
+      hf["rope_parameters"] = rope
+    else:  # legacy layout: keep it legacy so old readers still understand it
+      hf["rope_theta"] = self.rope_theta
+      hf["rope_scaling"] = None if self.rope_type == "default" else dict(rope)
+    return hf
 
 
 def _parse_rope(hf: dict) -> dict:
-    """rope_theta + rope_scaling (transformers 4) or rope_parameters (transformers 5)."""
-    params = dict(hf.get("rope_parameters") or {})
-    if "full_attention" in params:  # per-layer-type layout; these models use full attention
-        params = dict(params["full_attention"])
-    scaling = hf.get("rope_scaling") or {}
-    merged = {**scaling, **params}
-    theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope_scaling type {rope_type!r}; "
-                         f"supported: {SUPPORTED_ROPE_TYPES}")
-    out = dict(rope_theta=float(theta), rope_type=rope_type)
-    if rope_type == "llama3":
-        out.update(rope_factor=float(merged["factor"]),
-                   rope_low_freq_factor=float(merged["low_freq_factor"]),
-                   rope_high_freq_factor=float(merged["high_freq_factor"]),
-                   rope_original_max_position=int(merged["original_max_position_embeddings"]))
-    return out
+  """rope_theta + rope_scaling (transformers 4) or rope_parameters (transformers 5)."""
+  params = dict(hf.get("rope_parameters") or {})
+  if "full_attention" in params:  # per-layer-type layout; these models use full attention
+    params = dict(params["full_attention"])
+  scaling = hf.get("rope_scaling") or {}
+  merged = {**scaling, **params}
+  theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+  rope_type = merged.get("rope_type", merged.get("type", "default"))
+  if rope_type not in SUPPORTED_ROPE_TYPES:
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r}; "
+                     f"supported: {SUPPORTED_ROPE_TYPES}")
+  out = dict(rope_theta=float(theta), rope_type=rope_type)
+  if rope_type == "llama3":
+    out.update(rope_factor=float(merged["factor"]),
+               rope_low_freq_factor=float(merged["low_freq_factor"]),
+               rope_high_freq_factor=float(merged["high_freq_factor"]),
+               rope_original_max_position=int(merged["original_max_position_embeddings"]))
+  return out
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim/2] as float32, following transformers' formulas."""
-    dim = cfg.head_dim
-    exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponent)).astype(np.float32)
-    if cfg.rope_type == "llama3":
-        factor, lo, hi = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-        old_len = cfg.rope_original_max_position
-        low_freq_wavelen, high_freq_wavelen = old_len / lo, old_len / hi
-        wavelen = 2 * np.pi / inv_freq
-        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
-    return inv_freq
+  """Inverse frequencies [head_dim/2] as float32, following transformers' formulas."""
+  dim = cfg.head_dim
+  exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+  inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponent)).astype(np.float32)
+  if cfg.rope_type == "llama3":
+    factor, lo, hi = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = cfg.rope_original_max_position
+    low_freq_wavelen, high_freq_wavelen = old_len / lo, old_len / hi
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+  return inv_freq

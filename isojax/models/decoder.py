@@ -26,214 +26,214 @@ _INIT_STD = 0.02
 
 
 def _param(rngs: nnx.Rngs | None, shape, names, cfg: ModelConfig, init: str) -> nnx.Param:
-    if init == "normal":
-        value = _INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
-    elif init == "ones":
-        value = jnp.ones(shape, jnp.float32)
-    else:
-        value = jnp.zeros(shape, jnp.float32)
-    # eager_sharding=False: the names are logical (no mesh here); sharding.py maps them.
-    return nnx.Param(value.astype(cfg.param_dtype), out_sharding=names, eager_sharding=False)
+  if init == "normal":
+    value = _INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
+  elif init == "ones":
+    value = jnp.ones(shape, jnp.float32)
+  else:
+    value = jnp.zeros(shape, jnp.float32)
+  # eager_sharding=False: the names are logical (no mesh here); sharding.py maps them.
+  return nnx.Param(value.astype(cfg.param_dtype), out_sharding=names, eager_sharding=False)
 
 
 def _dense(x_NxI: jax.Array, w: nnx.Param, in_dims: int, dtype) -> jax.Array:
-    """x [N, I] @ w, with w's first `in_dims` axes flattened into I and the rest into O."""
-    w = w[...]
-    in_size = 1
-    for d in w.shape[:in_dims]:
-        in_size *= d
-    return x_NxI @ w.astype(dtype).reshape(in_size, -1)
+  """x [N, I] @ w, with w's first `in_dims` axes flattened into I and the rest into O."""
+  w = w[...]
+  in_size = 1
+  for d in w.shape[:in_dims]:
+    in_size *= d
+  return x_NxI @ w.astype(dtype).reshape(in_size, -1)
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm over the last axis, statistics in float32 (as transformers does)."""
+  """RMSNorm over the last axis, statistics in float32 (as transformers does)."""
 
-    def __init__(self, dim: int, cfg: ModelConfig):
-        self.eps = cfg.rms_norm_eps
-        self.scale = _param(None, (dim,), ("norm",), cfg, "ones")
+  def __init__(self, dim: int, cfg: ModelConfig):
+    self.eps = cfg.rms_norm_eps
+    self.scale = _param(None, (dim,), ("norm",), cfg, "ones")
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
 
 
 def _rotate(x_BxTxNxH: jax.Array, cos_BxTxH: jax.Array, sin_BxTxH: jax.Array) -> jax.Array:
-    """RoPE in transformers' rotate_half layout (first half / second half pairs)."""
-    x1, x2 = jnp.split(x_BxTxNxH, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x_BxTxNxH * cos_BxTxH[:, :, None] + rotated * sin_BxTxH[:, :, None]
+  """RoPE in transformers' rotate_half layout (first half / second half pairs)."""
+  x1, x2 = jnp.split(x_BxTxNxH, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return x_BxTxNxH * cos_BxTxH[:, :, None] + rotated * sin_BxTxH[:, :, None]
 
 
 def _attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, attend_BxTxS, scale) -> jax.Array:
-    """Grouped-query softmax attention; query head n uses kv head n // (N/K)."""
-    B, T, N, H = q_BxTxNxH.shape
-    K = k_BxSxKxH.shape[2]
-    q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
-    s = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
-                   preferred_element_type=jnp.float32) * scale
-    s = jnp.where(attend_BxTxS[:, None, None], s, _MASKED)
-    p = jax.nn.softmax(s, axis=-1).astype(v_BxSxKxH.dtype)
-    o = jnp.einsum("bkgts,bskh->btkgh", p, v_BxSxKxH)
-    return o.reshape(B * T, N * H)
+  """Grouped-query softmax attention; query head n uses kv head n // (N/K)."""
+  B, T, N, H = q_BxTxNxH.shape
+  K = k_BxSxKxH.shape[2]
+  q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
+  s = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
+                 preferred_element_type=jnp.float32) * scale
+  s = jnp.where(attend_BxTxS[:, None, None], s, _MASKED)
+  p = jax.nn.softmax(s, axis=-1).astype(v_BxSxKxH.dtype)
+  o = jnp.einsum("bkgts,bskh->btkgh", p, v_BxSxKxH)
+  return o.reshape(B * T, N * H)
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.cfg = cfg
-        D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_kernel = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), cfg, "normal")
-        self.k_kernel = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), cfg, "normal")
-        self.v_kernel = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), cfg, "normal")
-        self.o_kernel = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), cfg, "normal")
-        if cfg.attention_bias:
-            self.q_bias = _param(None, (N, H), ("heads", "head_dim"), cfg, "zeros")
-            self.k_bias = _param(None, (K, H), ("kv_heads", "head_dim"), cfg, "zeros")
-            self.v_bias = _param(None, (K, H), ("kv_heads", "head_dim"), cfg, "zeros")
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(H, cfg)
-            self.k_norm = RMSNorm(H, cfg)
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.q_kernel = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), cfg, "normal")
+    self.k_kernel = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), cfg, "normal")
+    self.v_kernel = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), cfg, "normal")
+    self.o_kernel = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), cfg, "normal")
+    if cfg.attention_bias:
+      self.q_bias = _param(None, (N, H), ("heads", "head_dim"), cfg, "zeros")
+      self.k_bias = _param(None, (K, H), ("kv_heads", "head_dim"), cfg, "zeros")
+      self.v_bias = _param(None, (K, H), ("kv_heads", "head_dim"), cfg, "zeros")
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(H, cfg)
+      self.k_norm = RMSNorm(H, cfg)
 
-    def __call__(self, x_BxTxD, cos_BxTxH, sin_BxTxH, attend_BxTxS, cache=None, layer=0,
-                 index=None):
-        cfg, dt = self.cfg, self.cfg.dtype
-        B, T, D = x_BxTxD.shape
-        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x_NxD = x_BxTxD.reshape(B * T, D)
-        q = _dense(x_NxD, self.q_kernel, 1, dt).reshape(B, T, N, H)
-        k = _dense(x_NxD, self.k_kernel, 1, dt).reshape(B, T, K, H)
-        v = _dense(x_NxD, self.v_kernel, 1, dt).reshape(B, T, K, H)
-        if cfg.attention_bias:
-            q = q + self.q_bias[...].astype(dt)
-            k = k + self.k_bias[...].astype(dt)
-            v = v + self.v_bias[...].astype(dt)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos_BxTxH, sin_BxTxH), _rotate(k, cos_BxTxH, sin_BxTxH)
-        if cache is not None:
-            cache, k, v = cache.write(layer, k, v, index)
-        o_NxNH = _attend(q, k, v, attend_BxTxS, H ** -0.5)
-        out = _dense(o_NxNH, self.o_kernel, 2, dt)
-        return out.reshape(B, T, D), cache
+  def __call__(self, x_BxTxD, cos_BxTxH, sin_BxTxH, attend_BxTxS, cache=None, layer=0,
+               index=None):
+    cfg, dt = self.cfg, self.cfg.dtype
+    B, T, D = x_BxTxD.shape
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x_NxD = x_BxTxD.reshape(B * T, D)
+    q = _dense(x_NxD, self.q_kernel, 1, dt).reshape(B, T, N, H)
+    k = _dense(x_NxD, self.k_kernel, 1, dt).reshape(B, T, K, H)
+    v = _dense(x_NxD, self.v_kernel, 1, dt).reshape(B, T, K, H)
+    if cfg.attention_bias:
+      q = q + self.q_bias[...].astype(dt)
+      k = k + self.k_bias[...].astype(dt)
+      v = v + self.v_bias[...].astype(dt)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = _rotate(q, cos_BxTxH, sin_BxTxH), _rotate(k, cos_BxTxH, sin_BxTxH)
+    if cache is not None:
+      cache, k, v = cache.write(layer, k, v, index)
+    o_NxNH = _attend(q, k, v, attend_BxTxS, H ** -0.5)
+    out = _dense(o_NxNH, self.o_kernel, 2, dt)
+    return out.reshape(B, T, D), cache
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.cfg = cfg
-        D, F = cfg.hidden_size, cfg.intermediate_size
-        self.gate_kernel = _param(rngs, (D, F), ("embed", "mlp"), cfg, "normal")
-        self.up_kernel = _param(rngs, (D, F), ("embed", "mlp"), cfg, "normal")
-        self.down_kernel = _param(rngs, (F, D), ("mlp", "embed"), cfg, "normal")
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    self.gate_kernel = _param(rngs, (D, F), ("embed", "mlp"), cfg, "normal")
+    self.up_kernel = _param(rngs, (D, F), ("embed", "mlp"), cfg, "normal")
+    self.down_kernel = _param(rngs, (F, D), ("mlp", "embed"), cfg, "normal")
 
-    def __call__(self, x_BxTxD):
-        dt = self.cfg.dtype
-        B, T, D = x_BxTxD.shape
-        x_NxD = x_BxTxD.reshape(B * T, D)
-        h_NxF = jax.nn.silu(_dense(x_NxD, self.gate_kernel, 1, dt)) * _dense(
-            x_NxD, self.up_kernel, 1, dt)
-        return _dense(h_NxF, self.down_kernel, 1, dt).reshape(B, T, D)
+  def __call__(self, x_BxTxD):
+    dt = self.cfg.dtype
+    B, T, D = x_BxTxD.shape
+    x_NxD = x_BxTxD.reshape(B * T, D)
+    h_NxF = jax.nn.silu(_dense(x_NxD, self.gate_kernel, 1, dt)) * _dense(
+        x_NxD, self.up_kernel, 1, dt)
+    return _dense(h_NxF, self.down_kernel, 1, dt).reshape(B, T, D)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg)
-        self.attn = Attention(cfg, rngs)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg)
-        self.mlp = MLP(cfg, rngs)
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.input_norm = RMSNorm(cfg.hidden_size, cfg)
+    self.attn = Attention(cfg, rngs)
+    self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg)
+    self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_BxTxD, cos, sin, attend_BxTxS, cache=None, layer=0, index=None):
-        a, cache = self.attn(self.input_norm(x_BxTxD), cos, sin, attend_BxTxS, cache, layer,
-                             index)
-        h = x_BxTxD + a
-        return h + self.mlp(self.post_attn_norm(h)), cache
+  def __call__(self, x_BxTxD, cos, sin, attend_BxTxS, cache=None, layer=0, index=None):
+    a, cache = self.attn(self.input_norm(x_BxTxD), cos, sin, attend_BxTxS, cache, layer,
+                         index)
+    h = x_BxTxD + a
+    return h + self.mlp(self.post_attn_norm(h)), cache
 
 
 def _layer_forward(layer: DecoderLayer, x, cos, sin, attend):
-    return layer(x, cos, sin, attend)[0]
+  return layer(x, cos, sin, attend)[0]
 
 
 class Decoder(nnx.Module):
-    """Decoder-only LM. See `isojax.models` for the call API.
+  """Decoder-only LM. See `isojax.models` for the call API.
 
-    Positions come from the attention mask (count of real tokens so far), so a
-    left-padded batch gives each sequence the logits it would get unpadded.
+  Positions come from the attention mask (count of real tokens so far), so a
+  left-padded batch gives each sequence the logits it would get unpadded.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    V, D = cfg.vocab_size, cfg.hidden_size
+    self.embed = _param(rngs, (V, D), ("vocab", "embed"), cfg, "normal")
+    self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(D, cfg)
+    if not cfg.tie_word_embeddings:
+      self.unembed = _param(rngs, (D, V), ("embed", "vocab"), cfg, "normal")
+
+  def _embed_and_rope(self, ids_BxT, pos_BxT):
+    x = jnp.take(self.embed[...], ids_BxT, axis=0).astype(self.cfg.dtype)
+    freqs_BxTxH2 = pos_BxT[..., None].astype(jnp.float32) * rope_inv_freq(self.cfg)
+    emb = jnp.concatenate([freqs_BxTxH2, freqs_BxTxH2], axis=-1)
+    return x, jnp.cos(emb).astype(self.cfg.dtype), jnp.sin(emb).astype(self.cfg.dtype)
+
+  def hidden_states(self, input_ids_BxT: jax.Array,
+                    attention_mask: jax.Array | None = None) -> jax.Array:
+    """Final-norm hidden states [B, T, D] in the compute dtype (no cache)."""
+    B, T = input_ids_BxT.shape
+    mask_BxT = (jnp.ones((B, T), bool) if attention_mask is None
+                else attention_mask.astype(bool))
+    pos_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=1, dtype=jnp.int32) - 1, 0)
+    causal_TxT = jnp.tril(jnp.ones((T, T), bool))
+    attend_BxTxT = causal_TxT[None] & mask_BxT[:, None, :]
+    x, cos, sin = self._embed_and_rope(input_ids_BxT, pos_BxT)
+    forward = nnx.remat(_layer_forward) if self.cfg.remat else _layer_forward
+    for layer in self.layers:
+      x = forward(layer, x, cos, sin, attend_BxTxT)
+    return self.norm(x)
+
+  def lm_head(self, h_BxTxD: jax.Array) -> jax.Array:
+    """Logits [..., V]; float32 when cfg.lm_head_fp32, else the compute dtype."""
+    cfg = self.cfg
+    dt = jnp.float32 if cfg.lm_head_fp32 else cfg.dtype
+    h_NxD = h_BxTxD.reshape(-1, cfg.hidden_size).astype(dt)
+    if cfg.tie_word_embeddings:
+      logits = jnp.einsum("nd,vd->nv", h_NxD, self.embed[...].astype(dt))
+    else:
+      logits = h_NxD @ self.unembed[...].astype(dt)
+    return logits.reshape(*h_BxTxD.shape[:-1], cfg.vocab_size)
+
+  def __call__(self, input_ids_BxT: jax.Array,
+               attention_mask: jax.Array | None = None) -> jax.Array:
+    """Logits [B, T, V] of a full (uncached) forward pass."""
+    return self.lm_head(self.hidden_states(input_ids_BxT, attention_mask))
+
+  def init_cache(self, batch_size: int, max_len: int) -> KVCache:
+    """An empty cache for `max_len` slots (prompt padding included)."""
+    cfg = self.cfg
+    return KVCache.zeros(cfg.num_layers, batch_size, max_len, cfg.num_kv_heads,
+                         cfg.head_dim, cfg.dtype)
+
+  def _cached_hidden(self, ids_BxT, mask_BxT, cache: KVCache):
+    T = ids_BxT.shape[1]
+    cache, pos_BxT, attend_BxTxS = cache.start(mask_BxT)
+    index = cache.index - T
+    x, cos, sin = self._embed_and_rope(ids_BxT, pos_BxT)
+    for i, layer in enumerate(self.layers):
+      x, cache = layer(x, cos, sin, attend_BxTxS, cache, i, index)
+    return self.norm(x), cache
+
+  def prefill(self, input_ids_BxT: jax.Array, attention_mask_BxT: jax.Array,
+              cache: KVCache, *, last_only: bool = False):
+    """Run left-padded prompts through the model, filling the cache.
+
+    Returns (logits [B, T, V], cache), or (logits [B, V] of the last column,
+    cache) with `last_only=True` (what a sampler needs; saves a [B, T, V] array).
     """
+    h, cache = self._cached_hidden(input_ids_BxT, attention_mask_BxT, cache)
+    return self.lm_head(h[:, -1] if last_only else h), cache
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        V, D = cfg.vocab_size, cfg.hidden_size
-        self.embed = _param(rngs, (V, D), ("vocab", "embed"), cfg, "normal")
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(D, cfg)
-        if not cfg.tie_word_embeddings:
-            self.unembed = _param(rngs, (D, V), ("embed", "vocab"), cfg, "normal")
-
-    def _embed_and_rope(self, ids_BxT, pos_BxT):
-        x = jnp.take(self.embed[...], ids_BxT, axis=0).astype(self.cfg.dtype)
-        freqs_BxTxH2 = pos_BxT[..., None].astype(jnp.float32) * rope_inv_freq(self.cfg)
-        emb = jnp.concatenate([freqs_BxTxH2, freqs_BxTxH2], axis=-1)
-        return x, jnp.cos(emb).astype(self.cfg.dtype), jnp.sin(emb).astype(self.cfg.dtype)
-
-    def hidden_states(self, input_ids_BxT: jax.Array,
-                      attention_mask: jax.Array | None = None) -> jax.Array:
-        """Final-norm hidden states [B, T, D] in the compute dtype (no cache)."""
-        B, T = input_ids_BxT.shape
-        mask_BxT = (jnp.ones((B, T), bool) if attention_mask is None
-                    else attention_mask.astype(bool))
-        pos_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=1, dtype=jnp.int32) - 1, 0)
-        causal_TxT = jnp.tril(jnp.ones((T, T), bool))
-        attend_BxTxT = causal_TxT[None] & mask_BxT[:, None, :]
-        x, cos, sin = self._embed_and_rope(input_ids_BxT, pos_BxT)
-        forward = nnx.remat(_layer_forward) if self.cfg.remat else _layer_forward
-        for layer in self.layers:
-            x = forward(layer, x, cos, sin, attend_BxTxT)
-        return self.norm(x)
-
-    def lm_head(self, h_BxTxD: jax.Array) -> jax.Array:
-        """Logits [..., V]; float32 when cfg.lm_head_fp32, else the compute dtype."""
-        cfg = self.cfg
-        dt = jnp.float32 if cfg.lm_head_fp32 else cfg.dtype
-        h_NxD = h_BxTxD.reshape(-1, cfg.hidden_size).astype(dt)
-        if cfg.tie_word_embeddings:
-            logits = jnp.einsum("nd,vd->nv", h_NxD, self.embed[...].astype(dt))
-        else:
-            logits = h_NxD @ self.unembed[...].astype(dt)
-        return logits.reshape(*h_BxTxD.shape[:-1], cfg.vocab_size)
-
-    def __call__(self, input_ids_BxT: jax.Array,
-                 attention_mask: jax.Array | None = None) -> jax.Array:
-        """Logits [B, T, V] of a full (uncached) forward pass."""
-        return self.lm_head(self.hidden_states(input_ids_BxT, attention_mask))
-
-    def init_cache(self, batch_size: int, max_len: int) -> KVCache:
-        """An empty cache for `max_len` slots (prompt padding included)."""
-        cfg = self.cfg
-        return KVCache.zeros(cfg.num_layers, batch_size, max_len, cfg.num_kv_heads,
-                             cfg.head_dim, cfg.dtype)
-
-    def _cached_hidden(self, ids_BxT, mask_BxT, cache: KVCache):
-        T = ids_BxT.shape[1]
-        cache, pos_BxT, attend_BxTxS = cache.start(mask_BxT)
-        index = cache.index - T
-        x, cos, sin = self._embed_and_rope(ids_BxT, pos_BxT)
-        for i, layer in enumerate(self.layers):
-            x, cache = layer(x, cos, sin, attend_BxTxS, cache, i, index)
-        return self.norm(x), cache
-
-    def prefill(self, input_ids_BxT: jax.Array, attention_mask_BxT: jax.Array,
-                cache: KVCache, *, last_only: bool = False):
-        """Run left-padded prompts through the model, filling the cache.
-
-        Returns (logits [B, T, V], cache), or (logits [B, V] of the last column,
-        cache) with `last_only=True` (what a sampler needs; saves a [B, T, V] array).
-        """
-        h, cache = self._cached_hidden(input_ids_BxT, attention_mask_BxT, cache)
-        return self.lm_head(h[:, -1] if last_only else h), cache
-
-    def decode_step(self, token_B: jax.Array, cache: KVCache):
-        """Feed one new token per sequence; returns (logits [B, V], cache)."""
-        ids_Bx1 = token_B[:, None]
-        h, cache = self._cached_hidden(ids_Bx1, jnp.ones_like(ids_Bx1, bool), cache)
-        return self.lm_head(h[:, 0]), cache
+  def decode_step(self, token_B: jax.Array, cache: KVCache):
+    """Feed one new token per sequence; returns (logits [B, V], cache)."""
+    ids_Bx1 = token_B[:, None]
+    h, cache = self._cached_hidden(ids_Bx1, jnp.ones_like(ids_Bx1, bool), cache)
+    return self.lm_head(h[:, 0]), cache

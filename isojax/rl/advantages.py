@@ -27,38 +27,38 @@ __all__ = ["ESTIMATORS", "compute_advantages", "zero_variance_groups"]
 
 
 def _centred(r_BpxN, base_BpxM):
-    return r_BpxN - base_BpxM.mean(axis=1, keepdims=True)
+  return r_BpxN - base_BpxM.mean(axis=1, keepdims=True)
 
 
 def _grpo(r_BpxN, base_BpxM, std_eps):
-    """(r - group mean) / (group std + eps), std with ddof=1 (verl, TRL, tunix)."""
-    std_Bpx1 = base_BpxM.std(axis=1, ddof=1, keepdims=True)
-    return _centred(r_BpxN, base_BpxM) / (std_Bpx1 + std_eps)
+  """(r - group mean) / (group std + eps), std with ddof=1 (verl, TRL, tunix)."""
+  std_Bpx1 = base_BpxM.std(axis=1, ddof=1, keepdims=True)
+  return _centred(r_BpxN, base_BpxM) / (std_Bpx1 + std_eps)
 
 
 def _drgrpo(r_BpxN, base_BpxM, std_eps):
-    """Dr. GRPO: r - group mean, no std normalisation."""
-    del std_eps
-    return _centred(r_BpxN, base_BpxM)
+  """Dr. GRPO: r - group mean, no std normalisation."""
+  del std_eps
+  return _centred(r_BpxN, base_BpxM)
 
 
 def _batch(r_BpxN, base_BpxM, std_eps):
-    """ScaleRL batch-level normalisation: centre per group, then divide by the std
-    (ddof=1) of the centred values over the whole batch (of baseline rollouts,
-    when a decoupled baseline is given)."""
-    scale = _centred(base_BpxM, base_BpxM).std(ddof=1)
-    return _centred(r_BpxN, base_BpxM) / (scale + std_eps)
+  """ScaleRL batch-level normalisation: centre per group, then divide by the std
+  (ddof=1) of the centred values over the whole batch (of baseline rollouts,
+  when a decoupled baseline is given)."""
+  scale = _centred(base_BpxM, base_BpxM).std(ddof=1)
+  return _centred(r_BpxN, base_BpxM) / (scale + std_eps)
 
 
 def _rloo(r_BpxN, base_BpxM, std_eps):
-    """Leave-one-out: r_i - mean of the other rollouts of the same prompt.
+  """Leave-one-out: r_i - mean of the other rollouts of the same prompt.
 
-    With a decoupled baseline the "others" are the other ``n_est - 1`` baseline
-    rollouts (r_i itself is one of the baseline rollouts by convention)."""
-    del std_eps
-    m = base_BpxM.shape[1]
-    loo_mean_BpxN = (base_BpxM.sum(axis=1, keepdims=True) - r_BpxN) / (m - 1)
-    return r_BpxN - loo_mean_BpxN
+  With a decoupled baseline the "others" are the other ``n_est - 1`` baseline
+  rollouts (r_i itself is one of the baseline rollouts by convention)."""
+  del std_eps
+  m = base_BpxM.shape[1]
+  loo_mean_BpxN = (base_BpxM.sum(axis=1, keepdims=True) - r_BpxN) / (m - 1)
+  return r_BpxN - loo_mean_BpxN
 
 
 # name -> (function, minimum rollouts per group in the baseline set)
@@ -71,64 +71,64 @@ ESTIMATORS: dict[str, tuple[Callable, int]] = {
 
 
 def _grouped(rewards_B, group_size, baseline_rewards_B):
-    """Checks shapes and returns ([Bp, n] rewards, [Bp, n_est] baseline rewards)."""
-    if rewards_B.ndim != 1:
-        raise ValueError(f"rewards_B must be 1-D [B], got shape {rewards_B.shape}")
-    b = rewards_B.shape[0]
-    if group_size < 1 or b % group_size:
-        raise ValueError(f"group_size={group_size} must be >= 1 and divide "
-                         f"B={b} (rewards_B shape {rewards_B.shape})")
-    bp = b // group_size
-    r_BpxN = rewards_B.reshape(bp, group_size)
-    if baseline_rewards_B is None:
-        return r_BpxN, r_BpxN
-    if baseline_rewards_B.ndim != 1 or baseline_rewards_B.shape[0] % bp:
-        raise ValueError(
-            f"baseline_rewards_B must be 1-D [Bp*n_est] with Bp={bp} prompts; got "
-            f"shape {baseline_rewards_B.shape}")
-    n_est = baseline_rewards_B.shape[0] // bp
-    if n_est < group_size:
-        raise ValueError(f"baseline_rewards_B has n_est={n_est} rollouts per prompt, "
-                         f"fewer than the n_train={group_size} trained on")
-    return r_BpxN, baseline_rewards_B.reshape(bp, n_est)
+  """Checks shapes and returns ([Bp, n] rewards, [Bp, n_est] baseline rewards)."""
+  if rewards_B.ndim != 1:
+    raise ValueError(f"rewards_B must be 1-D [B], got shape {rewards_B.shape}")
+  b = rewards_B.shape[0]
+  if group_size < 1 or b % group_size:
+    raise ValueError(f"group_size={group_size} must be >= 1 and divide "
+                     f"B={b} (rewards_B shape {rewards_B.shape})")
+  bp = b // group_size
+  r_BpxN = rewards_B.reshape(bp, group_size)
+  if baseline_rewards_B is None:
+    return r_BpxN, r_BpxN
+  if baseline_rewards_B.ndim != 1 or baseline_rewards_B.shape[0] % bp:
+    raise ValueError(
+        f"baseline_rewards_B must be 1-D [Bp*n_est] with Bp={bp} prompts; got "
+        f"shape {baseline_rewards_B.shape}")
+  n_est = baseline_rewards_B.shape[0] // bp
+  if n_est < group_size:
+    raise ValueError(f"baseline_rewards_B has n_est={n_est} rollouts per prompt, "
+                     f"fewer than the n_train={group_size} trained on")
+  return r_BpxN, baseline_rewards_B.reshape(bp, n_est)
 
 
 def zero_variance_groups(rewards_B, *, group_size, baseline_rewards_B=None):
-    """Per-group flag [Bp]: all baseline rewards of the prompt are equal."""
-    _, base_BpxM = _grouped(rewards_B, group_size, baseline_rewards_B)
-    return base_BpxM.max(axis=1) == base_BpxM.min(axis=1)
+  """Per-group flag [Bp]: all baseline rewards of the prompt are equal."""
+  _, base_BpxM = _grouped(rewards_B, group_size, baseline_rewards_B)
+  return base_BpxM.max(axis=1) == base_BpxM.min(axis=1)
 
 
 def compute_advantages(rewards_B, *, group_size, estimator="grpo", std_eps=1e-6,
                        baseline_rewards_B=None):
-    """Per-rollout advantages from flat, prompt-grouped rewards.
+  """Per-rollout advantages from flat, prompt-grouped rewards.
 
-    Args:
-      rewards_B: [B] rewards, B = Bp * group_size, grouped contiguously by prompt.
-      group_size: n, rollouts per prompt in ``rewards_B`` (static).
-      estimator: "grpo" | "drgrpo" | "batch" | "rloo" (see ``ESTIMATORS``).
-      std_eps: added to the std before dividing ("grpo", "batch").
-      baseline_rewards_B: optional [Bp * n_est] rewards of n_est >= group_size
-        rollouts per prompt (same prompt order, grouped contiguously) from which
-        the baseline mean/std are computed instead of ``rewards_B``.
+  Args:
+    rewards_B: [B] rewards, B = Bp * group_size, grouped contiguously by prompt.
+    group_size: n, rollouts per prompt in ``rewards_B`` (static).
+    estimator: "grpo" | "drgrpo" | "batch" | "rloo" (see ``ESTIMATORS``).
+    std_eps: added to the std before dividing ("grpo", "batch").
+    baseline_rewards_B: optional [Bp * n_est] rewards of n_est >= group_size
+      rollouts per prompt (same prompt order, grouped contiguously) from which
+      the baseline mean/std are computed instead of ``rewards_B``.
 
-    Returns:
-      [B] float32 advantages; exactly 0 for every rollout of a prompt whose
-      baseline rewards are all equal.
-    """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; "
-                         f"choose from {sorted(ESTIMATORS)}")
-    fn, min_group = ESTIMATORS[estimator]
-    rewards_B = jnp.asarray(rewards_B, jnp.float32)
-    if baseline_rewards_B is not None:
-        baseline_rewards_B = jnp.asarray(baseline_rewards_B, jnp.float32)
-    r_BpxN, base_BpxM = _grouped(rewards_B, group_size, baseline_rewards_B)
-    if base_BpxM.shape[1] < min_group:
-        raise ValueError(f"estimator {estimator!r} needs at least {min_group} "
-                         f"rollouts per prompt, got {base_BpxM.shape[1]}")
-    adv_BpxN = fn(r_BpxN, base_BpxM, std_eps)
-    flat_Bpx1 = (base_BpxM.max(axis=1) == base_BpxM.min(axis=1))[:, None]
-    # Exactly zero, not (r - fl(mean)) rounding noise amplified by 1/eps.
-    adv_BpxN = jnp.where(flat_Bpx1, 0.0, adv_BpxN)
-    return jax.lax.stop_gradient(adv_BpxN.reshape(-1))
+  Returns:
+    [B] float32 advantages; exactly 0 for every rollout of a prompt whose
+    baseline rewards are all equal.
+  """
+  if estimator not in ESTIMATORS:
+    raise ValueError(f"unknown advantage estimator {estimator!r}; "
+                     f"choose from {sorted(ESTIMATORS)}")
+  fn, min_group = ESTIMATORS[estimator]
+  rewards_B = jnp.asarray(rewards_B, jnp.float32)
+  if baseline_rewards_B is not None:
+    baseline_rewards_B = jnp.asarray(baseline_rewards_B, jnp.float32)
+  r_BpxN, base_BpxM = _grouped(rewards_B, group_size, baseline_rewards_B)
+  if base_BpxM.shape[1] < min_group:
+    raise ValueError(f"estimator {estimator!r} needs at least {min_group} "
+                     f"rollouts per prompt, got {base_BpxM.shape[1]}")
+  adv_BpxN = fn(r_BpxN, base_BpxM, std_eps)
+  flat_Bpx1 = (base_BpxM.max(axis=1) == base_BpxM.min(axis=1))[:, None]
+  # Exactly zero, not (r - fl(mean)) rounding noise amplified by 1/eps.
+  adv_BpxN = jnp.where(flat_Bpx1, 0.0, adv_BpxN)
+  return jax.lax.stop_gradient(adv_BpxN.reshape(-1))

@@ -21,34 +21,34 @@ __all__ = ["AGGREGATIONS", "ZERO_VAR_FILTERS", "TokenWeights", "token_weights",
 
 
 def _row_counts(m_BxT):
-    return m_BxT.sum(axis=1)
+  return m_BxT.sum(axis=1)
 
 
 def _agg_token_mean(m_BxT, group_size):
-    del group_size
-    return m_BxT / jnp.maximum(m_BxT.sum(), 1.0)
+  del group_size
+  return m_BxT / jnp.maximum(m_BxT.sum(), 1.0)
 
 
 def _agg_seq_mean_token_mean(m_BxT, group_size):
-    del group_size
-    len_B = _row_counts(m_BxT)
-    num_seqs = jnp.maximum((len_B > 0).sum(), 1)
-    return m_BxT / jnp.maximum(len_B, 1.0)[:, None] / num_seqs
+  del group_size
+  len_B = _row_counts(m_BxT)
+  num_seqs = jnp.maximum((len_B > 0).sum(), 1)
+  return m_BxT / jnp.maximum(len_B, 1.0)[:, None] / num_seqs
 
 
 def _agg_seq_mean_token_sum(m_BxT, group_size):
-    del group_size
-    num_seqs = jnp.maximum((_row_counts(m_BxT) > 0).sum(), 1)
-    return m_BxT / num_seqs
+  del group_size
+  num_seqs = jnp.maximum((_row_counts(m_BxT) > 0).sum(), 1)
+  return m_BxT / num_seqs
 
 
 def _agg_prompt_mean(m_BxT, group_size):
-    if group_size is None:
-        raise ValueError("agg='prompt_mean' needs group_size (rollouts per prompt)")
-    tokens_Bp = _row_counts(m_BxT).reshape(-1, group_size).sum(axis=1)
-    num_prompts = jnp.maximum((tokens_Bp > 0).sum(), 1)
-    per_row_B = jnp.repeat(jnp.maximum(tokens_Bp, 1.0), group_size)
-    return m_BxT / per_row_B[:, None] / num_prompts
+  if group_size is None:
+    raise ValueError("agg='prompt_mean' needs group_size (rollouts per prompt)")
+  tokens_Bp = _row_counts(m_BxT).reshape(-1, group_size).sum(axis=1)
+  num_prompts = jnp.maximum((tokens_Bp > 0).sum(), 1)
+  per_row_B = jnp.repeat(jnp.maximum(tokens_Bp, 1.0), group_size)
+  return m_BxT / per_row_B[:, None] / num_prompts
 
 
 # name -> fn(mask_BxT of kept tokens, group_size) -> weights w_BxT; sequences
@@ -69,40 +69,40 @@ ZERO_VAR_FILTERS: dict[str, tuple[bool, bool]] = {
 
 
 class TokenWeights(NamedTuple):
-    """Whole-batch aggregation weights; slice rows for a micro-batch."""
+  """Whole-batch aggregation weights; slice rows for a micro-batch."""
 
-    pg_BxT: jax.Array  # policy-gradient term
-    reg_BxT: jax.Array  # KL and entropy terms
-    diag_BxT: jax.Array  # plain token mean over all trained tokens (metrics)
+  pg_BxT: jax.Array  # policy-gradient term
+  reg_BxT: jax.Array  # KL and entropy terms
+  diag_BxT: jax.Array  # plain token mean over all trained tokens (metrics)
 
 
 def zero_variance_from_advantages(adv_B, group_size):
-    """[B] bool: the rollout's group has all advantages exactly 0."""
-    if group_size is None:
-        raise ValueError("zero-variance groups need group_size (rollouts per prompt)")
-    if adv_B.shape[0] % group_size:
-        raise ValueError(f"group_size={group_size} does not divide B={adv_B.shape[0]}")
-    flat_Bp = jnp.all(adv_B.reshape(-1, group_size) == 0, axis=1)
-    return jnp.repeat(flat_Bp, group_size)
+  """[B] bool: the rollout's group has all advantages exactly 0."""
+  if group_size is None:
+    raise ValueError("zero-variance groups need group_size (rollouts per prompt)")
+  if adv_B.shape[0] % group_size:
+    raise ValueError(f"group_size={group_size} does not divide B={adv_B.shape[0]}")
+  flat_Bp = jnp.all(adv_B.reshape(-1, group_size) == 0, axis=1)
+  return jnp.repeat(flat_Bp, group_size)
 
 
 def token_weights(mask_BxT, adv_B, cfg, *, group_size=None) -> TokenWeights:
-    """Aggregation weights for a whole batch.
+  """Aggregation weights for a whole batch.
 
-    Args:
-      mask_BxT: 1 on trained tokens.
-      adv_B: advantages (zero-variance groups are those with all advantages 0).
-      cfg: anything with ``agg`` and ``zero_var_filter`` (a ``LossConfig``).
-      group_size: rollouts per prompt; needed for ``prompt_mean`` and filtering.
-    """
-    mask_BxT = jnp.asarray(mask_BxT, jnp.float32)
-    agg = AGGREGATIONS[cfg.agg]
-    filter_pg, filter_reg = ZERO_VAR_FILTERS[cfg.zero_var_filter]
-    full_BxT = agg(mask_BxT, group_size)
-    if filter_pg or filter_reg:
-        keep_B = ~zero_variance_from_advantages(adv_B, group_size)
-        kept_BxT = agg(mask_BxT * keep_B[:, None], group_size)
-    diag_BxT = _agg_token_mean(mask_BxT, group_size)
-    return TokenWeights(pg_BxT=kept_BxT if filter_pg else full_BxT,
-                        reg_BxT=kept_BxT if filter_reg else full_BxT,
-                        diag_BxT=diag_BxT)
+  Args:
+    mask_BxT: 1 on trained tokens.
+    adv_B: advantages (zero-variance groups are those with all advantages 0).
+    cfg: anything with ``agg`` and ``zero_var_filter`` (a ``LossConfig``).
+    group_size: rollouts per prompt; needed for ``prompt_mean`` and filtering.
+  """
+  mask_BxT = jnp.asarray(mask_BxT, jnp.float32)
+  agg = AGGREGATIONS[cfg.agg]
+  filter_pg, filter_reg = ZERO_VAR_FILTERS[cfg.zero_var_filter]
+  full_BxT = agg(mask_BxT, group_size)
+  if filter_pg or filter_reg:
+    keep_B = ~zero_variance_from_advantages(adv_B, group_size)
+    kept_BxT = agg(mask_BxT * keep_B[:, None], group_size)
+  diag_BxT = _agg_token_mean(mask_BxT, group_size)
+  return TokenWeights(pg_BxT=kept_BxT if filter_pg else full_BxT,
+                      reg_BxT=kept_BxT if filter_reg else full_BxT,
+                      diag_BxT=diag_BxT)

@@ -42,100 +42,100 @@ __all__ = ["LossConfig", "TokenWeights", "AGGREGATIONS", "KL_ESTIMATORS",
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """The RL objective. Frozen: derived values never get written back.
+  """The RL objective. Frozen: derived values never get written back.
 
-    Attributes:
-      kind: "ppo_clip" (token-level clipped surrogate, GRPO/DAPO), "cispo"
-        (stop-gradient clipped IS weight times log-prob, MiniMax-M1 / ScaleRL)
-        or "gspo" (sequence-level geometric-mean ratio s_i, clipped; every
-        token of a sequence carries s_i, so with agg="seq_mean_token_mean" this
-        is exactly the GSPO objective, whose clip ranges are ~1e-3, not 0.2).
-      clip_low, clip_high: ratio clipped to [1 - clip_low, 1 + clip_high]
-        (clip-higher: clip_high > clip_low). For "cispo" set clip_low >= 1 to
-        leave the IS weight unbounded below, as MiniMax-M1 does.
-      clip_dual: dual-clip constant c > 1 for negative advantages (the token
-        loss is capped at -c*A); None disables it. ppo_clip and gspo only.
-      agg: "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum" |
-        "prompt_mean" (ScaleRL: mean over the tokens of each prompt's group,
-        then mean over prompts).
-      tis_cap: truncated importance sampling between sampler and trainer: the
-        token loss is multiplied by min(exp(old_logp - sampler_logp), tis_cap)
-        (no gradient). None disables it.
-      kl_coef, kl_estimator: coefficient and estimator ("k1", "k2", "k3") of
-        KL(pi || pi_ref) added to the loss; 0 disables the reference policy.
-      entropy_coef: coefficient of the entropy bonus (subtracted from the loss).
-      zero_var_filter: "off"; "all" drops groups with all-equal rewards from the
-        whole loss (they leave the denominators too); "regularizers" drops them
-        from the KL and entropy terms only (playbook Fig. 3).
-      adv_estimator, adv_std_eps: how the update step turns rewards into
-        advantages (see ``isojax.rl.advantages``).
-    """
+  Attributes:
+    kind: "ppo_clip" (token-level clipped surrogate, GRPO/DAPO), "cispo"
+      (stop-gradient clipped IS weight times log-prob, MiniMax-M1 / ScaleRL)
+      or "gspo" (sequence-level geometric-mean ratio s_i, clipped; every
+      token of a sequence carries s_i, so with agg="seq_mean_token_mean" this
+      is exactly the GSPO objective, whose clip ranges are ~1e-3, not 0.2).
+    clip_low, clip_high: ratio clipped to [1 - clip_low, 1 + clip_high]
+      (clip-higher: clip_high > clip_low). For "cispo" set clip_low >= 1 to
+      leave the IS weight unbounded below, as MiniMax-M1 does.
+    clip_dual: dual-clip constant c > 1 for negative advantages (the token
+      loss is capped at -c*A); None disables it. ppo_clip and gspo only.
+    agg: "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum" |
+      "prompt_mean" (ScaleRL: mean over the tokens of each prompt's group,
+      then mean over prompts).
+    tis_cap: truncated importance sampling between sampler and trainer: the
+      token loss is multiplied by min(exp(old_logp - sampler_logp), tis_cap)
+      (no gradient). None disables it.
+    kl_coef, kl_estimator: coefficient and estimator ("k1", "k2", "k3") of
+      KL(pi || pi_ref) added to the loss; 0 disables the reference policy.
+    entropy_coef: coefficient of the entropy bonus (subtracted from the loss).
+    zero_var_filter: "off"; "all" drops groups with all-equal rewards from the
+      whole loss (they leave the denominators too); "regularizers" drops them
+      from the KL and entropy terms only (playbook Fig. 3).
+    adv_estimator, adv_std_eps: how the update step turns rewards into
+      advantages (see ``isojax.rl.advantages``).
+  """
 
-    kind: str = "ppo_clip"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_dual: float | None = None
-    agg: str = "token_mean"
-    tis_cap: float | None = None
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    zero_var_filter: str = "off"
-    adv_estimator: str = "grpo"
-    adv_std_eps: float = 1e-6
+  kind: str = "ppo_clip"
+  clip_low: float = 0.2
+  clip_high: float = 0.2
+  clip_dual: float | None = None
+  agg: str = "token_mean"
+  tis_cap: float | None = None
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  entropy_coef: float = 0.0
+  zero_var_filter: str = "off"
+  adv_estimator: str = "grpo"
+  adv_std_eps: float = 1e-6
 
-    def __post_init__(self):
-        for field, table in (("kind", PG_LOSSES), ("agg", AGGREGATIONS),
-                             ("kl_estimator", KL_ESTIMATORS),
-                             ("zero_var_filter", ZERO_VAR_FILTERS),
-                             ("adv_estimator", ESTIMATORS)):
-            if getattr(self, field) not in table:
-                raise ValueError(f"LossConfig.{field}={getattr(self, field)!r}; "
-                                 f"choose from {sorted(table)}")
-        for field in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "adv_std_eps"):
-            if not getattr(self, field) >= 0:
-                raise ValueError(f"LossConfig.{field}={getattr(self, field)} must be >= 0")
-        if self.clip_dual is not None and not self.clip_dual > 1:
-            raise ValueError(f"LossConfig.clip_dual={self.clip_dual} must be > 1 or None")
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise ValueError(f"LossConfig.tis_cap={self.tis_cap} must be > 0 or None")
+  def __post_init__(self):
+    for field, table in (("kind", PG_LOSSES), ("agg", AGGREGATIONS),
+                         ("kl_estimator", KL_ESTIMATORS),
+                         ("zero_var_filter", ZERO_VAR_FILTERS),
+                         ("adv_estimator", ESTIMATORS)):
+      if getattr(self, field) not in table:
+        raise ValueError(f"LossConfig.{field}={getattr(self, field)!r}; "
+                         f"choose from {sorted(table)}")
+    for field in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "adv_std_eps"):
+      if not getattr(self, field) >= 0:
+        raise ValueError(f"LossConfig.{field}={getattr(self, field)} must be >= 0")
+    if self.clip_dual is not None and not self.clip_dual > 1:
+      raise ValueError(f"LossConfig.clip_dual={self.clip_dual} must be > 1 or None")
+    if self.tis_cap is not None and not self.tis_cap > 0:
+      raise ValueError(f"LossConfig.tis_cap={self.tis_cap} must be > 0 or None")
 
 
 def _clipped_surrogate(ratio_BxT, adv_Bx1, cfg):
-    """-min(r A, clip(r) A), optionally dual-clipped at -c A for A < 0."""
-    lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
-    unclipped = -adv_Bx1 * ratio_BxT
-    clipped = -adv_Bx1 * jnp.clip(ratio_BxT, lo, hi)
-    loss_BxT = jnp.maximum(unclipped, clipped)
-    neg = adv_Bx1 < 0
-    flags = {"clip_low": (neg & (ratio_BxT < lo)),
-             "clip_high": ((adv_Bx1 > 0) & (ratio_BxT > hi))}
-    if cfg.clip_dual is not None:
-        cap_BxT = -adv_Bx1 * cfg.clip_dual
-        flags["clip_dual"] = neg & (loss_BxT > cap_BxT)
-        loss_BxT = jnp.where(neg, jnp.minimum(loss_BxT, cap_BxT), loss_BxT)
-    return loss_BxT, flags
+  """-min(r A, clip(r) A), optionally dual-clipped at -c A for A < 0."""
+  lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+  unclipped = -adv_Bx1 * ratio_BxT
+  clipped = -adv_Bx1 * jnp.clip(ratio_BxT, lo, hi)
+  loss_BxT = jnp.maximum(unclipped, clipped)
+  neg = adv_Bx1 < 0
+  flags = {"clip_low": (neg & (ratio_BxT < lo)),
+           "clip_high": ((adv_Bx1 > 0) & (ratio_BxT > hi))}
+  if cfg.clip_dual is not None:
+    cap_BxT = -adv_Bx1 * cfg.clip_dual
+    flags["clip_dual"] = neg & (loss_BxT > cap_BxT)
+    loss_BxT = jnp.where(neg, jnp.minimum(loss_BxT, cap_BxT), loss_BxT)
+  return loss_BxT, flags
 
 
 def _ppo_clip(logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg):
-    return _clipped_surrogate(jnp.exp(logp_BxT - old_logp_BxT), adv_Bx1, cfg)
+  return _clipped_surrogate(jnp.exp(logp_BxT - old_logp_BxT), adv_Bx1, cfg)
 
 
 def _gspo(logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg):
-    # s_i = exp(mean_t log(pi/pi_old)): one ratio per sequence, given to its tokens.
-    len_Bx1 = jnp.maximum(mask_BxT.sum(axis=1, keepdims=True), 1.0)
-    log_s_Bx1 = ((logp_BxT - old_logp_BxT) * mask_BxT).sum(axis=1, keepdims=True) / len_Bx1
-    ratio_BxT = jnp.broadcast_to(jnp.exp(log_s_Bx1), logp_BxT.shape)
-    return _clipped_surrogate(ratio_BxT, adv_Bx1, cfg)
+  # s_i = exp(mean_t log(pi/pi_old)): one ratio per sequence, given to its tokens.
+  len_Bx1 = jnp.maximum(mask_BxT.sum(axis=1, keepdims=True), 1.0)
+  log_s_Bx1 = ((logp_BxT - old_logp_BxT) * mask_BxT).sum(axis=1, keepdims=True) / len_Bx1
+  ratio_BxT = jnp.broadcast_to(jnp.exp(log_s_Bx1), logp_BxT.shape)
+  return _clipped_surrogate(ratio_BxT, adv_Bx1, cfg)
 
 
 def _cispo(logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg):
-    del mask_BxT
-    lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
-    ratio_BxT = jax.lax.stop_gradient(jnp.exp(logp_BxT - old_logp_BxT))
-    weight_BxT = jnp.clip(ratio_BxT, lo, hi)
-    flags = {"clip_low": ratio_BxT < lo, "clip_high": ratio_BxT > hi}
-    return -weight_BxT * adv_Bx1 * logp_BxT, flags
+  del mask_BxT
+  lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+  ratio_BxT = jax.lax.stop_gradient(jnp.exp(logp_BxT - old_logp_BxT))
+  weight_BxT = jnp.clip(ratio_BxT, lo, hi)
+  flags = {"clip_low": ratio_BxT < lo, "clip_high": ratio_BxT > hi}
+  return -weight_BxT * adv_Bx1 * logp_BxT, flags
 
 
 # name -> fn(logp, old_logp, adv_Bx1, mask, cfg) -> (token loss_BxT, {flag: bool_BxT})
@@ -147,16 +147,16 @@ PG_LOSSES: dict[str, Callable] = {
 
 
 def _k1(logp_BxT, ref_logp_BxT):
-    return logp_BxT - ref_logp_BxT
+  return logp_BxT - ref_logp_BxT
 
 
 def _k2(logp_BxT, ref_logp_BxT):
-    return 0.5 * jnp.square(logp_BxT - ref_logp_BxT)
+  return 0.5 * jnp.square(logp_BxT - ref_logp_BxT)
 
 
 def _k3(logp_BxT, ref_logp_BxT):
-    d = ref_logp_BxT - logp_BxT
-    return jnp.exp(d) - d - 1.0
+  d = ref_logp_BxT - logp_BxT
+  return jnp.exp(d) - d - 1.0
 
 
 # Schulman's estimators of KL(pi || pi_ref) from tokens sampled from pi.
@@ -169,120 +169,120 @@ MAX_METRICS = ("tis_weight_max", "logp_gap_max")
 def weighted_policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights: TokenWeights,
                          cfg: LossConfig, *, sampler_logp_BxT=None, ref_logp_BxT=None,
                          entropy_BxT=None):
-    """Loss and metrics with precomputed aggregation weights.
+  """Loss and metrics with precomputed aggregation weights.
 
-    Every returned quantity is a weighted *sum* over the given rows (or a max,
-    for the names in ``MAX_METRICS``), so evaluating micro-batches with slices
-    of whole-batch ``weights`` and adding the results gives the batch values.
-    """
-    sg = jax.lax.stop_gradient
-    mask_BxT = jnp.asarray(mask_BxT, jnp.float32)
-    on_BxT = mask_BxT > 0
+  Every returned quantity is a weighted *sum* over the given rows (or a max,
+  for the names in ``MAX_METRICS``), so evaluating micro-batches with slices
+  of whole-batch ``weights`` and adding the results gives the batch values.
+  """
+  sg = jax.lax.stop_gradient
+  mask_BxT = jnp.asarray(mask_BxT, jnp.float32)
+  on_BxT = mask_BxT > 0
 
-    def clean(x_BxT):
-        # Untrained positions may hold anything (padding); zero them before any
-        # exp so neither the value nor the gradient can pick up inf/nan there.
-        return None if x_BxT is None else jnp.where(on_BxT, x_BxT.astype(jnp.float32), 0.0)
+  def clean(x_BxT):
+    # Untrained positions may hold anything (padding); zero them before any
+    # exp so neither the value nor the gradient can pick up inf/nan there.
+    return None if x_BxT is None else jnp.where(on_BxT, x_BxT.astype(jnp.float32), 0.0)
 
-    logp_BxT, old_logp_BxT = clean(logp_BxT), clean(old_logp_BxT)
-    sampler_logp_BxT, ref_logp_BxT = clean(sampler_logp_BxT), clean(ref_logp_BxT)
-    entropy_BxT = clean(entropy_BxT)
-    old_logp_BxT = sg(old_logp_BxT)
-    adv_Bx1 = sg(jnp.asarray(adv_B, jnp.float32))[:, None]
+  logp_BxT, old_logp_BxT = clean(logp_BxT), clean(old_logp_BxT)
+  sampler_logp_BxT, ref_logp_BxT = clean(sampler_logp_BxT), clean(ref_logp_BxT)
+  entropy_BxT = clean(entropy_BxT)
+  old_logp_BxT = sg(old_logp_BxT)
+  adv_Bx1 = sg(jnp.asarray(adv_B, jnp.float32))[:, None]
 
-    def wsum(w_BxT, x_BxT):
-        return jnp.sum(w_BxT * x_BxT)
+  def wsum(w_BxT, x_BxT):
+    return jnp.sum(w_BxT * x_BxT)
 
-    pg_BxT, flags = PG_LOSSES[cfg.kind](logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg)
-    m = {}
-    if sampler_logp_BxT is not None:
-        sampler_logp_BxT = sg(sampler_logp_BxT)
-        is_BxT = jnp.exp(old_logp_BxT - sampler_logp_BxT)
-        gap_BxT = jnp.abs(old_logp_BxT - sampler_logp_BxT)
-        tis_BxT = is_BxT if cfg.tis_cap is None else jnp.minimum(is_BxT, cfg.tis_cap)
-        m["tis_weight_mean"] = wsum(weights.diag_BxT, tis_BxT)
-        m["tis_weight_max"] = jnp.max(jnp.where(on_BxT, tis_BxT, 0.0), initial=0.0)
-        m["tis_frac_truncated"] = (jnp.zeros(()) if cfg.tis_cap is None else
-                                   wsum(weights.diag_BxT, is_BxT > cfg.tis_cap))
-        m["logp_gap_mean"] = wsum(weights.diag_BxT, gap_BxT)
-        m["logp_gap_max"] = jnp.max(jnp.where(on_BxT, gap_BxT, 0.0), initial=0.0)
-        if cfg.tis_cap is not None:
-            pg_BxT = pg_BxT * tis_BxT
-    elif cfg.tis_cap is not None:
-        raise ValueError("LossConfig.tis_cap is set but sampler_logp_BxT is None")
+  pg_BxT, flags = PG_LOSSES[cfg.kind](logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg)
+  m = {}
+  if sampler_logp_BxT is not None:
+    sampler_logp_BxT = sg(sampler_logp_BxT)
+    is_BxT = jnp.exp(old_logp_BxT - sampler_logp_BxT)
+    gap_BxT = jnp.abs(old_logp_BxT - sampler_logp_BxT)
+    tis_BxT = is_BxT if cfg.tis_cap is None else jnp.minimum(is_BxT, cfg.tis_cap)
+    m["tis_weight_mean"] = wsum(weights.diag_BxT, tis_BxT)
+    m["tis_weight_max"] = jnp.max(jnp.where(on_BxT, tis_BxT, 0.0), initial=0.0)
+    m["tis_frac_truncated"] = (jnp.zeros(()) if cfg.tis_cap is None else
+                               wsum(weights.diag_BxT, is_BxT > cfg.tis_cap))
+    m["logp_gap_mean"] = wsum(weights.diag_BxT, gap_BxT)
+    m["logp_gap_max"] = jnp.max(jnp.where(on_BxT, gap_BxT, 0.0), initial=0.0)
+    if cfg.tis_cap is not None:
+      pg_BxT = pg_BxT * tis_BxT
+  elif cfg.tis_cap is not None:
+    raise ValueError("LossConfig.tis_cap is set but sampler_logp_BxT is None")
 
-    m["pg_loss"] = wsum(weights.pg_BxT, pg_BxT)
-    for name in ("clip_low", "clip_high", "clip_dual"):
-        flag_BxT = flags.get(name, jnp.zeros_like(on_BxT))
-        m[f"clip_frac_{name[5:]}"] = wsum(weights.diag_BxT, flag_BxT)
-    log_r_BxT = logp_BxT - old_logp_BxT
-    m["approx_kl_old"] = sg(wsum(weights.diag_BxT, jnp.exp(log_r_BxT) - 1.0 - log_r_BxT))
-    loss = m["pg_loss"]
+  m["pg_loss"] = wsum(weights.pg_BxT, pg_BxT)
+  for name in ("clip_low", "clip_high", "clip_dual"):
+    flag_BxT = flags.get(name, jnp.zeros_like(on_BxT))
+    m[f"clip_frac_{name[5:]}"] = wsum(weights.diag_BxT, flag_BxT)
+  log_r_BxT = logp_BxT - old_logp_BxT
+  m["approx_kl_old"] = sg(wsum(weights.diag_BxT, jnp.exp(log_r_BxT) - 1.0 - log_r_BxT))
+  loss = m["pg_loss"]
 
-    if ref_logp_BxT is not None:
-        kl_BxT = KL_ESTIMATORS[cfg.kl_estimator](logp_BxT, sg(ref_logp_BxT))
-        m["kl_ref"] = sg(wsum(weights.diag_BxT, kl_BxT))
-        m["kl_loss"] = wsum(weights.reg_BxT, kl_BxT)
-        loss = loss + cfg.kl_coef * m["kl_loss"]
-    elif cfg.kl_coef > 0:
-        raise ValueError("LossConfig.kl_coef > 0 but ref_logp_BxT is None")
+  if ref_logp_BxT is not None:
+    kl_BxT = KL_ESTIMATORS[cfg.kl_estimator](logp_BxT, sg(ref_logp_BxT))
+    m["kl_ref"] = sg(wsum(weights.diag_BxT, kl_BxT))
+    m["kl_loss"] = wsum(weights.reg_BxT, kl_BxT)
+    loss = loss + cfg.kl_coef * m["kl_loss"]
+  elif cfg.kl_coef > 0:
+    raise ValueError("LossConfig.kl_coef > 0 but ref_logp_BxT is None")
 
-    if entropy_BxT is not None:
-        m["entropy"] = sg(wsum(weights.diag_BxT, entropy_BxT))
-        m["entropy_term"] = wsum(weights.reg_BxT, entropy_BxT)
-        loss = loss - cfg.entropy_coef * m["entropy_term"]
-    elif cfg.entropy_coef > 0:
-        raise ValueError("LossConfig.entropy_coef > 0 but entropy_BxT is None")
+  if entropy_BxT is not None:
+    m["entropy"] = sg(wsum(weights.diag_BxT, entropy_BxT))
+    m["entropy_term"] = wsum(weights.reg_BxT, entropy_BxT)
+    loss = loss - cfg.entropy_coef * m["entropy_term"]
+  elif cfg.entropy_coef > 0:
+    raise ValueError("LossConfig.entropy_coef > 0 but entropy_BxT is None")
 
-    m["loss"] = loss
-    return loss, {k: sg(v).astype(jnp.float32) for k, v in m.items()}
+  m["loss"] = loss
+  return loss, {k: sg(v).astype(jnp.float32) for k, v in m.items()}
 
 
 def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, cfg: LossConfig, *,
                 sampler_logp_BxT=None, ref_logp_BxT=None, entropy_BxT=None,
                 group_size=None):
-    """The RL loss of a whole batch.
+  """The RL loss of a whole batch.
 
-    Args:
-      logp_BxT: log pi(token) under the parameters being trained.
-      old_logp_BxT: log pi_old(token), the policy the ratio is taken against
-        (no gradient flows into it).
-      adv_B: per-sequence advantages (``compute_advantages``).
-      mask_BxT: 1 on trained (completion) tokens, 0 elsewhere.
-      cfg: ``LossConfig``.
-      sampler_logp_BxT: sampler's log-probs; needed for ``tis_cap`` and for the
-        TIS / sampler-trainer gap metrics.
-      ref_logp_BxT: reference policy log-probs; needed when ``kl_coef > 0``.
-      entropy_BxT: per-token policy entropy; needed when ``entropy_coef > 0``.
-      group_size: rollouts per prompt (groups contiguous); needed for
-        ``agg="prompt_mean"``, ``zero_var_filter != "off"`` and the
-        ``zero_var_frac`` metric.
+  Args:
+    logp_BxT: log pi(token) under the parameters being trained.
+    old_logp_BxT: log pi_old(token), the policy the ratio is taken against
+      (no gradient flows into it).
+    adv_B: per-sequence advantages (``compute_advantages``).
+    mask_BxT: 1 on trained (completion) tokens, 0 elsewhere.
+    cfg: ``LossConfig``.
+    sampler_logp_BxT: sampler's log-probs; needed for ``tis_cap`` and for the
+      TIS / sampler-trainer gap metrics.
+    ref_logp_BxT: reference policy log-probs; needed when ``kl_coef > 0``.
+    entropy_BxT: per-token policy entropy; needed when ``entropy_coef > 0``.
+    group_size: rollouts per prompt (groups contiguous); needed for
+      ``agg="prompt_mean"``, ``zero_var_filter != "off"`` and the
+      ``zero_var_frac`` metric.
 
-    Returns:
-      (scalar loss, dict of scalar metrics): loss, pg_loss, clip_frac_low /
-      _high / _dual, approx_kl_old, kl_ref and kl_loss (with a reference),
-      entropy and entropy_term (with entropies), tis_weight_mean / _max,
-      tis_frac_truncated, logp_gap_mean / _max (with sampler log-probs), and
-      zero_var_frac (with group_size).
-    """
-    shape = jnp.shape(logp_BxT)
-    named = {"old_logp_BxT": old_logp_BxT, "mask_BxT": mask_BxT,
-             "sampler_logp_BxT": sampler_logp_BxT, "ref_logp_BxT": ref_logp_BxT,
-             "entropy_BxT": entropy_BxT}
-    if len(shape) != 2:
-        raise ValueError(f"logp_BxT must be 2-D [B, T], got shape {shape}")
-    for name, x in named.items():
-        if x is not None and jnp.shape(x) != shape:
-            raise ValueError(f"{name} has shape {jnp.shape(x)}, expected {shape} like logp_BxT")
-    if jnp.shape(adv_B) != shape[:1]:
-        raise ValueError(f"adv_B has shape {jnp.shape(adv_B)}, expected ({shape[0]},)")
-    adv_B = jnp.asarray(adv_B, jnp.float32)
-    weights = token_weights(mask_BxT, adv_B, cfg, group_size=group_size)
-    loss, metrics = weighted_policy_loss(
-        logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights, cfg,
-        sampler_logp_BxT=sampler_logp_BxT, ref_logp_BxT=ref_logp_BxT,
-        entropy_BxT=entropy_BxT)
-    if group_size is not None:
-        metrics["zero_var_frac"] = jnp.mean(
-            zero_variance_from_advantages(adv_B, group_size).astype(jnp.float32))
-    return loss, metrics
+  Returns:
+    (scalar loss, dict of scalar metrics): loss, pg_loss, clip_frac_low /
+    _high / _dual, approx_kl_old, kl_ref and kl_loss (with a reference),
+    entropy and entropy_term (with entropies), tis_weight_mean / _max,
+    tis_frac_truncated, logp_gap_mean / _max (with sampler log-probs), and
+    zero_var_frac (with group_size).
+  """
+  shape = jnp.shape(logp_BxT)
+  named = {"old_logp_BxT": old_logp_BxT, "mask_BxT": mask_BxT,
+           "sampler_logp_BxT": sampler_logp_BxT, "ref_logp_BxT": ref_logp_BxT,
+           "entropy_BxT": entropy_BxT}
+  if len(shape) != 2:
+    raise ValueError(f"logp_BxT must be 2-D [B, T], got shape {shape}")
+  for name, x in named.items():
+    if x is not None and jnp.shape(x) != shape:
+      raise ValueError(f"{name} has shape {jnp.shape(x)}, expected {shape} like logp_BxT")
+  if jnp.shape(adv_B) != shape[:1]:
+    raise ValueError(f"adv_B has shape {jnp.shape(adv_B)}, expected ({shape[0]},)")
+  adv_B = jnp.asarray(adv_B, jnp.float32)
+  weights = token_weights(mask_BxT, adv_B, cfg, group_size=group_size)
+  loss, metrics = weighted_policy_loss(
+      logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights, cfg,
+      sampler_logp_BxT=sampler_logp_BxT, ref_logp_BxT=ref_logp_BxT,
+      entropy_BxT=entropy_BxT)
+  if group_size is not None:
+    metrics["zero_var_frac"] = jnp.mean(
+        zero_variance_from_advantages(adv_B, group_size).astype(jnp.float32))
+  return loss, metrics

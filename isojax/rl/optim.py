@@ -26,66 +26,66 @@ LR_RULES: dict[str, Callable[[float], float]] = {
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """Optimiser hyperparameters (playbook App. A defaults).
+  """Optimiser hyperparameters (playbook App. A defaults).
 
-    Attributes:
-      lr_base: learning rate at ``batch_base`` rollouts per update.
-      batch_base: the batch size at which ``lr_base`` was tuned.
-      lr_rule: "sqrt" | "linear" | "constant" scaling of the rate with B.
-      warmup_steps: linear warmup length; update k (0-based) uses
-        peak * min((k + 1) / warmup_steps, 1), so the first update is not wasted
-        at rate 0. Constant afterwards.
-      weight_decay: AdamW decoupled weight decay (verl's default 0.01).
-      b1, b2, eps: Adam moments.
-      max_grad_norm: global-norm gradient clipping; None disables it.
-    """
+  Attributes:
+    lr_base: learning rate at ``batch_base`` rollouts per update.
+    batch_base: the batch size at which ``lr_base`` was tuned.
+    lr_rule: "sqrt" | "linear" | "constant" scaling of the rate with B.
+    warmup_steps: linear warmup length; update k (0-based) uses
+      peak * min((k + 1) / warmup_steps, 1), so the first update is not wasted
+      at rate 0. Constant afterwards.
+    weight_decay: AdamW decoupled weight decay (verl's default 0.01).
+    b1, b2, eps: Adam moments.
+    max_grad_norm: global-norm gradient clipping; None disables it.
+  """
 
-    lr_base: float = 1e-6
-    batch_base: int = 1024
-    lr_rule: str = "sqrt"
-    warmup_steps: int = 10
-    weight_decay: float = 0.01
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
+  lr_base: float = 1e-6
+  batch_base: int = 1024
+  lr_rule: str = "sqrt"
+  warmup_steps: int = 10
+  weight_decay: float = 0.01
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  max_grad_norm: float | None = 1.0
 
-    def __post_init__(self):
-        if self.lr_rule not in LR_RULES:
-            raise ValueError(f"OptimConfig.lr_rule={self.lr_rule!r}; choose from {sorted(LR_RULES)}")
-        if not self.lr_base > 0 or not self.batch_base > 0:
-            raise ValueError(f"OptimConfig.lr_base={self.lr_base} and batch_base="
-                             f"{self.batch_base} must be > 0")
-        if self.warmup_steps < 0:
-            raise ValueError(f"OptimConfig.warmup_steps={self.warmup_steps} must be >= 0")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"OptimConfig.max_grad_norm={self.max_grad_norm} must be > 0")
+  def __post_init__(self):
+    if self.lr_rule not in LR_RULES:
+      raise ValueError(f"OptimConfig.lr_rule={self.lr_rule!r}; choose from {sorted(LR_RULES)}")
+    if not self.lr_base > 0 or not self.batch_base > 0:
+      raise ValueError(f"OptimConfig.lr_base={self.lr_base} and batch_base="
+                       f"{self.batch_base} must be > 0")
+    if self.warmup_steps < 0:
+      raise ValueError(f"OptimConfig.warmup_steps={self.warmup_steps} must be >= 0")
+    if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+      raise ValueError(f"OptimConfig.max_grad_norm={self.max_grad_norm} must be > 0")
 
 
 def learning_rate(cfg: OptimConfig, batch_size: int) -> float:
-    """Peak (post-warmup) learning rate for ``batch_size`` rollouts per update."""
-    if not batch_size > 0:
-        raise ValueError(f"batch_size={batch_size} must be > 0")
-    return cfg.lr_base * LR_RULES[cfg.lr_rule](batch_size / cfg.batch_base)
+  """Peak (post-warmup) learning rate for ``batch_size`` rollouts per update."""
+  if not batch_size > 0:
+    raise ValueError(f"batch_size={batch_size} must be > 0")
+  return cfg.lr_base * LR_RULES[cfg.lr_rule](batch_size / cfg.batch_base)
 
 
 def lr_schedule(cfg: OptimConfig, batch_size: int) -> optax.Schedule:
-    """Update count (0-based) -> learning rate: linear warmup, then constant."""
-    peak = learning_rate(cfg, batch_size)
-    if cfg.warmup_steps == 0:
-        return optax.constant_schedule(peak)
-    warmup = float(cfg.warmup_steps)
+  """Update count (0-based) -> learning rate: linear warmup, then constant."""
+  peak = learning_rate(cfg, batch_size)
+  if cfg.warmup_steps == 0:
+    return optax.constant_schedule(peak)
+  warmup = float(cfg.warmup_steps)
 
-    def schedule(count):
-        return peak * jnp.minimum((count + 1) / warmup, 1.0)
+  def schedule(count):
+    return peak * jnp.minimum((count + 1) / warmup, 1.0)
 
-    return schedule
+  return schedule
 
 
 def make_optimizer(cfg: OptimConfig, *, batch_size: int) -> optax.GradientTransformation:
-    """Clip-by-global-norm then AdamW with the batch-size-scaled schedule."""
-    adamw = optax.adamw(lr_schedule(cfg, batch_size), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay)
-    if cfg.max_grad_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+  """Clip-by-global-norm then AdamW with the batch-size-scaled schedule."""
+  adamw = optax.adamw(lr_schedule(cfg, batch_size), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                      weight_decay=cfg.weight_decay)
+  if cfg.max_grad_norm is None:
+    return adamw
+  return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)

@@ -52,36 +52,36 @@ __all__ = ["Batch", "TrainState", "TrainStep", "init_train_state", "make_train_s
 
 @flax.struct.dataclass
 class Batch:
-    """One update's rollouts; B = Bp * n rows, prompt-major groups of n.
+  """One update's rollouts; B = Bp * n rows, prompt-major groups of n.
 
-    Attributes:
-      input_ids_BxT: int32, left-padded prompt ++ right-padded completion.
-      attention_mask_BxT: 1 on real (non-pad) tokens.
-      loss_mask_BxT: 1 where input_ids[t] is a completion token trained on
-        (never column 0, which has no prediction).
-      sampler_logp_BxT: the sampler's log-prob of input_ids[t], aligned like
-        loss_mask; 0 elsewhere.
-      rewards_B: float32 rewards.
-      baseline_rewards_B: optional [Bp * n_est] rewards for a decoupled baseline
-        (see ``isojax.rl.advantages``); None: baseline from ``rewards_B``.
-    """
+  Attributes:
+    input_ids_BxT: int32, left-padded prompt ++ right-padded completion.
+    attention_mask_BxT: 1 on real (non-pad) tokens.
+    loss_mask_BxT: 1 where input_ids[t] is a completion token trained on
+      (never column 0, which has no prediction).
+    sampler_logp_BxT: the sampler's log-prob of input_ids[t], aligned like
+      loss_mask; 0 elsewhere.
+    rewards_B: float32 rewards.
+    baseline_rewards_B: optional [Bp * n_est] rewards for a decoupled baseline
+      (see ``isojax.rl.advantages``); None: baseline from ``rewards_B``.
+  """
 
-    input_ids_BxT: jax.Array
-    attention_mask_BxT: jax.Array
-    loss_mask_BxT: jax.Array
-    sampler_logp_BxT: jax.Array
-    rewards_B: jax.Array
-    baseline_rewards_B: jax.Array | None = None
+  input_ids_BxT: jax.Array
+  attention_mask_BxT: jax.Array
+  loss_mask_BxT: jax.Array
+  sampler_logp_BxT: jax.Array
+  rewards_B: jax.Array
+  baseline_rewards_B: jax.Array | None = None
 
 
 @flax.struct.dataclass
 class TrainState:
-    """Everything an update changes. ``ref_params`` is None unless kl_coef > 0."""
+  """Everything an update changes. ``ref_params`` is None unless kl_coef > 0."""
 
-    params: Any  # nnx.State of the model's nnx.Param variables
-    opt_state: Any
-    step: jax.Array  # int32, number of applied (not skipped) updates
-    ref_params: Any = None
+  params: Any  # nnx.State of the model's nnx.Param variables
+  opt_state: Any
+  step: jax.Array  # int32, number of applied (not skipped) updates
+  ref_params: Any = None
 
 
 _BxT_FIELDS = ("input_ids_BxT", "attention_mask_BxT", "loss_mask_BxT", "sampler_logp_BxT")
@@ -89,118 +89,118 @@ _BxT_FIELDS = ("input_ids_BxT", "attention_mask_BxT", "loss_mask_BxT", "sampler_
 
 def validate_batch(batch: Batch, *, group_size: int, batch_size: int | None = None,
                    micro_batch_size: int | None = None, batch_shards: int = 1) -> None:
-    """Host-side checks before an update; raises ValueError naming the input.
+  """Host-side checks before an update; raises ValueError naming the input.
 
-    Checks shapes against each other and the static sizes, that group_size
-    divides B, that the masks are 0/1 with the loss mask inside the attention
-    mask and off column 0, and that rewards and sampler log-probs are finite.
-    """
-    if not isinstance(batch, Batch):
-        raise ValueError(f"batch must be an isojax.rl.step.Batch, got {type(batch).__name__}")
-    shape = np.shape(batch.input_ids_BxT)
-    if len(shape) != 2:
-        raise ValueError(f"Batch.input_ids_BxT must be 2-D [B, T], got shape {shape}")
-    for name in _BxT_FIELDS[1:]:
-        if np.shape(getattr(batch, name)) != shape:
-            raise ValueError(f"Batch.{name} has shape {np.shape(getattr(batch, name))}, "
-                             f"expected {shape} like input_ids_BxT")
-    b = shape[0]
-    if np.shape(batch.rewards_B) != (b,):
-        raise ValueError(f"Batch.rewards_B has shape {np.shape(batch.rewards_B)}, expected ({b},)")
-    if batch_size is not None and b != batch_size:
-        raise ValueError(f"batch has B={b} rows but the step was built for batch_size="
-                         f"{batch_size} (the learning rate depends on it)")
-    if b % group_size:
-        raise ValueError(f"group_size={group_size} does not divide B={b}")
-    if micro_batch_size is not None and b % micro_batch_size:
-        raise ValueError(f"micro_batch_size={micro_batch_size} does not divide B={b}")
-    if not np.issubdtype(np.asarray(batch.input_ids_BxT[:1, :1]).dtype, np.integer):
-        raise ValueError("Batch.input_ids_BxT must be an integer array")
-    attn = np.asarray(batch.attention_mask_BxT)
-    loss_mask = np.asarray(batch.loss_mask_BxT)
-    for name, m in (("attention_mask_BxT", attn), ("loss_mask_BxT", loss_mask)):
-        if not np.all((m == 0) | (m == 1)):
-            raise ValueError(f"Batch.{name} must hold only 0/1")
-    if np.any((loss_mask > 0) & (attn == 0)):
-        raise ValueError("Batch.loss_mask_BxT is 1 where attention_mask_BxT is 0")
-    if np.any(loss_mask[:, 0] > 0):
-        raise ValueError("Batch.loss_mask_BxT[:, 0] must be 0 (the first token has no "
-                         "prediction)")
-    checks = [("rewards_B", batch.rewards_B), ("sampler_logp_BxT", batch.sampler_logp_BxT)]
-    if batch.baseline_rewards_B is not None:
-        checks.append(("baseline_rewards_B", batch.baseline_rewards_B))
-        nb = np.shape(batch.baseline_rewards_B)
-        bp = b // group_size
-        if len(nb) != 1 or nb[0] % bp or nb[0] // bp < group_size or nb[0] % batch_shards:
-            raise ValueError(f"Batch.baseline_rewards_B has shape {nb}; expected [Bp*n_est] "
-                             f"with Bp={bp}, n_est >= {group_size}, divisible by "
-                             f"{batch_shards} batch shards")
-    for name, x in checks:
-        bad = ~np.isfinite(np.asarray(x, np.float64))
-        if bad.any():
-            first = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"Batch.{name} has {int(bad.sum())} non-finite values "
-                             f"(first at index {first})")
+  Checks shapes against each other and the static sizes, that group_size
+  divides B, that the masks are 0/1 with the loss mask inside the attention
+  mask and off column 0, and that rewards and sampler log-probs are finite.
+  """
+  if not isinstance(batch, Batch):
+    raise ValueError(f"batch must be an isojax.rl.step.Batch, got {type(batch).__name__}")
+  shape = np.shape(batch.input_ids_BxT)
+  if len(shape) != 2:
+    raise ValueError(f"Batch.input_ids_BxT must be 2-D [B, T], got shape {shape}")
+  for name in _BxT_FIELDS[1:]:
+    if np.shape(getattr(batch, name)) != shape:
+      raise ValueError(f"Batch.{name} has shape {np.shape(getattr(batch, name))}, "
+                       f"expected {shape} like input_ids_BxT")
+  b = shape[0]
+  if np.shape(batch.rewards_B) != (b,):
+    raise ValueError(f"Batch.rewards_B has shape {np.shape(batch.rewards_B)}, expected ({b},)")
+  if batch_size is not None and b != batch_size:
+    raise ValueError(f"batch has B={b} rows but the step was built for batch_size="
+                     f"{batch_size} (the learning rate depends on it)")
+  if b % group_size:
+    raise ValueError(f"group_size={group_size} does not divide B={b}")
+  if micro_batch_size is not None and b % micro_batch_size:
+    raise ValueError(f"micro_batch_size={micro_batch_size} does not divide B={b}")
+  if not np.issubdtype(np.asarray(batch.input_ids_BxT[:1, :1]).dtype, np.integer):
+    raise ValueError("Batch.input_ids_BxT must be an integer array")
+  attn = np.asarray(batch.attention_mask_BxT)
+  loss_mask = np.asarray(batch.loss_mask_BxT)
+  for name, m in (("attention_mask_BxT", attn), ("loss_mask_BxT", loss_mask)):
+    if not np.all((m == 0) | (m == 1)):
+      raise ValueError(f"Batch.{name} must hold only 0/1")
+  if np.any((loss_mask > 0) & (attn == 0)):
+    raise ValueError("Batch.loss_mask_BxT is 1 where attention_mask_BxT is 0")
+  if np.any(loss_mask[:, 0] > 0):
+    raise ValueError("Batch.loss_mask_BxT[:, 0] must be 0 (the first token has no "
+                     "prediction)")
+  checks = [("rewards_B", batch.rewards_B), ("sampler_logp_BxT", batch.sampler_logp_BxT)]
+  if batch.baseline_rewards_B is not None:
+    checks.append(("baseline_rewards_B", batch.baseline_rewards_B))
+    nb = np.shape(batch.baseline_rewards_B)
+    bp = b // group_size
+    if len(nb) != 1 or nb[0] % bp or nb[0] // bp < group_size or nb[0] % batch_shards:
+      raise ValueError(f"Batch.baseline_rewards_B has shape {nb}; expected [Bp*n_est] "
+                       f"with Bp={bp}, n_est >= {group_size}, divisible by "
+                       f"{batch_shards} batch shards")
+  for name, x in checks:
+    bad = ~np.isfinite(np.asarray(x, np.float64))
+    if bad.any():
+      first = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(f"Batch.{name} has {int(bad.sum())} non-finite values "
+                       f"(first at index {first})")
 
 
 def _opt_and_ref(params, tx, with_ref):
-    ref = jax.tree.map(jnp.copy, params) if with_ref else None
-    return TrainState(params=params, opt_state=tx.init(params),
-                      step=jnp.zeros((), jnp.int32), ref_params=ref)
+  ref = jax.tree.map(jnp.copy, params) if with_ref else None
+  return TrainState(params=params, opt_state=tx.init(params),
+                    step=jnp.zeros((), jnp.int32), ref_params=ref)
 
 
 def _state_shardings(model, tx, with_ref, mesh, rules):
-    params = nnx.state(model, nnx.Param)
-    abstract = jax.eval_shape(lambda p: _opt_and_ref(p, tx, with_ref), params)
-    return shd.state_shardings(abstract, mesh, rules)
+  params = nnx.state(model, nnx.Param)
+  abstract = jax.eval_shape(lambda p: _opt_and_ref(p, tx, with_ref), params)
+  return shd.state_shardings(abstract, mesh, rules)
 
 
 def _default_mesh(mesh):
-    return mesh if mesh is not None else shd.make_mesh(devices=jax.devices()[:1])
+  return mesh if mesh is not None else shd.make_mesh(devices=jax.devices()[:1])
 
 
 def init_train_state(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimConfig, *,
                      batch_size: int, mesh: Mesh | None = None,
                      rules=shd.DEFAULT_RULES) -> TrainState:
-    """Fresh optimiser state around ``model``'s parameters, placed on ``mesh``.
+  """Fresh optimiser state around ``model``'s parameters, placed on ``mesh``.
 
-    The state gets its own copies of the parameters (the step donates them), so
-    ``model`` stays usable. ``ref_params`` (a frozen copy) only if kl_coef > 0.
-    """
-    mesh = _default_mesh(mesh)
-    tx = make_optimizer(optim_cfg, batch_size=batch_size)
-    with_ref = loss_cfg.kl_coef > 0
-    shardings = _state_shardings(model, tx, with_ref, mesh, rules)
-    params = jax.device_put(nnx.state(model, nnx.Param), shardings.params, may_alias=False)
-    return jax.device_put(_opt_and_ref(params, tx, with_ref), shardings, may_alias=False)
+  The state gets its own copies of the parameters (the step donates them), so
+  ``model`` stays usable. ``ref_params`` (a frozen copy) only if kl_coef > 0.
+  """
+  mesh = _default_mesh(mesh)
+  tx = make_optimizer(optim_cfg, batch_size=batch_size)
+  with_ref = loss_cfg.kl_coef > 0
+  shardings = _state_shardings(model, tx, with_ref, mesh, rules)
+  params = jax.device_put(nnx.state(model, nnx.Param), shardings.params, may_alias=False)
+  return jax.device_put(_opt_and_ref(params, tx, with_ref), shardings, may_alias=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
-    """The built step. Call it as ``state, metrics = train_step(state, batch)``.
+  """The built step. Call it as ``state, metrics = train_step(state, batch)``.
 
-    ``__call__`` runs ``validate_batch`` on the host, then ``jitted`` (the
-    ``jax.jit`` object: use ``jitted.lower(state, batch).compile()`` for memory
-    figures). The state argument is donated: its arrays are invalid afterwards.
-    """
+  ``__call__`` runs ``validate_batch`` on the host, then ``jitted`` (the
+  ``jax.jit`` object: use ``jitted.lower(state, batch).compile()`` for memory
+  figures). The state argument is donated: its arrays are invalid afterwards.
+  """
 
-    jitted: Callable
-    state_shardings: Any
-    batch_sharding: NamedSharding
-    batch_size: int
-    group_size: int
-    micro_batch_size: int
-    batch_shards: int
+  jitted: Callable
+  state_shardings: Any
+  batch_sharding: NamedSharding
+  batch_size: int
+  group_size: int
+  micro_batch_size: int
+  batch_shards: int
 
-    def __call__(self, state: TrainState, batch: Batch):
-        validate_batch(batch, group_size=self.group_size, batch_size=self.batch_size,
-                       micro_batch_size=self.micro_batch_size, batch_shards=self.batch_shards)
-        return self.jitted(state, batch)
+  def __call__(self, state: TrainState, batch: Batch):
+    validate_batch(batch, group_size=self.group_size, batch_size=self.batch_size,
+                   micro_batch_size=self.micro_batch_size, batch_shards=self.batch_shards)
+    return self.jitted(state, batch)
 
 
 def _combine(acc, new):
-    return {k: jnp.maximum(acc[k], v) if k in MAX_METRICS else acc[k] + v
-            for k, v in new.items()}
+  return {k: jnp.maximum(acc[k], v) if k in MAX_METRICS else acc[k] + v
+          for k, v in new.items()}
 
 
 def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimConfig, *,
@@ -208,127 +208,127 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
                     mesh: Mesh | None = None, rules=shd.DEFAULT_RULES,
                     logits_chunk: int | None = None, temperature: float = 1.0,
                     donate: bool = True) -> TrainStep:
-    """Build the jitted, sharded update step.
+  """Build the jitted, sharded update step.
 
-    Args:
-      model: the decoder (its graph and parameter shapes; values are not used).
-      loss_cfg, optim_cfg: the objective and the optimiser.
-      batch_size: B = Bp * n rollouts per update (fixes the learning rate).
-      group_size: n, rollouts per prompt.
-      micro_batch_size: rows per gradient-accumulation step (default B); must
-        divide B and be divisible by the number of batch shards (data * fsdp).
-      mesh: (data, fsdp, tensor) mesh; default one device.
-      rules: logical -> mesh axis rules for the parameters.
-      logits_chunk: lm-head positions per chunk (see ``isojax.rl.logprobs``).
-      temperature: the sampler's temperature; logits are divided by it so the
-        trainer's log-probs are those of the distribution the rollouts came from.
-      donate: donate the state's buffers to the step.
+  Args:
+    model: the decoder (its graph and parameter shapes; values are not used).
+    loss_cfg, optim_cfg: the objective and the optimiser.
+    batch_size: B = Bp * n rollouts per update (fixes the learning rate).
+    group_size: n, rollouts per prompt.
+    micro_batch_size: rows per gradient-accumulation step (default B); must
+      divide B and be divisible by the number of batch shards (data * fsdp).
+    mesh: (data, fsdp, tensor) mesh; default one device.
+    rules: logical -> mesh axis rules for the parameters.
+    logits_chunk: lm-head positions per chunk (see ``isojax.rl.logprobs``).
+    temperature: the sampler's temperature; logits are divided by it so the
+      trainer's log-probs are those of the distribution the rollouts came from.
+    donate: donate the state's buffers to the step.
 
-    Returns:
-      A ``TrainStep``: ``(state, batch) -> (state, metrics)`` with scalar
-      metrics: the loss metrics of ``isojax.rl.losses`` (old-policy ratios are
-      exactly 1 on-policy, so clip fractions and approx_kl_old are 0), plus
-      zero_var_frac, reward_mean, adv_abs_mean, tokens, grad_norm (before
-      clipping), update_norm, lr and skipped.
-    """
-    mesh = _default_mesh(mesh)
-    mb = batch_size if micro_batch_size is None else micro_batch_size
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    if batch_size % group_size:
-        raise ValueError(f"group_size={group_size} does not divide batch_size={batch_size}")
-    if mb < 1 or batch_size % mb:
-        raise ValueError(f"micro_batch_size={mb} does not divide batch_size={batch_size}")
-    if mb % shards:
-        raise ValueError(f"micro_batch_size={mb} is not divisible by the {shards} batch "
-                         f"shards (data x fsdp) of the mesh {dict(mesh.shape)}")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature}: the trainer scores rollouts under "
-                         "softmax(logits / temperature); greedy (0) rollouts cannot be trained on")
-    n_micro = batch_size // mb
-    tx = make_optimizer(optim_cfg, batch_size=batch_size)
-    schedule = lr_schedule(optim_cfg, batch_size)
-    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-    with_ref = loss_cfg.kl_coef > 0
-    need_entropy_grad = loss_cfg.entropy_coef > 0
-    state_sh = _state_shardings(model, tx, with_ref, mesh, rules)
-    batch_sh = shd.batch_sharding(mesh)
-    micro_sh = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp")))
-    replicated = NamedSharding(mesh, PartitionSpec())
+  Returns:
+    A ``TrainStep``: ``(state, batch) -> (state, metrics)`` with scalar
+    metrics: the loss metrics of ``isojax.rl.losses`` (old-policy ratios are
+    exactly 1 on-policy, so clip fractions and approx_kl_old are 0), plus
+    zero_var_frac, reward_mean, adv_abs_mean, tokens, grad_norm (before
+    clipping), update_norm, lr and skipped.
+  """
+  mesh = _default_mesh(mesh)
+  mb = batch_size if micro_batch_size is None else micro_batch_size
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  if batch_size % group_size:
+    raise ValueError(f"group_size={group_size} does not divide batch_size={batch_size}")
+  if mb < 1 or batch_size % mb:
+    raise ValueError(f"micro_batch_size={mb} does not divide batch_size={batch_size}")
+  if mb % shards:
+    raise ValueError(f"micro_batch_size={mb} is not divisible by the {shards} batch "
+                     f"shards (data x fsdp) of the mesh {dict(mesh.shape)}")
+  if not temperature > 0:
+    raise ValueError(f"temperature={temperature}: the trainer scores rollouts under "
+                     "softmax(logits / temperature); greedy (0) rollouts cannot be trained on")
+  n_micro = batch_size // mb
+  tx = make_optimizer(optim_cfg, batch_size=batch_size)
+  schedule = lr_schedule(optim_cfg, batch_size)
+  graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+  with_ref = loss_cfg.kl_coef > 0
+  need_entropy_grad = loss_cfg.entropy_coef > 0
+  state_sh = _state_shardings(model, tx, with_ref, mesh, rules)
+  batch_sh = shd.batch_sharding(mesh)
+  micro_sh = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp")))
+  replicated = NamedSharding(mesh, PartitionSpec())
 
-    def forward(params, mb_):
-        m = nnx.merge(graphdef, params, rest)
-        return token_logp_entropy(m, mb_["ids"], mb_["attn"], mb_["mask"], chunk=logits_chunk,
-                                  temperature=temperature)
+  def forward(params, mb_):
+    m = nnx.merge(graphdef, params, rest)
+    return token_logp_entropy(m, mb_["ids"], mb_["attn"], mb_["mask"], chunk=logits_chunk,
+                              temperature=temperature)
 
-    def micro_loss(params, ref_params, mb_):
-        logp, entropy = forward(params, mb_)
-        if not need_entropy_grad:
-            entropy = jax.lax.stop_gradient(entropy)
-        ref_logp = None
-        if with_ref:
-            ref_logp = jax.lax.stop_gradient(forward(ref_params, mb_)[0])
-        return weighted_policy_loss(
-            logp, jax.lax.stop_gradient(logp), mb_["adv"], mb_["mask"], mb_["weights"],
-            loss_cfg, sampler_logp_BxT=mb_["sampler"], ref_logp_BxT=ref_logp,
-            entropy_BxT=entropy)
+  def micro_loss(params, ref_params, mb_):
+    logp, entropy = forward(params, mb_)
+    if not need_entropy_grad:
+      entropy = jax.lax.stop_gradient(entropy)
+    ref_logp = None
+    if with_ref:
+      ref_logp = jax.lax.stop_gradient(forward(ref_params, mb_)[0])
+    return weighted_policy_loss(
+        logp, jax.lax.stop_gradient(logp), mb_["adv"], mb_["mask"], mb_["weights"],
+        loss_cfg, sampler_logp_BxT=mb_["sampler"], ref_logp_BxT=ref_logp,
+        entropy_BxT=entropy)
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def step(state: TrainState, batch: Batch):
-        adv_B = compute_advantages(batch.rewards_B, group_size=group_size,
-                                   estimator=loss_cfg.adv_estimator,
-                                   std_eps=loss_cfg.adv_std_eps,
-                                   baseline_rewards_B=batch.baseline_rewards_B)
-        mask = batch.loss_mask_BxT.astype(jnp.float32)
-        data = {"ids": batch.input_ids_BxT, "attn": batch.attention_mask_BxT, "mask": mask,
-                "sampler": batch.sampler_logp_BxT.astype(jnp.float32), "adv": adv_B,
-                "weights": token_weights(mask, adv_B, loss_cfg, group_size=group_size)}
-        # [B, ...] -> [n_micro, mb, ...]; micro-batch i = rows i, i + n_micro, ...
-        micro = jax.tree.map(
-            lambda x: jax.lax.with_sharding_constraint(
-                x.reshape(mb, n_micro, *x.shape[1:]).swapaxes(0, 1), micro_sh), data)
+  def step(state: TrainState, batch: Batch):
+    adv_B = compute_advantages(batch.rewards_B, group_size=group_size,
+                               estimator=loss_cfg.adv_estimator,
+                               std_eps=loss_cfg.adv_std_eps,
+                               baseline_rewards_B=batch.baseline_rewards_B)
+    mask = batch.loss_mask_BxT.astype(jnp.float32)
+    data = {"ids": batch.input_ids_BxT, "attn": batch.attention_mask_BxT, "mask": mask,
+            "sampler": batch.sampler_logp_BxT.astype(jnp.float32), "adv": adv_B,
+            "weights": token_weights(mask, adv_B, loss_cfg, group_size=group_size)}
+    # [B, ...] -> [n_micro, mb, ...]; micro-batch i = rows i, i + n_micro, ...
+    micro = jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(
+            x.reshape(mb, n_micro, *x.shape[1:]).swapaxes(0, 1), micro_sh), data)
 
-        zeros = jax.lax.with_sharding_constraint(
-            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params),
-            state_sh.params)
-        metric_shapes = jax.eval_shape(
-            lambda: micro_loss(state.params, state.ref_params,
-                               jax.tree.map(lambda x: x[0], micro))[1])
-        metric0 = {k: jnp.zeros(s.shape, s.dtype) for k, s in metric_shapes.items()}
+    zeros = jax.lax.with_sharding_constraint(
+        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params),
+        state_sh.params)
+    metric_shapes = jax.eval_shape(
+        lambda: micro_loss(state.params, state.ref_params,
+                           jax.tree.map(lambda x: x[0], micro))[1])
+    metric0 = {k: jnp.zeros(s.shape, s.dtype) for k, s in metric_shapes.items()}
 
-        def accumulate(carry, mb_):
-            grads, metrics = carry
-            (_, m), g = grad_fn(state.params, state.ref_params, mb_)
-            grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-            return (grads, _combine(metrics, m)), None
+    def accumulate(carry, mb_):
+      grads, metrics = carry
+      (_, m), g = grad_fn(state.params, state.ref_params, mb_)
+      grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+      return (grads, _combine(metrics, m)), None
 
-        (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, metric0), micro)
-        # Back to the parameter dtype so the optimiser state keeps its dtypes
-        # (a bf16 state must not silently turn float32 and force a retrace).
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, metric0), micro)
+    # Back to the parameter dtype so the optimiser state keeps its dtypes
+    # (a bf16 state must not silently turn float32 and force a retrace).
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
 
-        grad_norm = optax.tree.norm(grads)
-        ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
-        out = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
+    out = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
 
-        group_flat = zero_variance_from_advantages(adv_B, group_size)
-        metrics.update(
-            zero_var_frac=jnp.mean(group_flat.astype(jnp.float32)),
-            reward_mean=jnp.mean(batch.rewards_B.astype(jnp.float32)),
-            adv_abs_mean=jnp.mean(jnp.abs(adv_B)),
-            tokens=jnp.sum(mask),
-            grad_norm=grad_norm,
-            update_norm=jnp.where(ok, optax.tree.norm(updates), 0.0),
-            lr=jnp.asarray(schedule(state.step), jnp.float32),
-            skipped=1.0 - ok.astype(jnp.float32))
-        return out, metrics
+    group_flat = zero_variance_from_advantages(adv_B, group_size)
+    metrics.update(
+        zero_var_frac=jnp.mean(group_flat.astype(jnp.float32)),
+        reward_mean=jnp.mean(batch.rewards_B.astype(jnp.float32)),
+        adv_abs_mean=jnp.mean(jnp.abs(adv_B)),
+        tokens=jnp.sum(mask),
+        grad_norm=grad_norm,
+        update_norm=jnp.where(ok, optax.tree.norm(updates), 0.0),
+        lr=jnp.asarray(schedule(state.step), jnp.float32),
+        skipped=1.0 - ok.astype(jnp.float32))
+    return out, metrics
 
-    jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
-                     out_shardings=(state_sh, replicated),
-                     donate_argnums=(0,) if donate else ())
-    return TrainStep(jitted=jitted, state_shardings=state_sh, batch_sharding=batch_sh,
-                     batch_size=batch_size, group_size=group_size, micro_batch_size=mb,
-                     batch_shards=shards)
+  jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
+                   out_shardings=(state_sh, replicated),
+                   donate_argnums=(0,) if donate else ())
+  return TrainStep(jitted=jitted, state_shardings=state_sh, batch_sharding=batch_sh,
+                   batch_size=batch_size, group_size=group_size, micro_batch_size=mb,
+                   batch_shards=shards)

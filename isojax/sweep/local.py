@@ -22,17 +22,17 @@ from isojax.sweep.rundir import (DONE_MARKER, LOG_FILE, is_done, lock_holder, lo
 
 
 def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:
+    return os.cpu_count() or 1
 
 
 def has_accelerator(env=os.environ) -> bool:
-    """A cheap guess without importing JAX: a GPU driver is present and JAX may use it."""
-    if env.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
-        return False
-    return shutil.which("nvidia-smi") is not None or os.path.exists("/dev/accel0")
+  """A cheap guess without importing JAX: a GPU driver is present and JAX may use it."""
+  if env.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+    return False
+  return shutil.which("nvidia-smi") is not None or os.path.exists("/dev/accel0")
 
 
 # A small CPU run is mostly single-threaded (Python sampling loop, compilation, small
@@ -44,210 +44,210 @@ CORES_PER_RUN = 1
 
 
 def default_concurrency(cpus: int | None = None, accelerator: bool | None = None) -> int:
-    """Concurrent local runs that fit the machine: 1 with an accelerator, else
-    max(1, cpus // CORES_PER_RUN)."""
-    cpus = cpu_count() if cpus is None else cpus
-    accelerator = has_accelerator() if accelerator is None else accelerator
-    return 1 if accelerator else max(1, cpus // CORES_PER_RUN)
+  """Concurrent local runs that fit the machine: 1 with an accelerator, else
+  max(1, cpus // CORES_PER_RUN)."""
+  cpus = cpu_count() if cpus is None else cpus
+  accelerator = has_accelerator() if accelerator is None else accelerator
+  return 1 if accelerator else max(1, cpus // CORES_PER_RUN)
 
 
 def run_env(base: dict | None = None, *, threads: int) -> dict:
-    """The environment of one run: math libraries limited to `threads` threads.
+  """The environment of one run: math libraries limited to `threads` threads.
 
-    With one thread per run XLA's CPU backend is also made single-threaded, so that
-    concurrent runs on a small machine do not oversubscribe it. User settings win.
-    """
-    env = dict(os.environ if base is None else base)
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        env.setdefault(var, str(threads))
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    xla = env.get("XLA_FLAGS", "")
-    if threads == 1 and "multi_thread_eigen" not in xla:
-        # XLA rejects unknown flags at start-up; this one exists in every jaxlib we pin.
-        env["XLA_FLAGS"] = (xla + " --xla_cpu_multi_thread_eigen=false").strip()
-    return env
+  With one thread per run XLA's CPU backend is also made single-threaded, so that
+  concurrent runs on a small machine do not oversubscribe it. User settings win.
+  """
+  env = dict(os.environ if base is None else base)
+  for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    env.setdefault(var, str(threads))
+  env.setdefault("TOKENIZERS_PARALLELISM", "false")
+  env.setdefault("PYTHONUNBUFFERED", "1")
+  xla = env.get("XLA_FLAGS", "")
+  if threads == 1 and "multi_thread_eigen" not in xla:
+    # XLA rejects unknown flags at start-up; this one exists in every jaxlib we pin.
+    env["XLA_FLAGS"] = (xla + " --xla_cpu_multi_thread_eigen=false").strip()
+  return env
 
 
 def _die_with_launcher(launcher_pid: int) -> Callable[[], None]:
-    """preexec_fn: the run gets SIGTERM when the launcher dies (Linux), so a killed
-    launcher does not leave orphans; elsewhere the inherited lock still protects."""
-    def preexec():
-        try:
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
-            os._exit(1)
-    return preexec
+  """preexec_fn: the run gets SIGTERM when the launcher dies (Linux), so a killed
+  launcher does not leave orphans; elsewhere the inherited lock still protects."""
+  def preexec():
+    try:
+      import ctypes
+      libc = ctypes.CDLL(None, use_errno=True)
+      libc.prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+      return
+    if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+      os._exit(1)
+  return preexec
 
 
 @dataclasses.dataclass
 class SweepReport:
-    """What a local sweep did, by run name."""
+  """What a local sweep did, by run name."""
 
-    finished: list[str] = dataclasses.field(default_factory=list)
-    skipped: list[str] = dataclasses.field(default_factory=list)
-    failed: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> why
+  finished: list[str] = dataclasses.field(default_factory=list)
+  skipped: list[str] = dataclasses.field(default_factory=list)
+  failed: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> why
 
-    @property
-    def ok(self) -> bool:
-        return not self.failed
+  @property
+  def ok(self) -> bool:
+    return not self.failed
 
 
 @dataclasses.dataclass
 class _Running:
-    sp: SweepPoint
-    proc: subprocess.Popen
-    lock_fd: int
-    log: object
-    started: float
+  sp: SweepPoint
+  proc: subprocess.Popen
+  lock_fd: int
+  log: object
+  started: float
 
 
 def _fmt_s(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else (
-        f"{seconds // 60}m{seconds % 60:02d}s")
+  seconds = int(seconds)
+  return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else (
+      f"{seconds // 60}m{seconds % 60:02d}s")
 
 
 def run_local(sweep: Sweep, *, max_concurrent: int, env: dict | None = None,
               poll_s: float = 0.5, status_every_s: float = 30.0,
               print_fn: Callable[[str], None] = print) -> SweepReport:
-    """Runs every unfinished point with at most `max_concurrent` runs at a time.
+  """Runs every unfinished point with at most `max_concurrent` runs at a time.
 
-    A failing run is reported with the tail of its log and the sweep goes on. A point
-    locked by another live launcher (or its still-running run) is retried until the lock
-    frees, then skipped if that run finished it. Returns the report; never raises for a
-    failing run.
-    """
-    if max_concurrent < 1:
-        raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
-    threads = max(1, cpu_count() // max_concurrent)
-    env = run_env(env, threads=threads)
-    report = SweepReport()
-    pending = collections.deque(sweep.points)
-    waiting: list[SweepPoint] = []    # locked elsewhere; retried after each poll
-    running: dict[str, _Running] = {}
-    announced: set[str] = set()       # names already reported as locked
-    total = len(sweep.points)
-    start_progress = {sp.name: _rollouts(sweep, sp) for sp in sweep.points}
-    t0 = last_status = time.time()
-    print_fn(f"sweep: {total} runs under {sweep.root}, up to {max_concurrent} at a time "
-             f"({threads} thread(s) each)")
+  A failing run is reported with the tail of its log and the sweep goes on. A point
+  locked by another live launcher (or its still-running run) is retried until the lock
+  frees, then skipped if that run finished it. Returns the report; never raises for a
+  failing run.
+  """
+  if max_concurrent < 1:
+    raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+  threads = max(1, cpu_count() // max_concurrent)
+  env = run_env(env, threads=threads)
+  report = SweepReport()
+  pending = collections.deque(sweep.points)
+  waiting: list[SweepPoint] = []    # locked elsewhere; retried after each poll
+  running: dict[str, _Running] = {}
+  announced: set[str] = set()       # names already reported as locked
+  total = len(sweep.points)
+  start_progress = {sp.name: _rollouts(sweep, sp) for sp in sweep.points}
+  t0 = last_status = time.time()
+  print_fn(f"sweep: {total} runs under {sweep.root}, up to {max_concurrent} at a time "
+           f"({threads} thread(s) each)")
 
-    def launch(sp: SweepPoint) -> None:
-        run_dir = sweep.run_dir(sp)
-        if is_done(run_dir):
-            report.skipped.append(sp.name)
-            print_fn(f"skip   {sp.name}: already finished ({DONE_MARKER} present)")
-            return
-        fd = try_lock(run_dir)
-        if fd is None:
-            waiting.append(sp)
-            if sp.name not in announced:
-                announced.add(sp.name)
-                print_fn(f"wait   {sp.name}: locked by {lock_holder(run_dir)}")
-            return
-        if is_done(run_dir):  # finished by another launcher while we were not looking
-            os.close(fd)
-            report.skipped.append(sp.name)
-            print_fn(f"skip   {sp.name}: finished by another launcher")
-            return
-        cmd = sweep.command(sp)
-        log = open(os.path.join(run_dir, LOG_FILE), "ab")
-        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launcher "
-                  f"{os.getpid()}: {' '.join(cmd)}\n".encode())
-        log.flush()
-        resumed = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
-        try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    stdin=subprocess.DEVNULL, pass_fds=(fd,),
-                                    preexec_fn=_die_with_launcher(os.getpid()))
-        except OSError as e:
-            log.close()
-            os.close(fd)
-            report.failed[sp.name] = f"could not start {cmd[0]}: {e}"
-            print_fn(f"FAILED {sp.name}: could not start {cmd}: {e}")
-            return
-        record_attempt(run_dir, event="start", pid=proc.pid, resumed=resumed)
-        running[sp.name] = _Running(sp, proc, fd, log, time.time())
-        print_fn(f"start  {sp.name} ({'resume' if resumed else 'fresh'}, "
-                 f"M={sp.point.m}) log: {os.path.join(run_dir, LOG_FILE)}")
-
-    def reap(r: _Running) -> None:
-        rc = r.proc.returncode
-        run_dir = sweep.run_dir(r.sp)
-        r.log.close()
-        seconds = time.time() - r.started
-        record_attempt(run_dir, event="end", pid=r.proc.pid, rc=rc,
-                       done=is_done(run_dir), seconds=round(seconds, 3))
-        os.close(r.lock_fd)  # after the attempt is recorded: the lock orders the records
-        if rc == 0 and is_done(run_dir):
-            report.finished.append(r.sp.name)
-            n_done = len(report.finished) + len(report.skipped)
-            print_fn(f"done   {r.sp.name} in {_fmt_s(seconds)} [{n_done}/{total}]")
-            return
-        why = (f"exit code {rc}" if rc != 0
-               else f"exit code 0 but no {DONE_MARKER} marker was written")
-        report.failed[r.sp.name] = why
-        log_path = os.path.join(run_dir, LOG_FILE)
-        print_fn(f"FAILED {r.sp.name}: {why} after {_fmt_s(seconds)}; log: {log_path}\n"
-                 f"--- last lines of {log_path} ---\n{log_tail(log_path)}\n---")
-
+  def launch(sp: SweepPoint) -> None:
+    run_dir = sweep.run_dir(sp)
+    if is_done(run_dir):
+      report.skipped.append(sp.name)
+      print_fn(f"skip   {sp.name}: already finished ({DONE_MARKER} present)")
+      return
+    fd = try_lock(run_dir)
+    if fd is None:
+      waiting.append(sp)
+      if sp.name not in announced:
+        announced.add(sp.name)
+        print_fn(f"wait   {sp.name}: locked by {lock_holder(run_dir)}")
+      return
+    if is_done(run_dir):  # finished by another launcher while we were not looking
+      os.close(fd)
+      report.skipped.append(sp.name)
+      print_fn(f"skip   {sp.name}: finished by another launcher")
+      return
+    cmd = sweep.command(sp)
+    log = open(os.path.join(run_dir, LOG_FILE), "ab")
+    log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launcher "
+              f"{os.getpid()}: {' '.join(cmd)}\n".encode())
+    log.flush()
+    resumed = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
     try:
-        while pending or running or waiting:
-            while pending and len(running) < max_concurrent:
-                launch(pending.popleft())
-            for name, r in list(running.items()):
-                if r.proc.poll() is not None:
-                    del running[name]
-                    reap(r)
-            if time.time() - last_status >= status_every_s and (running or waiting):
-                last_status = time.time()
-                print_fn(_status_line(sweep, report, running, waiting, start_progress,
-                                      t0, total))
-            if pending and len(running) < max_concurrent:
-                continue  # a run just ended: fill its slot now
-            time.sleep(poll_s)
-            if waiting and not pending:
-                pending.extend(waiting)  # retry locked points; `launch` re-queues held ones
-                waiting.clear()
-    finally:
-        for r in running.values():  # interrupted (Ctrl-C): stop runs, keep checkpoints
-            r.proc.terminate()
-        for r in running.values():
-            try:
-                r.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                r.proc.kill()
-            r.log.close()
-            os.close(r.lock_fd)
-    print_fn(f"sweep: {len(report.finished)} finished, {len(report.skipped)} already done, "
-             f"{len(report.failed)} failed in {_fmt_s(time.time() - t0)}")
-    return report
+      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                              stdin=subprocess.DEVNULL, pass_fds=(fd,),
+                              preexec_fn=_die_with_launcher(os.getpid()))
+    except OSError as e:
+      log.close()
+      os.close(fd)
+      report.failed[sp.name] = f"could not start {cmd[0]}: {e}"
+      print_fn(f"FAILED {sp.name}: could not start {cmd}: {e}")
+      return
+    record_attempt(run_dir, event="start", pid=proc.pid, resumed=resumed)
+    running[sp.name] = _Running(sp, proc, fd, log, time.time())
+    print_fn(f"start  {sp.name} ({'resume' if resumed else 'fresh'}, "
+             f"M={sp.point.m}) log: {os.path.join(run_dir, LOG_FILE)}")
+
+  def reap(r: _Running) -> None:
+    rc = r.proc.returncode
+    run_dir = sweep.run_dir(r.sp)
+    r.log.close()
+    seconds = time.time() - r.started
+    record_attempt(run_dir, event="end", pid=r.proc.pid, rc=rc,
+                   done=is_done(run_dir), seconds=round(seconds, 3))
+    os.close(r.lock_fd)  # after the attempt is recorded: the lock orders the records
+    if rc == 0 and is_done(run_dir):
+      report.finished.append(r.sp.name)
+      n_done = len(report.finished) + len(report.skipped)
+      print_fn(f"done   {r.sp.name} in {_fmt_s(seconds)} [{n_done}/{total}]")
+      return
+    why = (f"exit code {rc}" if rc != 0
+           else f"exit code 0 but no {DONE_MARKER} marker was written")
+    report.failed[r.sp.name] = why
+    log_path = os.path.join(run_dir, LOG_FILE)
+    print_fn(f"FAILED {r.sp.name}: {why} after {_fmt_s(seconds)}; log: {log_path}\n"
+             f"--- last lines of {log_path} ---\n{log_tail(log_path)}\n---")
+
+  try:
+    while pending or running or waiting:
+      while pending and len(running) < max_concurrent:
+        launch(pending.popleft())
+      for name, r in list(running.items()):
+        if r.proc.poll() is not None:
+          del running[name]
+          reap(r)
+      if time.time() - last_status >= status_every_s and (running or waiting):
+        last_status = time.time()
+        print_fn(_status_line(sweep, report, running, waiting, start_progress,
+                              t0, total))
+      if pending and len(running) < max_concurrent:
+        continue  # a run just ended: fill its slot now
+      time.sleep(poll_s)
+      if waiting and not pending:
+        pending.extend(waiting)  # retry locked points; `launch` re-queues held ones
+        waiting.clear()
+  finally:
+    for r in running.values():  # interrupted (Ctrl-C): stop runs, keep checkpoints
+      r.proc.terminate()
+    for r in running.values():
+      try:
+        r.proc.wait(timeout=30)
+      except subprocess.TimeoutExpired:
+        r.proc.kill()
+      r.log.close()
+      os.close(r.lock_fd)
+  print_fn(f"sweep: {len(report.finished)} finished, {len(report.skipped)} already done, "
+           f"{len(report.failed)} failed in {_fmt_s(time.time() - t0)}")
+  return report
 
 
 def _rollouts(sweep: Sweep, sp: SweepPoint) -> int:
-    if is_done(sweep.run_dir(sp)):
-        return sp.point.compute
-    progress = read_progress(sweep.run_dir(sp)) or {}
-    return int(progress.get("rollouts", 0))
+  if is_done(sweep.run_dir(sp)):
+    return sp.point.compute
+  progress = read_progress(sweep.run_dir(sp)) or {}
+  return int(progress.get("rollouts", 0))
 
 
 def _status_line(sweep, report, running, waiting, start_progress, t0, total) -> str:
-    """'3/8 done | bp8_n4_m16_s0 step 5/16 | ETA 3m20s', ETA from rollouts per second."""
-    parts = [f"progress: {len(report.finished) + len(report.skipped)}/{total} done"]
-    for r in running.values():
-        step = (read_progress(sweep.run_dir(r.sp)) or {}).get("step", 0)
-        parts.append(f"{r.sp.name} step {step}/{r.sp.point.m}")
-    if waiting:
-        parts.append(f"{len(waiting)} locked elsewhere")
-    live = [sp for sp in sweep.points if sp.name not in report.failed]
-    now = {sp.name: _rollouts(sweep, sp) for sp in live}
-    gained = sum(now[n] - start_progress[n] for n in now)
-    remaining = sum(sp.point.compute - now[sp.name] for sp in live)
-    if gained > 0 and remaining > 0:
-        parts.append(f"ETA {_fmt_s(remaining * (time.time() - t0) / gained)}")
-    return " | ".join(parts)
+  """'3/8 done | bp8_n4_m16_s0 step 5/16 | ETA 3m20s', ETA from rollouts per second."""
+  parts = [f"progress: {len(report.finished) + len(report.skipped)}/{total} done"]
+  for r in running.values():
+    step = (read_progress(sweep.run_dir(r.sp)) or {}).get("step", 0)
+    parts.append(f"{r.sp.name} step {step}/{r.sp.point.m}")
+  if waiting:
+    parts.append(f"{len(waiting)} locked elsewhere")
+  live = [sp for sp in sweep.points if sp.name not in report.failed]
+  now = {sp.name: _rollouts(sweep, sp) for sp in live}
+  gained = sum(now[n] - start_progress[n] for n in now)
+  remaining = sum(sp.point.compute - now[sp.name] for sp in live)
+  if gained > 0 and remaining > 0:
+    parts.append(f"ETA {_fmt_s(remaining * (time.time() - t0) / gained)}")
+  return " | ".join(parts)

@@ -16,56 +16,56 @@ DEFAULT_RUNNER = ("-m", "isojax.main")  # what follows the interpreter in a run 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class SweepPoint:
-    """One run of a sweep: a budget point and the seed it is trained with."""
+  """One run of a sweep: a budget point and the seed it is trained with."""
 
-    point: budget_lib.BudgetPoint
-    seed: int = 0
+  point: budget_lib.BudgetPoint
+  seed: int = 0
 
-    @property
-    def name(self) -> str:
-        """Stable run-directory name, e.g. 'bp32_n64_m12_s0'."""
-        return f"{self.point.name}_s{self.seed}"
+  @property
+  def name(self) -> str:
+    """Stable run-directory name, e.g. 'bp32_n64_m12_s0'."""
+    return f"{self.point.name}_s{self.seed}"
 
-    def config_arg(self) -> str:
-        """The experiment file's argument for this point. budget = Bp*n*M exactly, so
-        the run's M = floor(budget / (Bp*n)) is this point's M."""
-        p = self.point
-        return f"bp={p.bp},n={p.n},budget={p.compute}"
+  def config_arg(self) -> str:
+    """The experiment file's argument for this point. budget = Bp*n*M exactly, so
+    the run's M = floor(budget / (Bp*n)) is this point's M."""
+    p = self.point
+    return f"bp={p.bp},n={p.n},budget={p.compute}"
 
 
 def expand_points(bp_values: Iterable, n_values: Iterable, *, b_max, budgets,
                   seeds: Iterable[int] = (0,)) -> list[SweepPoint]:
-    """All feasible (Bp, n, M) points of the grid (via `budget.sweep_grid`) x seeds.
+  """All feasible (Bp, n, M) points of the grid (via `budget.sweep_grid`) x seeds.
 
-    Raises:
-      ValueError: for an empty seed list, or (from sweep_grid) when no point fits.
-    """
-    seeds = [int(s) for s in seeds]
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"seeds must be a non-empty list of distinct ints, got {seeds}")
-    grid = budget_lib.sweep_grid(bp_values, n_values, b_max=b_max, budget=budgets)
-    return [SweepPoint(p, s) for p in grid for s in seeds]
+  Raises:
+    ValueError: for an empty seed list, or (from sweep_grid) when no point fits.
+  """
+  seeds = [int(s) for s in seeds]
+  if not seeds or len(set(seeds)) != len(seeds):
+    raise ValueError(f"seeds must be a non-empty list of distinct ints, got {seeds}")
+  grid = budget_lib.sweep_grid(bp_values, n_values, b_max=b_max, budget=budgets)
+  return [SweepPoint(p, s) for p in grid for s in seeds]
 
 
 def load_experiment(config_path: str, arg: str = ""):
-    """Calls `get_config(arg)` of an experiment file (no flags, no locking).
+  """Calls `get_config(arg)` of an experiment file (no flags, no locking).
 
-    Raises:
-      ValueError: if the file does not exist or defines no `get_config`.
-    """
-    if not os.path.isfile(config_path):
-        raise ValueError(f"experiment file {config_path!r} does not exist")
-    # Experiment files import their siblings as `experiments.common`, as under
-    # `python -m isojax.main` run from the repository root: make the cwd importable.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    spec = importlib.util.spec_from_file_location("_isojax_experiment", config_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    get_config = getattr(module, "get_config", None)
-    if get_config is None:
-        raise ValueError(f"experiment file {config_path!r} defines no get_config(arg)")
-    return get_config(arg) if inspect.signature(get_config).parameters else get_config()
+  Raises:
+    ValueError: if the file does not exist or defines no `get_config`.
+  """
+  if not os.path.isfile(config_path):
+    raise ValueError(f"experiment file {config_path!r} does not exist")
+  # Experiment files import their siblings as `experiments.common`, as under
+  # `python -m isojax.main` run from the repository root: make the cwd importable.
+  if os.getcwd() not in sys.path and "" not in sys.path:
+    sys.path.insert(0, os.getcwd())
+  spec = importlib.util.spec_from_file_location("_isojax_experiment", config_path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  get_config = getattr(module, "get_config", None)
+  if get_config is None:
+    raise ValueError(f"experiment file {config_path!r} defines no get_config(arg)")
+  return get_config(arg) if inspect.signature(get_config).parameters else get_config()
 
 
 # What an empty config.model.path means to the run: the committed tiny base model.
@@ -74,149 +74,149 @@ BASE_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
 
 
 def vllm_model(config) -> str | None:
-    """The HF directory a vLLM server must serve for runs of `config`, or None when the
-    config samples in-process."""
-    sampler = config.get("sampler") or {}
-    if sampler.get("backend", "jax") != "vllm":
-        return None
-    return (config.get("model") or {}).get("path", "") or BASE_MODEL_DIR
+  """The HF directory a vLLM server must serve for runs of `config`, or None when the
+  config samples in-process."""
+  sampler = config.get("sampler") or {}
+  if sampler.get("backend", "jax") != "vllm":
+    return None
+  return (config.get("model") or {}).get("path", "") or BASE_MODEL_DIR
 
 
 def apply_overrides(config, args: Sequence[str]):
-    """The launcher's view of `--config.a.b=value` run arguments (the run parses them
-    itself): sets each on `config` with the field's type, so that the dry-run table and
-    the vLLM decision see them, and a typo fails before N runs start.
+  """The launcher's view of `--config.a.b=value` run arguments (the run parses them
+  itself): sets each on `config` with the field's type, so that the dry-run table and
+  the vLLM decision see them, and a typo fails before N runs start.
 
-    Raises:
-      ValueError: naming the argument, for an unknown field or a value of the wrong type.
-    """
-    for arg in args:
-        if not arg.startswith("--config."):
-            continue
-        path, sep, raw = arg[len("--config."):].partition("=")
-        *parents, leaf = path.split(".")
-        node = config
-        for part in parents:
-            node = node.get(part) if hasattr(node, "get") else None
-        if not sep or node is None or not hasattr(node, "get") or leaf not in node:
-            raise ValueError(f"run argument {arg!r}: no config field {path!r} in the "
-                             "experiment file (expected --config.FIELD=VALUE)")
-        node[leaf] = _parse_like(node[leaf], raw, arg)
-    return config
+  Raises:
+    ValueError: naming the argument, for an unknown field or a value of the wrong type.
+  """
+  for arg in args:
+    if not arg.startswith("--config."):
+      continue
+    path, sep, raw = arg[len("--config."):].partition("=")
+    *parents, leaf = path.split(".")
+    node = config
+    for part in parents:
+      node = node.get(part) if hasattr(node, "get") else None
+    if not sep or node is None or not hasattr(node, "get") or leaf not in node:
+      raise ValueError(f"run argument {arg!r}: no config field {path!r} in the "
+                       "experiment file (expected --config.FIELD=VALUE)")
+    node[leaf] = _parse_like(node[leaf], raw, arg)
+  return config
 
 
 def _parse_like(current, raw: str, arg: str):
-    try:
-        if isinstance(current, bool):
-            if raw.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"not a bool: {raw!r}")
-            return raw.lower() in ("true", "1")
-        if isinstance(current, int):
-            return int(raw)
-        if isinstance(current, float):
-            return float(raw)
-    except ValueError as e:
-        raise ValueError(f"run argument {arg!r}: {e}") from e
-    return raw  # strings and structured fields: the run's own parser decides
+  try:
+    if isinstance(current, bool):
+      if raw.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"not a bool: {raw!r}")
+      return raw.lower() in ("true", "1")
+    if isinstance(current, int):
+      return int(raw)
+    if isinstance(current, float):
+      return float(raw)
+  except ValueError as e:
+    raise ValueError(f"run argument {arg!r}: {e}") from e
+  return raw  # strings and structured fields: the run's own parser decides
 
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
-    """What a launcher runs: one experiment file, a root and its points.
+  """What a launcher runs: one experiment file, a root and its points.
 
-    Attributes:
-      config: the experiment file, as passed to `--config=FILE:ARG`.
-      root: the sweep root; each point runs in `root/<point name>`.
-      points: the runs.
-      runner: what follows the interpreter in a run command; tests inject a fake.
-      extra_args: appended to every run command (e.g. `--config.eval_every=2`).
-      python: the interpreter that runs the points.
-    """
+  Attributes:
+    config: the experiment file, as passed to `--config=FILE:ARG`.
+    root: the sweep root; each point runs in `root/<point name>`.
+    points: the runs.
+    runner: what follows the interpreter in a run command; tests inject a fake.
+    extra_args: appended to every run command (e.g. `--config.eval_every=2`).
+    python: the interpreter that runs the points.
+  """
 
-    config: str
-    root: str
-    points: tuple[SweepPoint, ...]
-    runner: tuple[str, ...] = DEFAULT_RUNNER
-    extra_args: tuple[str, ...] = ()
-    python: str = sys.executable
+  config: str
+  root: str
+  points: tuple[SweepPoint, ...]
+  runner: tuple[str, ...] = DEFAULT_RUNNER
+  extra_args: tuple[str, ...] = ()
+  python: str = sys.executable
 
-    def __post_init__(self):
-        names = [sp.name for sp in self.points]
-        dupes = sorted({x for x in names if names.count(x) > 1})
-        if dupes:
-            raise ValueError(f"sweep has duplicate run names {dupes}")
+  def __post_init__(self):
+    names = [sp.name for sp in self.points]
+    dupes = sorted({x for x in names if names.count(x) > 1})
+    if dupes:
+      raise ValueError(f"sweep has duplicate run names {dupes}")
 
-    def run_dir(self, sp: SweepPoint) -> str:
-        return os.path.join(self.root, sp.name)
+  def run_dir(self, sp: SweepPoint) -> str:
+    return os.path.join(self.root, sp.name)
 
-    def command(self, sp: SweepPoint) -> list[str]:
-        """The full argv that trains one point."""
-        return [self.python, *self.runner, f"--config={self.config}:{sp.config_arg()}",
-                f"--workdir={self.run_dir(sp)}", f"--config.seed={sp.seed}",
-                *self.extra_args]
+  def command(self, sp: SweepPoint) -> list[str]:
+    """The full argv that trains one point."""
+    return [self.python, *self.runner, f"--config={self.config}:{sp.config_arg()}",
+            f"--workdir={self.run_dir(sp)}", f"--config.seed={sp.seed}",
+            *self.extra_args]
 
 
 def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
                b_max=None, seeds: Sequence[int] = (0,), runner: str = "isojax.main",
                extra_args: Sequence[str] = (), python: str = sys.executable):
-    """A `Sweep` of an experiment file; grids not given come from its `config.sweep`.
+  """A `Sweep` of an experiment file; grids not given come from its `config.sweep`.
 
-    Args:
-      config_path: the experiment file (no `:arg`; the launcher sets bp, n, budget).
-      root: the sweep root.
-      bp, n, budgets, b_max: the grid; None = the config's sweep.bp_values,
-        sweep.n_values, sweep.budgets and b_max.
-      seeds: one run per point per seed.
-      runner: a module (`isojax.main`) or a `.py` file run for each point.
-      extra_args: appended to every run command (`--config.eval_every=2`).
+  Args:
+    config_path: the experiment file (no `:arg`; the launcher sets bp, n, budget).
+    root: the sweep root.
+    bp, n, budgets, b_max: the grid; None = the config's sweep.bp_values,
+      sweep.n_values, sweep.budgets and b_max.
+    seeds: one run per point per seed.
+    runner: a module (`isojax.main`) or a `.py` file run for each point.
+    extra_args: appended to every run command (`--config.eval_every=2`).
 
-    Returns:
-      (sweep, config) where config is `get_config("")` of the file.
-    """
-    if ":" in os.path.basename(config_path):
-        raise ValueError(f"--config={config_path!r}: pass the experiment file alone; the "
-                         "launcher sets bp, n and budget for each point")
-    config = apply_overrides(load_experiment(config_path, ""), extra_args)
-    grid = config.get("sweep", {})
-    bp = grid.get("bp_values") if bp is None else bp
-    n = grid.get("n_values") if n is None else n
-    budgets = grid.get("budgets") if budgets is None else budgets
-    b_max = config.get("b_max") if b_max is None else b_max
-    for name, value in (("bp", bp), ("n", n), ("budget", budgets), ("b_max", b_max)):
-        if not value:
-            raise ValueError(f"no {name} values: pass --{name} or set them in "
-                             f"{config_path} (config.sweep / config.b_max)")
-    points = expand_points(bp, n, b_max=b_max, budgets=budgets, seeds=seeds)
-    run = (runner,) if runner.endswith(".py") else ("-m", runner)
-    return Sweep(config=config_path, root=root, points=tuple(points), runner=run,
-                 extra_args=tuple(extra_args), python=python), config
+  Returns:
+    (sweep, config) where config is `get_config("")` of the file.
+  """
+  if ":" in os.path.basename(config_path):
+    raise ValueError(f"--config={config_path!r}: pass the experiment file alone; the "
+                     "launcher sets bp, n and budget for each point")
+  config = apply_overrides(load_experiment(config_path, ""), extra_args)
+  grid = config.get("sweep", {})
+  bp = grid.get("bp_values") if bp is None else bp
+  n = grid.get("n_values") if n is None else n
+  budgets = grid.get("budgets") if budgets is None else budgets
+  b_max = config.get("b_max") if b_max is None else b_max
+  for name, value in (("bp", bp), ("n", n), ("budget", budgets), ("b_max", b_max)):
+    if not value:
+      raise ValueError(f"no {name} values: pass --{name} or set them in "
+                       f"{config_path} (config.sweep / config.b_max)")
+  points = expand_points(bp, n, b_max=b_max, budgets=budgets, seeds=seeds)
+  run = (runner,) if runner.endswith(".py") else ("-m", runner)
+  return Sweep(config=config_path, root=root, points=tuple(points), runner=run,
+               extra_args=tuple(extra_args), python=python), config
 
 
 def max_tokens(config) -> int | None:
-    """The response-length cap of a config (sampler.max_tokens), or None."""
-    sampler = config.get("sampler") or {}
-    value = sampler.get("max_tokens")
-    return int(value) if value else None
+  """The response-length cap of a config (sampler.max_tokens), or None."""
+  sampler = config.get("sampler") or {}
+  value = sampler.get("max_tokens")
+  return int(value) if value else None
 
 
 def format_points(points: Sequence[SweepPoint], max_tokens: int | None) -> str:
-    """The dry-run table: one row per run, with a total row.
+  """The dry-run table: one row per run, with a total row.
 
-    est_tokens is an upper bound, C * max_tokens (responses may stop earlier);
-    '-' when the config gives no max_tokens.
-    """
-    header = ["run", "Bp", "n", "B", "M", "compute", "est_tokens"]
-    rows, total_c, total_t = [], 0, 0
-    for sp in points:
-        p = sp.point
-        tokens = budget_lib.estimate_tokens(p, max_tokens) if max_tokens else None
-        total_c += p.compute
-        total_t += tokens or 0
-        rows.append([sp.name, p.bp, p.n, p.batch, p.m, p.compute,
-                     "-" if tokens is None else tokens])
-    rows.append(["total", "", "", "", "", total_c, total_t if max_tokens else "-"])
-    rows = [[str(v) for v in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    fmt = lambda r: "  ".join(  # noqa: E731
-        v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
-    return "\n".join([fmt(header), *map(fmt, rows)])
+  est_tokens is an upper bound, C * max_tokens (responses may stop earlier);
+  '-' when the config gives no max_tokens.
+  """
+  header = ["run", "Bp", "n", "B", "M", "compute", "est_tokens"]
+  rows, total_c, total_t = [], 0, 0
+  for sp in points:
+    p = sp.point
+    tokens = budget_lib.estimate_tokens(p, max_tokens) if max_tokens else None
+    total_c += p.compute
+    total_t += tokens or 0
+    rows.append([sp.name, p.bp, p.n, p.batch, p.m, p.compute,
+                 "-" if tokens is None else tokens])
+  rows.append(["total", "", "", "", "", total_c, total_t if max_tokens else "-"])
+  rows = [[str(v) for v in r] for r in rows]
+  widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+  fmt = lambda r: "  ".join(  # noqa: E731
+      v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
+  return "\n".join([fmt(header), *map(fmt, rows)])

@@ -40,192 +40,192 @@ VLLM_START_TIMEOUT_S = 1800.0  # a large model on a cold node loads for many min
 
 @dataclasses.dataclass(frozen=True)
 class SlurmOptions:
-    """Resources of one array task (= one budget point).
+  """Resources of one array task (= one budget point).
 
-    Attributes:
-      nodes: nodes per point; > 1 runs the point as one multi-host JAX job.
-      gpus_per_node, cpus_per_task, mem, partition, account, time: the usual sbatch
-        options; None/0 leaves them to the cluster's defaults.
-      max_parallel: array throttle (`--array=0-7%2`); None = no limit.
-      sbatch_args: further `#SBATCH` options, verbatim (e.g. "--qos=high").
-    """
+  Attributes:
+    nodes: nodes per point; > 1 runs the point as one multi-host JAX job.
+    gpus_per_node, cpus_per_task, mem, partition, account, time: the usual sbatch
+      options; None/0 leaves them to the cluster's defaults.
+    max_parallel: array throttle (`--array=0-7%2`); None = no limit.
+    sbatch_args: further `#SBATCH` options, verbatim (e.g. "--qos=high").
+  """
 
-    nodes: int = 1
-    gpus_per_node: int = 0
-    cpus_per_task: int | None = None
-    mem: str | None = None
-    partition: str | None = None
-    account: str | None = None
-    time: str | None = None
-    max_parallel: int | None = None
-    sbatch_args: tuple[str, ...] = ()
+  nodes: int = 1
+  gpus_per_node: int = 0
+  cpus_per_task: int | None = None
+  mem: str | None = None
+  partition: str | None = None
+  account: str | None = None
+  time: str | None = None
+  max_parallel: int | None = None
+  sbatch_args: tuple[str, ...] = ()
 
-    def __post_init__(self):
-        if self.nodes < 1:
-            raise ValueError(f"SLURM nodes per point must be >= 1, got {self.nodes}")
-        if self.max_parallel is not None and self.max_parallel < 1:
-            raise ValueError(f"SLURM max_parallel must be >= 1, got {self.max_parallel}")
+  def __post_init__(self):
+    if self.nodes < 1:
+      raise ValueError(f"SLURM nodes per point must be >= 1, got {self.nodes}")
+    if self.max_parallel is not None and self.max_parallel < 1:
+      raise ValueError(f"SLURM max_parallel must be >= 1, got {self.max_parallel}")
 
 
 def write_array(sweep: Sweep, options: SlurmOptions, *,
                 vllm_model: str | None = None,
                 launcher: str = os.path.join("launch", "sweep.py")) -> tuple[str, str]:
-    """Writes `<root>/slurm/points.json` and `<root>/slurm/sweep.sbatch`.
+  """Writes `<root>/slurm/points.json` and `<root>/slurm/sweep.sbatch`.
 
-    Args:
-      sweep: the points and how to run each.
-      options: per-task resources.
-      vllm_model: HF directory a per-task vLLM server serves; None = no server (the
-        config samples in-process).
-      launcher: path of launch/sweep.py from the current directory, where the tasks
-        run too (relative paths in the sweep resolve there).
+  Args:
+    sweep: the points and how to run each.
+    options: per-task resources.
+    vllm_model: HF directory a per-task vLLM server serves; None = no server (the
+      config samples in-process).
+    launcher: path of launch/sweep.py from the current directory, where the tasks
+      run too (relative paths in the sweep resolve there).
 
-    Returns:
-      (script path, points path).
+  Returns:
+    (script path, points path).
 
-    Raises:
-      ValueError: for an empty sweep, or a vLLM config with multi-node points (the
-        per-task server listens on the loopback of the first node only).
-    """
-    if not sweep.points:
-        raise ValueError("a SLURM array needs at least one point; the sweep has none")
-    vllm = vllm_model is not None
-    if vllm and options.nodes > 1:
-        raise ValueError(
-            f"nodes={options.nodes} with the vLLM backend: the per-task vLLM server "
-            "binds 127.0.0.1 on the first node, which the other nodes cannot reach; "
-            "use --nodes=1 for configs that sample with vLLM")
-    workdir = os.getcwd()
-    out_dir = os.path.join(sweep.root, "slurm")
-    os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
-    points_path = os.path.join(out_dir, POINTS_FILE)
-    script_path = os.path.join(out_dir, SCRIPT_FILE)
-    entries = [{"index": i, "name": sp.name, "run_dir": sweep.run_dir(sp),
-                "command": sweep.command(sp)} for i, sp in enumerate(sweep.points)]
-    spec = {"config": sweep.config, "root": sweep.root, "nodes": options.nodes,
-            "vllm_model": vllm_model, "points": entries}
-    _write_atomic(points_path, json.dumps(spec, indent=1) + "\n")
-    _write_atomic(script_path, _script(sweep, options, launcher=launcher, workdir=workdir,
-                                       points_path=points_path, vllm=vllm))
-    os.chmod(script_path, 0o755)
-    return script_path, points_path
+  Raises:
+    ValueError: for an empty sweep, or a vLLM config with multi-node points (the
+      per-task server listens on the loopback of the first node only).
+  """
+  if not sweep.points:
+    raise ValueError("a SLURM array needs at least one point; the sweep has none")
+  vllm = vllm_model is not None
+  if vllm and options.nodes > 1:
+    raise ValueError(
+        f"nodes={options.nodes} with the vLLM backend: the per-task vLLM server "
+        "binds 127.0.0.1 on the first node, which the other nodes cannot reach; "
+        "use --nodes=1 for configs that sample with vLLM")
+  workdir = os.getcwd()
+  out_dir = os.path.join(sweep.root, "slurm")
+  os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
+  points_path = os.path.join(out_dir, POINTS_FILE)
+  script_path = os.path.join(out_dir, SCRIPT_FILE)
+  entries = [{"index": i, "name": sp.name, "run_dir": sweep.run_dir(sp),
+              "command": sweep.command(sp)} for i, sp in enumerate(sweep.points)]
+  spec = {"config": sweep.config, "root": sweep.root, "nodes": options.nodes,
+          "vllm_model": vllm_model, "points": entries}
+  _write_atomic(points_path, json.dumps(spec, indent=1) + "\n")
+  _write_atomic(script_path, _script(sweep, options, launcher=launcher, workdir=workdir,
+                                     points_path=points_path, vllm=vllm))
+  os.chmod(script_path, 0o755)
+  return script_path, points_path
 
 
 def _script(sweep, options, *, launcher, workdir, points_path, vllm) -> str:
-    n = len(sweep.points)
-    array = f"0-{n - 1}" + (f"%{options.max_parallel}" if options.max_parallel else "")
-    study = os.path.basename(os.path.normpath(sweep.root)) or "sweep"
-    logs = os.path.join(os.path.abspath(os.path.join(workdir, sweep.root)), "slurm", "logs")
-    sbatch = [f"--job-name=isojax-{study}", f"--array={array}", f"--nodes={options.nodes}",
-              "--ntasks-per-node=1", f"--output={logs}/%A_%a.out"]
-    for flag, value in (("gpus-per-node", options.gpus_per_node),
-                        ("cpus-per-task", options.cpus_per_task), ("mem", options.mem),
-                        ("partition", options.partition), ("account", options.account),
-                        ("time", options.time)):
-        if value:
-            sbatch.append(f"--{flag}={value}")
-    sbatch += list(options.sbatch_args)
-    lines = ["#!/bin/bash",
-             f"# isojax sweep: {n} run(s) of {sweep.config} under {sweep.root}, "
-             "one array task per point.",
-             "# Written by launch/sweep.py --slurm; the task runner reads "
-             f"{POINTS_FILE} (task -> command)"
-             + ("; each task starts its own vLLM server." if vllm else "."),
-             *[f"#   task {i}: {sp.name}" for i, sp in enumerate(sweep.points)],
-             *[f"#SBATCH {s}" for s in sbatch],
-             "set -euo pipefail",
-             f"cd {shlex.quote(workdir)}",
-             f"exec {shlex.quote(sweep.python)} {shlex.quote(launcher)} "
-             f"--task_file={shlex.quote(points_path)} "
-             '--task_index="${SLURM_ARRAY_TASK_ID}"']
-    return "\n".join(lines) + "\n"
+  n = len(sweep.points)
+  array = f"0-{n - 1}" + (f"%{options.max_parallel}" if options.max_parallel else "")
+  study = os.path.basename(os.path.normpath(sweep.root)) or "sweep"
+  logs = os.path.join(os.path.abspath(os.path.join(workdir, sweep.root)), "slurm", "logs")
+  sbatch = [f"--job-name=isojax-{study}", f"--array={array}", f"--nodes={options.nodes}",
+            "--ntasks-per-node=1", f"--output={logs}/%A_%a.out"]
+  for flag, value in (("gpus-per-node", options.gpus_per_node),
+                      ("cpus-per-task", options.cpus_per_task), ("mem", options.mem),
+                      ("partition", options.partition), ("account", options.account),
+                      ("time", options.time)):
+    if value:
+      sbatch.append(f"--{flag}={value}")
+  sbatch += list(options.sbatch_args)
+  lines = ["#!/bin/bash",
+           f"# isojax sweep: {n} run(s) of {sweep.config} under {sweep.root}, "
+           "one array task per point.",
+           "# Written by launch/sweep.py --slurm; the task runner reads "
+           f"{POINTS_FILE} (task -> command)"
+           + ("; each task starts its own vLLM server." if vllm else "."),
+           *[f"#   task {i}: {sp.name}" for i, sp in enumerate(sweep.points)],
+           *[f"#SBATCH {s}" for s in sbatch],
+           "set -euo pipefail",
+           f"cd {shlex.quote(workdir)}",
+           f"exec {shlex.quote(sweep.python)} {shlex.quote(launcher)} "
+           f"--task_file={shlex.quote(points_path)} "
+           '--task_index="${SLURM_ARRAY_TASK_ID}"']
+  return "\n".join(lines) + "\n"
 
 
 def submit(script_path: str) -> str:
-    """`sbatch --parsable SCRIPT`; returns the job id.
+  """`sbatch --parsable SCRIPT`; returns the job id.
 
-    Raises:
-      ValueError: if sbatch is not on PATH or refuses the script (with its message).
-    """
-    if shutil.which("sbatch") is None:
-        raise ValueError(f"sbatch not found on PATH; submit {script_path} on the cluster "
-                         f"with: sbatch {script_path}")
-    proc = subprocess.run(["sbatch", "--parsable", script_path], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        raise ValueError(f"sbatch {script_path} failed ({proc.returncode}): "
-                         f"{proc.stderr.strip()}")
-    return proc.stdout.strip().split(";")[0]
+  Raises:
+    ValueError: if sbatch is not on PATH or refuses the script (with its message).
+  """
+  if shutil.which("sbatch") is None:
+    raise ValueError(f"sbatch not found on PATH; submit {script_path} on the cluster "
+                     f"with: sbatch {script_path}")
+  proc = subprocess.run(["sbatch", "--parsable", script_path], capture_output=True,
+                        text=True)
+  if proc.returncode != 0:
+    raise ValueError(f"sbatch {script_path} failed ({proc.returncode}): "
+                     f"{proc.stderr.strip()}")
+  return proc.stdout.strip().split(";")[0]
 
 
 def load_task(points_path: str, index: int) -> tuple[dict, dict]:
-    """(the whole points file, the entry of task `index`), with clear errors."""
-    try:
-        with open(points_path) as f:
-            spec = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read SLURM points file {points_path!r}: {e}") from e
-    points = spec.get("points", [])
-    if not 0 <= index < len(points):
-        raise ValueError(f"task index {index} out of range: {points_path} has "
-                         f"{len(points)} points (array 0-{len(points) - 1})")
-    return spec, points[index]
+  """(the whole points file, the entry of task `index`), with clear errors."""
+  try:
+    with open(points_path) as f:
+      spec = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"cannot read SLURM points file {points_path!r}: {e}") from e
+  points = spec.get("points", [])
+  if not 0 <= index < len(points):
+    raise ValueError(f"task index {index} out of range: {points_path} has "
+                     f"{len(points)} points (array 0-{len(points) - 1})")
+  return spec, points[index]
 
 
 def task_command(command: list[str], *, nodes: int) -> list[str]:
-    """The command of one task: as is on one node; on several, every node runs it under
-    srun after joining jax.distributed (the runner must be a `-m module`)."""
-    if nodes == 1:
-        return list(command)
-    python, rest = command[0], command[1:]
-    if rest[:1] != ["-m"] or len(rest) < 2:
-        raise ValueError(f"a multi-node point needs a module runner (python -m ...), "
-                         f"got {command[:3]}")
-    return ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-            python, "-c", _DISTRIBUTED_BOOTSTRAP, *rest[1:]]
+  """The command of one task: as is on one node; on several, every node runs it under
+  srun after joining jax.distributed (the runner must be a `-m module`)."""
+  if nodes == 1:
+    return list(command)
+  python, rest = command[0], command[1:]
+  if rest[:1] != ["-m"] or len(rest) < 2:
+    raise ValueError(f"a multi-node point needs a module runner (python -m ...), "
+                     f"got {command[:3]}")
+  return ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+          python, "-c", _DISTRIBUTED_BOOTSTRAP, *rest[1:]]
 
 
 def run_task(points_path: str, index: int, *, print_fn=print) -> int:
-    """Runs array task `index` of a points file; returns its exit code.
+  """Runs array task `index` of a points file; returns its exit code.
 
-    A finished point exits 0 at once; a locked one (running in another task) exits 1.
-    With a `vllm_model`, a vLLM server (isojax.rollout.vllm_server, loopback only) is
-    started on a free port of this node for the task, the run is pointed at it with
-    `--config.sampler.vllm_url`, and it is stopped when the run ends.
-    """
-    spec, entry = load_task(points_path, index)
-    run_dir = entry["run_dir"]
-    if rundir.is_done(run_dir):
-        print_fn(f"skip {entry['name']}: already finished")
-        return 0
-    fd = rundir.try_lock(run_dir)
-    if fd is None:
-        print_fn(f"{entry['name']} is locked by {rundir.lock_holder(run_dir)}")
-        return 1
-    command, server = list(entry["command"]), None
-    try:
-        if spec.get("vllm_model"):
-            # Imported here: only vLLM tasks need it (and its `requests` dependency).
-            from isojax.rollout.vllm_server import VLLMServer
-            server = VLLMServer(spec["vllm_model"], workdir=os.path.join(run_dir, "vllm"),
-                                startup_timeout_s=VLLM_START_TIMEOUT_S).start()
-            command.append(f"--config.sampler.vllm_url={server.base_url}")
-        command = task_command(command, nodes=int(spec.get("nodes", 1)))
-        print_fn(f"run {entry['name']}: {shlex.join(command)}")
-        sys.stdout.flush()  # before the run's own output
-        rc = subprocess.run(command, pass_fds=(fd,)).returncode
-    finally:
-        if server is not None:
-            server.stop()
-        os.close(fd)
-    if rc == 0 and not rundir.is_done(run_dir):
-        print_fn(f"{entry['name']}: exit 0 but no {rundir.DONE_MARKER} marker")
-        return 1
-    return rc
+  A finished point exits 0 at once; a locked one (running in another task) exits 1.
+  With a `vllm_model`, a vLLM server (isojax.rollout.vllm_server, loopback only) is
+  started on a free port of this node for the task, the run is pointed at it with
+  `--config.sampler.vllm_url`, and it is stopped when the run ends.
+  """
+  spec, entry = load_task(points_path, index)
+  run_dir = entry["run_dir"]
+  if rundir.is_done(run_dir):
+    print_fn(f"skip {entry['name']}: already finished")
+    return 0
+  fd = rundir.try_lock(run_dir)
+  if fd is None:
+    print_fn(f"{entry['name']} is locked by {rundir.lock_holder(run_dir)}")
+    return 1
+  command, server = list(entry["command"]), None
+  try:
+    if spec.get("vllm_model"):
+      # Imported here: only vLLM tasks need it (and its `requests` dependency).
+      from isojax.rollout.vllm_server import VLLMServer
+      server = VLLMServer(spec["vllm_model"], workdir=os.path.join(run_dir, "vllm"),
+                          startup_timeout_s=VLLM_START_TIMEOUT_S).start()
+      command.append(f"--config.sampler.vllm_url={server.base_url}")
+    command = task_command(command, nodes=int(spec.get("nodes", 1)))
+    print_fn(f"run {entry['name']}: {shlex.join(command)}")
+    sys.stdout.flush()  # before the run's own output
+    rc = subprocess.run(command, pass_fds=(fd,)).returncode
+  finally:
+    if server is not None:
+      server.stop()
+    os.close(fd)
+  if rc == 0 and not rundir.is_done(run_dir):
+    print_fn(f"{entry['name']}: exit 0 but no {rundir.DONE_MARKER} marker")
+    return 1
+  return rc
 
 
 def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)

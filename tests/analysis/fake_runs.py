@@ -17,9 +17,9 @@ TOKENS_PER_ROLLOUT = 100
 
 
 def sigmoid(c, a, b, c_mid, r0):
-    """R0 + (A - R0) / (1 + (C_mid / C)^B), from the ScaleRL paper."""
-    c = np.asarray(c, dtype=np.float64)
-    return r0 + (a - r0) / (1.0 + (c_mid / c) ** b)
+  """R0 + (A - R0) / (1 + (C_mid / C)^B), from the ScaleRL paper."""
+  c = np.asarray(c, dtype=np.float64)
+  return r0 + (a - r0) / (1.0 + (c_mid / c) ** b)
 
 
 # Per-n ground truth for a Bp = 8 sweep: larger n learns slower but reaches higher, so
@@ -34,86 +34,86 @@ TRUE_PARAMS = {
 
 
 def true_reward(bp, n, c):
-    """Ground truth avg@4 of configuration (bp, n) after c rollouts (bp is ignored:
-    the paper finds Bp matters little; a small bp effect is added for sensitivity)."""
-    p = TRUE_PARAMS[n]
-    return sigmoid(c, **p) - 0.002 * math.log2(bp / 8)
+  """Ground truth avg@4 of configuration (bp, n) after c rollouts (bp is ignored:
+  the paper finds Bp matters little; a small bp effect is added for sensitivity)."""
+  p = TRUE_PARAMS[n]
+  return sigmoid(c, **p) - 0.002 * math.log2(bp / 8)
 
 
 def write_run(path, config: dict, rows: list[dict], *, raw_lines=()):
-    """A run directory: config.json and metrics.jsonl (+ raw, possibly broken lines)."""
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-        for line in raw_lines:
-            f.write(line)
-    return path
+  """A run directory: config.json and metrics.jsonl (+ raw, possibly broken lines)."""
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config, f)
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for row in rows:
+      f.write(json.dumps(row) + "\n")
+    for line in raw_lines:
+      f.write(line)
+  return path
 
 
 def run_rows(bp, n, m, curve, *, rng=None, noise=0.0, run_sigma=0.0, rho=0.0,
              n_evals=40, hist_bins=0, hist_layout="list"):
-    """Metric rows at log-spaced steps up to m; rewards = curve(C) + noise, in [0, 1]."""
-    steps = np.unique(np.round(np.geomspace(1, m, n_evals)).astype(int))
-    c = steps * bp * n
-    clean = curve(c)
-    offset = rng.normal(0.0, run_sigma) if run_sigma else 0.0
-    ar = np.zeros(steps.size)
-    for i in range(steps.size):
-        eps = rng.normal(0.0, noise) if noise else 0.0
-        ar[i] = (rho * ar[i - 1] if i else 0.0) + math.sqrt(1 - rho**2) * eps
-    val = np.clip(clean + offset + ar, 0.0, 1.0)
-    rows = []
-    for s, ci, v in zip(steps, c, val):
-        row = {"step": int(s), "rollouts": int(ci), "tokens": int(ci) * TOKENS_PER_ROLLOUT,
-               "train/reward": float(v), "val/avg@4": float(v),
-               "val/best@4": float(min(1.0, v + 0.15)),
-               "val/worst@4": float(max(0.0, v - 0.2))}
-        if hist_bins:
-            # pass@1 histogram: problems spread around the mean; larger n more uniform
-            edges = np.linspace(0, 1, hist_bins + 1)
-            conc = 2.0 + 8.0 / math.log2(n + 1)
-            counts = np.diff(_beta_cdf(edges, v * conc, (1 - v) * conc)) * 500
-            if hist_layout == "list":  # bin counts as one list
-                row["train/pass1_hist"] = [int(round(x)) for x in counts]
-            else:  # the run loop's flattened fractions, "train/pass@1_hist/<bin start>"
-                for lo, x in zip(edges[:-1], counts / counts.sum()):
-                    row[f"train/pass@1_hist/{lo:.1f}"] = float(x)
-            row["train/zero_pass_frac"] = float(counts[0] / max(counts.sum(), 1))
-        rows.append(row)
-    return rows
+  """Metric rows at log-spaced steps up to m; rewards = curve(C) + noise, in [0, 1]."""
+  steps = np.unique(np.round(np.geomspace(1, m, n_evals)).astype(int))
+  c = steps * bp * n
+  clean = curve(c)
+  offset = rng.normal(0.0, run_sigma) if run_sigma else 0.0
+  ar = np.zeros(steps.size)
+  for i in range(steps.size):
+    eps = rng.normal(0.0, noise) if noise else 0.0
+    ar[i] = (rho * ar[i - 1] if i else 0.0) + math.sqrt(1 - rho**2) * eps
+  val = np.clip(clean + offset + ar, 0.0, 1.0)
+  rows = []
+  for s, ci, v in zip(steps, c, val):
+    row = {"step": int(s), "rollouts": int(ci), "tokens": int(ci) * TOKENS_PER_ROLLOUT,
+           "train/reward": float(v), "val/avg@4": float(v),
+           "val/best@4": float(min(1.0, v + 0.15)),
+           "val/worst@4": float(max(0.0, v - 0.2))}
+    if hist_bins:
+      # pass@1 histogram: problems spread around the mean; larger n more uniform
+      edges = np.linspace(0, 1, hist_bins + 1)
+      conc = 2.0 + 8.0 / math.log2(n + 1)
+      counts = np.diff(_beta_cdf(edges, v * conc, (1 - v) * conc)) * 500
+      if hist_layout == "list":  # bin counts as one list
+        row["train/pass1_hist"] = [int(round(x)) for x in counts]
+      else:  # the run loop's flattened fractions, "train/pass@1_hist/<bin start>"
+        for lo, x in zip(edges[:-1], counts / counts.sum()):
+          row[f"train/pass@1_hist/{lo:.1f}"] = float(x)
+      row["train/zero_pass_frac"] = float(counts[0] / max(counts.sum(), 1))
+    rows.append(row)
+  return rows
 
 
 def _beta_cdf(x, a, b):
-    from scipy import special
-    return special.betainc(max(a, 1e-3), max(b, 1e-3), x)
+  from scipy import special
+  return special.betainc(max(a, 1e-3), max(b, 1e-3), x)
 
 
 def make_sweep(root, *, configs, budget, curve=true_reward, seeds=(0,), noise=0.0,
                run_sigma=0.0, rho=0.0, n_evals=40, difficulty=None, layout="top",
                rng_seed=0, hist_bins=0, hist_layout="list"):
-    """One run per (config, seed); each spends `budget` rollouts (M = budget//(bp n)).
+  """One run per (config, seed); each spends `budget` rollouts (M = budget//(bp n)).
 
-    layout: "top" puts bp/n/m at the top of config.json, "budget" nests them.
-    Returns the run directories written.
-    """
-    rng = np.random.default_rng(rng_seed)
-    paths = []
-    for bp, n in configs:
-        for seed in seeds:
-            m = budget // (bp * n)
-            budget_cfg = {"bp": bp, "n": n, "m": m, "compute": bp * n * m}
-            config = {"seed": seed, "data": {"difficulty": difficulty}}
-            config.update(budget_cfg if layout == "top" else {"budget": budget_cfg})
-            rows = run_rows(bp, n, m, lambda c: curve(bp, n, c), rng=rng, noise=noise,
-                            run_sigma=run_sigma, rho=rho, n_evals=n_evals,
-                            hist_bins=hist_bins, hist_layout=hist_layout)
-            name = f"{difficulty or 'mix'}_bp{bp}_n{n}_s{seed}"
-            paths.append(write_run(os.path.join(root, name), config, rows))
-    return paths
+  layout: "top" puts bp/n/m at the top of config.json, "budget" nests them.
+  Returns the run directories written.
+  """
+  rng = np.random.default_rng(rng_seed)
+  paths = []
+  for bp, n in configs:
+    for seed in seeds:
+      m = budget // (bp * n)
+      budget_cfg = {"bp": bp, "n": n, "m": m, "compute": bp * n * m}
+      config = {"seed": seed, "data": {"difficulty": difficulty}}
+      config.update(budget_cfg if layout == "top" else {"budget": budget_cfg})
+      rows = run_rows(bp, n, m, lambda c: curve(bp, n, c), rng=rng, noise=noise,
+                      run_sigma=run_sigma, rho=rho, n_evals=n_evals,
+                      hist_bins=hist_bins, hist_layout=hist_layout)
+      name = f"{difficulty or 'mix'}_bp{bp}_n{n}_s{seed}"
+      paths.append(write_run(os.path.join(root, name), config, rows))
+  return paths
 
 
 def bp8_configs():
-    return [(8, n) for n in sorted(TRUE_PARAMS)]
+  return [(8, n) for n in sorted(TRUE_PARAMS)]

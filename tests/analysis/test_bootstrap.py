@@ -10,74 +10,74 @@ from isojax.analysis import bootstrap
 
 @dataclasses.dataclass(frozen=True)
 class FakeRun:
-    name: str
-    values: tuple
-    group: str = "g"
+  name: str
+  values: tuple
+  group: str = "g"
 
 
 def mean_of_points(runs):
-    return float(np.mean([v for r in runs for v in r.values]))
+  return float(np.mean([v for r in runs for v in r.values]))
 
 
 def test_resamples_whole_runs():
-    # Run a has 1 point of value 0, run b has 99 points of value 1. Resampling whole
-    # runs gives only {a,a}: 0, {a,b}: 0.99, {b,b}: 1 for the pooled mean.
-    runs = [FakeRun("a", (0.0,)), FakeRun("b", (1.0,) * 99)]
-    seen = set()
+  # Run a has 1 point of value 0, run b has 99 points of value 1. Resampling whole
+  # runs gives only {a,a}: 0, {a,b}: 0.99, {b,b}: 1 for the pooled mean.
+  runs = [FakeRun("a", (0.0,)), FakeRun("b", (1.0,) * 99)]
+  seen = set()
 
-    def fn(rs):
-        seen.add(tuple(sorted(r.name for r in rs)))
-        return mean_of_points(rs)
+  def fn(rs):
+    seen.add(tuple(sorted(r.name for r in rs)))
+    return mean_of_points(rs)
 
-    res = bootstrap(runs, fn, n_boot=200, seed=0, level=0.9)
-    assert seen <= {("a", "a"), ("a", "b"), ("b", "b")} and len(seen) == 3
-    assert res["value"].estimate == pytest.approx(0.99)
-    assert res["value"].low == 0.0 and res["value"].high == 1.0
-    assert res.n_boot == 200 and res.n_failed == 0 and res["value"].n_ok == 200
+  res = bootstrap(runs, fn, n_boot=200, seed=0, level=0.9)
+  assert seen <= {("a", "a"), ("a", "b"), ("b", "b")} and len(seen) == 3
+  assert res["value"].estimate == pytest.approx(0.99)
+  assert res["value"].low == 0.0 and res["value"].high == 1.0
+  assert res.n_boot == 200 and res.n_failed == 0 and res["value"].n_ok == 200
 
 
 def test_deterministic_and_order_independent():
-    rng = np.random.default_rng(0)
-    runs = [FakeRun(f"r{i}", tuple(rng.normal(size=5))) for i in range(12)]
-    a = bootstrap(runs, mean_of_points, n_boot=100, seed=3)
-    b = bootstrap(runs[::-1], mean_of_points, n_boot=100, seed=3)
-    c = bootstrap(runs, mean_of_points, n_boot=100, seed=4)
-    assert a == b and a != c
-    iv = a["value"]
-    assert iv.low < iv.estimate < iv.high
+  rng = np.random.default_rng(0)
+  runs = [FakeRun(f"r{i}", tuple(rng.normal(size=5))) for i in range(12)]
+  a = bootstrap(runs, mean_of_points, n_boot=100, seed=3)
+  b = bootstrap(runs[::-1], mean_of_points, n_boot=100, seed=3)
+  c = bootstrap(runs, mean_of_points, n_boot=100, seed=4)
+  assert a == b and a != c
+  iv = a["value"]
+  assert iv.low < iv.estimate < iv.high
 
 
 def test_interval_covers_the_spread_of_run_means():
-    # 40 runs with means ~ N(0.5, 0.1): a 90% interval of the mean has half-width
-    # about 1.645 * 0.1 / sqrt(40) = 0.026.
-    rng = np.random.default_rng(1)
-    runs = [FakeRun(f"r{i}", (0.5 + rng.normal(0, 0.1),)) for i in range(40)]
-    iv = bootstrap(runs, mean_of_points, n_boot=400, seed=0, level=0.9)["value"]
-    assert 0.015 < (iv.high - iv.low) / 2 < 0.04
+  # 40 runs with means ~ N(0.5, 0.1): a 90% interval of the mean has half-width
+  # about 1.645 * 0.1 / sqrt(40) = 0.026.
+  rng = np.random.default_rng(1)
+  runs = [FakeRun(f"r{i}", (0.5 + rng.normal(0, 0.1),)) for i in range(40)]
+  iv = bootstrap(runs, mean_of_points, n_boot=400, seed=0, level=0.9)["value"]
+  assert 0.015 < (iv.high - iv.low) / 2 < 0.04
 
 
 def test_strata_keep_every_group_and_failures_are_counted():
-    runs = [FakeRun("a1", (0.0,), "a"), FakeRun("b1", (1.0,), "b"), FakeRun("b2", (3.0,), "b")]
+  runs = [FakeRun("a1", (0.0,), "a"), FakeRun("b1", (1.0,), "b"), FakeRun("b2", (3.0,), "b")]
 
-    def fn(rs):
-        groups = {r.group for r in rs}
-        if groups != {"a", "b"}:
-            raise ValueError("a group vanished")
-        return {"a": mean_of_points([r for r in rs if r.group == "a"]),
-                "b": mean_of_points([r for r in rs if r.group == "b"])}
+  def fn(rs):
+    groups = {r.group for r in rs}
+    if groups != {"a", "b"}:
+      raise ValueError("a group vanished")
+    return {"a": mean_of_points([r for r in rs if r.group == "a"]),
+            "b": mean_of_points([r for r in rs if r.group == "b"])}
 
-    res = bootstrap(runs, fn, n_boot=50, seed=0, strata=lambda r: r.group)
-    assert res.stratified and res.n_failed == 0
-    assert res["a"].low == res["a"].high == 0.0
-    assert res["b"].low >= 1.0 and res["b"].high <= 3.0
-    plain = bootstrap(runs, fn, n_boot=50, seed=0)
-    assert plain.n_failed > 0 and plain["b"].n_ok == 50 - plain.n_failed
+  res = bootstrap(runs, fn, n_boot=50, seed=0, strata=lambda r: r.group)
+  assert res.stratified and res.n_failed == 0
+  assert res["a"].low == res["a"].high == 0.0
+  assert res["b"].low >= 1.0 and res["b"].high <= 3.0
+  plain = bootstrap(runs, fn, n_boot=50, seed=0)
+  assert plain.n_failed > 0 and plain["b"].n_ok == 50 - plain.n_failed
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="no runs"):
-        bootstrap([], mean_of_points)
-    with pytest.raises(ValueError, match="n_boot"):
-        bootstrap([FakeRun("a", (1.0,))], mean_of_points, n_boot=0)
-    with pytest.raises(ValueError, match="level"):
-        bootstrap([FakeRun("a", (1.0,))], mean_of_points, level=1.5)
+  with pytest.raises(ValueError, match="no runs"):
+    bootstrap([], mean_of_points)
+  with pytest.raises(ValueError, match="n_boot"):
+    bootstrap([FakeRun("a", (1.0,))], mean_of_points, n_boot=0)
+  with pytest.raises(ValueError, match="level"):
+    bootstrap([FakeRun("a", (1.0,))], mean_of_points, level=1.5)

@@ -17,114 +17,114 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def runs_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli_runs")
-    configs = fake_runs.bp8_configs() + [(16, 8), (16, 32), (32, 4), (4, 64)]
-    fake_runs.make_sweep(root, configs=configs, budget=8 * 64 * 1000, seeds=(0, 1),
-                         noise=0.01, run_sigma=0.005, rho=0.5, n_evals=40, difficulty="easy",
-                         hist_bins=10)
-    fake_runs.write_run(root / "crashed", {"bp": 8, "n": 16, "data": {"difficulty": "easy"}},
-                        [{"step": 1, "rollouts": 128, "val/avg@4": 0.1}],
-                        raw_lines=['{"step": 2, "rollo'])
-    os.makedirs(root / "never_started")
-    with open(root / "never_started" / "config.json", "w") as f:
-        json.dump({"bp": 8, "n": 4}, f)
-    fake_runs.write_run(root / "diverged", {"bp": 8, "n": 32, "data": {"difficulty": "easy"}},
-                        [{"step": 1, "rollouts": 256, "val/avg@4": 0.1},
-                         {"step": 2, "rollouts": 512, "val/avg@4": float("nan")}])
-    return root
+  root = tmp_path_factory.mktemp("cli_runs")
+  configs = fake_runs.bp8_configs() + [(16, 8), (16, 32), (32, 4), (4, 64)]
+  fake_runs.make_sweep(root, configs=configs, budget=8 * 64 * 1000, seeds=(0, 1),
+                       noise=0.01, run_sigma=0.005, rho=0.5, n_evals=40, difficulty="easy",
+                       hist_bins=10)
+  fake_runs.write_run(root / "crashed", {"bp": 8, "n": 16, "data": {"difficulty": "easy"}},
+                      [{"step": 1, "rollouts": 128, "val/avg@4": 0.1}],
+                      raw_lines=['{"step": 2, "rollo'])
+  os.makedirs(root / "never_started")
+  with open(root / "never_started" / "config.json", "w") as f:
+    json.dump({"bp": 8, "n": 4}, f)
+  fake_runs.write_run(root / "diverged", {"bp": 8, "n": 32, "data": {"difficulty": "easy"}},
+                      [{"step": 1, "rollouts": 256, "val/avg@4": 0.1},
+                       {"step": 2, "rollouts": 512, "val/avg@4": float("nan")}])
+  return root
 
 
 @pytest.fixture(scope="module")
 def report_dir(runs_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("report")
-    assert main([str(runs_dir), "--out", str(out), "--n-boot", "12",
-                 "--budgets", "2e4,5e5,5e6"]) == 0
-    return out
+  out = tmp_path_factory.mktemp("report")
+  assert main([str(runs_dir), "--out", str(out), "--n-boot", "12",
+               "--budgets", "2e4,5e5,5e6"]) == 0
+  return out
 
 
 def test_writes_report_fits_and_figures(report_dir):
-    files = set(os.listdir(report_dir))
-    assert {"report.md", "fits.json"} <= files
-    for prefix in ("fig5_", "fig6_", "fig7_", "fig9_", "fig10_", "fig11_", "extrapolation_"):
-        pngs = [f for f in files if f.startswith(prefix) and f.endswith(".png")]
-        assert pngs, prefix
-        for f in pngs:
-            with open(report_dir / f, "rb") as fh:
-                assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
-            assert os.path.getsize(report_dir / f) > 10_000
+  files = set(os.listdir(report_dir))
+  assert {"report.md", "fits.json"} <= files
+  for prefix in ("fig5_", "fig6_", "fig7_", "fig9_", "fig10_", "fig11_", "extrapolation_"):
+    pngs = [f for f in files if f.startswith(prefix) and f.endswith(".png")]
+    assert pngs, prefix
+    for f in pngs:
+      with open(report_dir / f, "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+      assert os.path.getsize(report_dir / f) > 10_000
 
 
 def test_report_lists_law_prescriptions_and_problems(report_dir):
-    md = (report_dir / "report.md").read_text()
-    for text in ("n*(C) law", "Frontier", "Prescriptions", "| 5e+06 |", "Fixed batch",
-                 "Sensitivity", "Extrapolation check", "unparseable line", "no metrics.jsonl",
-                 "non-finite"):
-        assert text in md, text
+  md = (report_dir / "report.md").read_text()
+  for text in ("n*(C) law", "Frontier", "Prescriptions", "| 5e+06 |", "Fixed batch",
+               "Sensitivity", "Extrapolation check", "unparseable line", "no metrics.jsonl",
+               "non-finite"):
+    assert text in md, text
 
 
 def test_fits_json_has_full_precision_and_intervals(report_dir, runs_dir):
-    fits = json.loads((report_dir / "fits.json").read_text())
-    group = fits["groups"]["easy"]
-    primary = next(s for s in group["sweeps"] if s["primary"])
-    assert primary["label"] == "bp=8" and primary["unit"] == "rollouts"
-    # Independent recomputation on the same runs gives bit-identical parameters.
-    runs = [r for r in read_runs(runs_dir).runs if r.bp == 8]
-    ref = fit_curves(runs, metric="val/avg@4").fits
-    for n, f in ref.items():
-        d = primary["curves"][f"n={n}"]
-        assert (d["a"], d["b"], d["c_mid"], d["r0"]) == (f.a, f.b, f.c_mid, f.r0)
-        iv = d["interval"]["a"]
-        assert iv["n_ok"] > 0 and iv["low"] <= iv["high"]
-    law = primary["n_star_law"]
-    assert set(law["interval"]) == {"L", "k", "x0", "b"}
-    assert [p["budget"] for p in group["prescriptions"]] == [2e4, 5e5, 5e6]
-    assert group["prescriptions"][2]["extrapolated"] is True
-    point = group["prescriptions"][1]["point"]
-    assert point["bp"] == 8 and point["compute"] <= 5e5
-    assert any(s["label"] == "joint" for s in group["sweeps"])
-    units = {(s["metric"], s["unit"]) for s in group["sweeps"] if s["label"] == "bp=8"}
-    assert units == {("val/avg@4", "rollouts"), ("val/avg@4", "tokens"),
-                     ("val/best@4", "rollouts"), ("val/worst@4", "rollouts")}
-    assert len(fits["load_problems"]) == 3
+  fits = json.loads((report_dir / "fits.json").read_text())
+  group = fits["groups"]["easy"]
+  primary = next(s for s in group["sweeps"] if s["primary"])
+  assert primary["label"] == "bp=8" and primary["unit"] == "rollouts"
+  # Independent recomputation on the same runs gives bit-identical parameters.
+  runs = [r for r in read_runs(runs_dir).runs if r.bp == 8]
+  ref = fit_curves(runs, metric="val/avg@4").fits
+  for n, f in ref.items():
+    d = primary["curves"][f"n={n}"]
+    assert (d["a"], d["b"], d["c_mid"], d["r0"]) == (f.a, f.b, f.c_mid, f.r0)
+    iv = d["interval"]["a"]
+    assert iv["n_ok"] > 0 and iv["low"] <= iv["high"]
+  law = primary["n_star_law"]
+  assert set(law["interval"]) == {"L", "k", "x0", "b"}
+  assert [p["budget"] for p in group["prescriptions"]] == [2e4, 5e5, 5e6]
+  assert group["prescriptions"][2]["extrapolated"] is True
+  point = group["prescriptions"][1]["point"]
+  assert point["bp"] == 8 and point["compute"] <= 5e5
+  assert any(s["label"] == "joint" for s in group["sweeps"])
+  units = {(s["metric"], s["unit"]) for s in group["sweeps"] if s["label"] == "bp=8"}
+  assert units == {("val/avg@4", "rollouts"), ("val/avg@4", "tokens"),
+                   ("val/best@4", "rollouts"), ("val/worst@4", "rollouts")}
+  assert len(fits["load_problems"]) == 3
 
 
 def test_module_entry_point_and_failure_status(tmp_path, runs_dir):
-    env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, "-m", "isojax.analysis", str(tmp_path / "none"),
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=120)
-    assert proc.returncode == 1 and "does not exist" in proc.stderr
-    empty = tmp_path / "empty"
-    os.makedirs(empty)
-    assert main([str(empty), "--out", str(tmp_path / "out2")]) == 1
+  env = dict(os.environ, PYTHONPATH=REPO)
+  proc = subprocess.run([sys.executable, "-m", "isojax.analysis", str(tmp_path / "none"),
+                         "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                        env=env, cwd=REPO, timeout=120)
+  assert proc.returncode == 1 and "does not exist" in proc.stderr
+  empty = tmp_path / "empty"
+  os.makedirs(empty)
+  assert main([str(empty), "--out", str(tmp_path / "out2")]) == 1
 
 
 def test_importing_analysis_does_not_import_jax():
-    code = ("import isojax.analysis, sys; "
-            "bad = [m for m in ('jax', 'flax', 'optax', 'transformers', 'torch') "
-            "if m in sys.modules]; assert not bad, bad")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+  code = ("import isojax.analysis, sys; "
+          "bad = [m for m in ('jax', 'flax', 'optax', 'transformers', 'torch') "
+          "if m in sys.modules]; assert not bad, bad")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO, timeout=120)
+  assert proc.returncode == 0, proc.stderr
 
 
 def test_readme_analysis_command_and_snippet(readme, tmp_path):
-    """README's "Analysing runs": its command and its Python, on a fake Bp=8 sweep."""
-    runs = tmp_path / "tiny"
-    fake_runs.make_sweep(runs, configs=fake_runs.bp8_configs(), budget=8 * 64 * 1000,
-                         seeds=(0,), noise=0.005, n_evals=24, difficulty="easy")
-    argv = readme.argv(readme.command("python -m isojax.analysis"),
-                       {"runs/tiny": str(runs)})
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=REPO))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert {"report.md", "fits.json"} <= set(os.listdir(runs / "report"))
+  """README's "Analysing runs": its command and its Python, on a fake Bp=8 sweep."""
+  runs = tmp_path / "tiny"
+  fake_runs.make_sweep(runs, configs=fake_runs.bp8_configs(), budget=8 * 64 * 1000,
+                       seeds=(0,), noise=0.005, n_evals=24, difficulty="easy")
+  argv = readme.argv(readme.command("python -m isojax.analysis"),
+                     {"runs/tiny": str(runs)})
+  proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=600,
+                        env=dict(os.environ, PYTHONPATH=REPO))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert {"report.md", "fits.json"} <= set(os.listdir(runs / "report"))
 
-    snippet = readme.python("plan(").replace('"runs/tiny"', repr(str(runs)))
-    assert repr(str(runs)) in snippet
-    *body, last = snippet.strip().splitlines()  # the last line is the prescription
-    namespace = {}
-    exec(compile("\n".join(body), "README.md", "exec"), namespace)  # pylint: disable=exec-used
-    point = eval(last.split("#")[0], namespace)  # pylint: disable=eval-used
-    # The fake sweep's n* grows with C (4 -> 64), so a budget past its end picks a large n.
-    assert point.bp == 32 and point.n >= 16 and point.bp * point.n * point.m <= 2e6
+  snippet = readme.python("plan(").replace('"runs/tiny"', repr(str(runs)))
+  assert repr(str(runs)) in snippet
+  *body, last = snippet.strip().splitlines()  # the last line is the prescription
+  namespace = {}
+  exec(compile("\n".join(body), "README.md", "exec"), namespace)  # pylint: disable=exec-used
+  point = eval(last.split("#")[0], namespace)  # pylint: disable=eval-used
+  # The fake sweep's n* grows with C (4 -> 64), so a budget past its end picks a large n.
+  assert point.bp == 32 and point.n >= 16 and point.bp * point.n * point.m <= 2e6

@@ -7,11 +7,11 @@ from isojax.analysis import fit_n_star, fit_sigmoid
 
 
 def sigmoid(c, a, b, c_mid, r0):
-    return r0 + (a - r0) / (1.0 + (c_mid / c) ** b)
+  return r0 + (a - r0) / (1.0 + (c_mid / c) ** b)
 
 
 def nstar_log2(c, L, k, x0, b):
-    return L / (1.0 + np.exp(-k * (np.log10(c) - x0))) + b
+  return L / (1.0 + np.exp(-k * (np.log10(c) - x0))) + b
 
 
 C = np.geomspace(1e2, 1e7, 40)
@@ -23,148 +23,148 @@ C = np.geomspace(1e2, 1e7, 40)
     dict(a=0.9, b=4.0, c_mid=1e6, r0=0.4),
 ])
 def test_sigmoid_zero_noise_is_near_exact(truth):
-    fit = fit_sigmoid(C, sigmoid(C, **truth))
-    for name, value in truth.items():
-        assert getattr(fit, name) == pytest.approx(value, rel=1e-6, abs=1e-9), name
-    assert fit.rms < 1e-9 and fit.r2 == pytest.approx(1.0)
-    assert fit.flags == ()
-    assert fit.compute_range == (C[0], C[-1])
+  fit = fit_sigmoid(C, sigmoid(C, **truth))
+  for name, value in truth.items():
+    assert getattr(fit, name) == pytest.approx(value, rel=1e-6, abs=1e-9), name
+  assert fit.rms < 1e-9 and fit.r2 == pytest.approx(1.0)
+  assert fit.flags == ()
+  assert fit.compute_range == (C[0], C[-1])
 
 
 def test_sigmoid_predict_matches_formula():
-    fit = fit_sigmoid(C, sigmoid(C, 0.6, 1.1, 1e4, 0.2))
-    grid = np.geomspace(10, 1e8, 7)
-    np.testing.assert_allclose(fit.predict(grid), sigmoid(grid, 0.6, 1.1, 1e4, 0.2),
-                               atol=1e-8)
+  fit = fit_sigmoid(C, sigmoid(C, 0.6, 1.1, 1e4, 0.2))
+  grid = np.geomspace(10, 1e8, 7)
+  np.testing.assert_allclose(fit.predict(grid), sigmoid(grid, 0.6, 1.1, 1e4, 0.2),
+                             atol=1e-8)
 
 
 def test_sigmoid_with_fixed_r0():
-    fit = fit_sigmoid(C, sigmoid(C, 0.7, 1.3, 3e4, 0.15), r0=0.15)
-    assert fit.r0_fixed and fit.r0 == 0.15
-    assert fit.a == pytest.approx(0.7, rel=1e-6)
-    assert fit.c_mid == pytest.approx(3e4, rel=1e-5)
+  fit = fit_sigmoid(C, sigmoid(C, 0.7, 1.3, 3e4, 0.15), r0=0.15)
+  assert fit.r0_fixed and fit.r0 == 0.15
+  assert fit.a == pytest.approx(0.7, rel=1e-6)
+  assert fit.c_mid == pytest.approx(3e4, rel=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_sigmoid_recovers_parameters_under_noise(seed):
-    rng = np.random.default_rng(seed)
-    y = sigmoid(C, 0.7, 1.3, 3e4, 0.15) + rng.normal(0, 0.01, C.size)
-    fit = fit_sigmoid(C, y)
-    assert abs(fit.a - 0.7) < 0.02
-    assert abs(fit.r0 - 0.15) < 0.02
-    assert fit.b == pytest.approx(1.3, rel=0.15)
-    assert fit.c_mid == pytest.approx(3e4, rel=0.2)
-    assert 0.005 < fit.rms < 0.015
+  rng = np.random.default_rng(seed)
+  y = sigmoid(C, 0.7, 1.3, 3e4, 0.15) + rng.normal(0, 0.01, C.size)
+  fit = fit_sigmoid(C, y)
+  assert abs(fit.a - 0.7) < 0.02
+  assert abs(fit.r0 - 0.15) < 0.02
+  assert fit.b == pytest.approx(1.3, rel=0.15)
+  assert fit.c_mid == pytest.approx(3e4, rel=0.2)
+  assert 0.005 < fit.rms < 0.015
 
 
 def test_sigmoid_weights_ignore_zero_weight_outliers():
-    y = sigmoid(C, 0.7, 1.3, 3e4, 0.15)
-    y_bad = y.copy()
-    y_bad[[5, 20, 30]] = [0.9, 0.0, 1.0]
-    w = np.ones_like(C)
-    w[[5, 20, 30]] = 0
-    fit = fit_sigmoid(C, y_bad, weights=w)
-    assert fit.a == pytest.approx(0.7, rel=1e-6)
-    assert fit_sigmoid(C, y_bad).rms > 0.05  # the outliers do matter unweighted
+  y = sigmoid(C, 0.7, 1.3, 3e4, 0.15)
+  y_bad = y.copy()
+  y_bad[[5, 20, 30]] = [0.9, 0.0, 1.0]
+  w = np.ones_like(C)
+  w[[5, 20, 30]] = 0
+  fit = fit_sigmoid(C, y_bad, weights=w)
+  assert fit.a == pytest.approx(0.7, rel=1e-6)
+  assert fit_sigmoid(C, y_bad).rms > 0.05  # the outliers do matter unweighted
 
 
 def test_asymptote_at_one_is_flagged():
-    y = sigmoid(C, 1.0, 1.0, 1e4, 0.2)
-    fit = fit_sigmoid(C, y)
-    assert fit.a == pytest.approx(1.0) and fit.at_bound
-    assert any("a=1" in f for f in fit.flags)
+  y = sigmoid(C, 1.0, 1.0, 1e4, 0.2)
+  fit = fit_sigmoid(C, y)
+  assert fit.a == pytest.approx(1.0) and fit.at_bound
+  assert any("a=1" in f for f in fit.flags)
 
 
 def test_asymptote_above_one_is_clipped_and_flagged():
-    y = np.minimum(sigmoid(C, 1.3, 1.0, 1e5, 0.1), 1.0)
-    fit = fit_sigmoid(C, y)
-    assert fit.a <= 1.0 and any("a=1" in f for f in fit.flags)
+  y = np.minimum(sigmoid(C, 1.3, 1.0, 1e5, 0.1), 1.0)
+  fit = fit_sigmoid(C, y)
+  assert fit.a <= 1.0 and any("a=1" in f for f in fit.flags)
 
 
 def test_flat_data_is_flagged_not_fitted_to_noise():
-    fit = fit_sigmoid(C, np.full(C.size, 0.3))
-    assert fit.a == pytest.approx(0.3) and fit.r0 == pytest.approx(0.3)
-    assert any("flat" in f for f in fit.flags)
+  fit = fit_sigmoid(C, np.full(C.size, 0.3))
+  assert fit.a == pytest.approx(0.3) and fit.r0 == pytest.approx(0.3)
+  assert any("flat" in f for f in fit.flags)
 
 
 def test_decreasing_data_gives_a_flat_monotone_fit_flagged():
-    fit = fit_sigmoid(C, np.linspace(0.6, 0.2, C.size))
-    assert fit.a >= fit.r0
-    assert fit.at_bound
+  fit = fit_sigmoid(C, np.linspace(0.6, 0.2, C.size))
+  assert fit.a >= fit.r0
+  assert fit.at_bound
 
 
 def test_early_data_only_flags_c_mid_or_a():
-    # All points far below the midpoint: the asymptote is not identified.
-    c = np.geomspace(1e1, 1e3, 20)
-    fit = fit_sigmoid(c, sigmoid(c, 0.8, 1.0, 1e7, 0.0))
-    assert fit.at_bound
+  # All points far below the midpoint: the asymptote is not identified.
+  c = np.geomspace(1e1, 1e3, 20)
+  fit = fit_sigmoid(c, sigmoid(c, 0.8, 1.0, 1e7, 0.0))
+  assert fit.at_bound
 
 
 def test_zero_r0_is_flagged_as_lower_bound():
-    fit = fit_sigmoid(C, sigmoid(C, 0.5, 1.0, 1e4, 0.0))
-    assert fit.r0 == pytest.approx(0.0, abs=1e-9)
-    assert any("r0=0" in f for f in fit.flags)
+  fit = fit_sigmoid(C, sigmoid(C, 0.5, 1.0, 1e4, 0.0))
+  assert fit.r0 == pytest.approx(0.0, abs=1e-9)
+  assert any("r0=0" in f for f in fit.flags)
 
 
 def test_too_few_points_is_an_error():
-    c = np.array([1e2, 1e3, 1e4, 1e5])
-    with pytest.raises(ValueError, match="4 points .* need at least 5"):
-        fit_sigmoid(c, sigmoid(c, 0.7, 1.0, 1e3, 0.1))
-    with pytest.raises(ValueError, match="need at least 4"):
-        fit_sigmoid(c[:3], sigmoid(c[:3], 0.7, 1.0, 1e3, 0.1), r0=0.1)
-    fit = fit_sigmoid(c, sigmoid(c, 0.7, 1.0, 1e3, 0.1), r0=0.1)  # 4 points, 3 params
-    assert fit.n_points == 4
+  c = np.array([1e2, 1e3, 1e4, 1e5])
+  with pytest.raises(ValueError, match="4 points .* need at least 5"):
+    fit_sigmoid(c, sigmoid(c, 0.7, 1.0, 1e3, 0.1))
+  with pytest.raises(ValueError, match="need at least 4"):
+    fit_sigmoid(c[:3], sigmoid(c[:3], 0.7, 1.0, 1e3, 0.1), r0=0.1)
+  fit = fit_sigmoid(c, sigmoid(c, 0.7, 1.0, 1e3, 0.1), r0=0.1)  # 4 points, 3 params
+  assert fit.n_points == 4
 
 
 def test_bad_inputs_are_errors():
-    with pytest.raises(ValueError, match="NaN or inf"):
-        fit_sigmoid(C, np.where(C > 1e4, np.nan, 0.5))
-    with pytest.raises(ValueError, match="compute must be > 0"):
-        fit_sigmoid(np.linspace(0, 10, 10), np.ones(10) * 0.2)
-    with pytest.raises(ValueError, match="target has 3"):
-        fit_sigmoid(C, [0.1, 0.2, 0.3])
-    with pytest.raises(ValueError, match="r0 must be in"):
-        fit_sigmoid(C, sigmoid(C, 0.7, 1.0, 1e3, 0.1), r0=1.5)
+  with pytest.raises(ValueError, match="NaN or inf"):
+    fit_sigmoid(C, np.where(C > 1e4, np.nan, 0.5))
+  with pytest.raises(ValueError, match="compute must be > 0"):
+    fit_sigmoid(np.linspace(0, 10, 10), np.ones(10) * 0.2)
+  with pytest.raises(ValueError, match="target has 3"):
+    fit_sigmoid(C, [0.1, 0.2, 0.3])
+  with pytest.raises(ValueError, match="r0 must be in"):
+    fit_sigmoid(C, sigmoid(C, 0.7, 1.0, 1e3, 0.1), r0=1.5)
 
 
 @pytest.mark.parametrize("truth", [dict(L=5, k=2, x0=4.5, b=2), dict(L=-3, k=1.2, x0=3, b=7)])
 def test_n_star_zero_noise_is_near_exact(truth):
-    fit = fit_n_star(C, np.exp2(nstar_log2(C, **truth)))
-    for name, value in truth.items():
-        assert getattr(fit, name) == pytest.approx(value, rel=1e-6, abs=1e-8), name
-    np.testing.assert_allclose(fit.predict_log2(C), nstar_log2(C, **truth), atol=1e-8)
-    np.testing.assert_allclose(fit.predict(C), np.exp2(nstar_log2(C, **truth)), rtol=1e-8)
-    assert fit.flags == ()
+  fit = fit_n_star(C, np.exp2(nstar_log2(C, **truth)))
+  for name, value in truth.items():
+    assert getattr(fit, name) == pytest.approx(value, rel=1e-6, abs=1e-8), name
+  np.testing.assert_allclose(fit.predict_log2(C), nstar_log2(C, **truth), atol=1e-8)
+  np.testing.assert_allclose(fit.predict(C), np.exp2(nstar_log2(C, **truth)), rtol=1e-8)
+  assert fit.flags == ()
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_n_star_under_noise(seed):
-    rng = np.random.default_rng(seed)
-    y = nstar_log2(C, 5, 2, 4.5, 2) + rng.normal(0, 0.2, C.size)
-    fit = fit_n_star(C, np.exp2(y))
-    assert abs(fit.L - 5) < 0.5 and abs(fit.b - 2) < 0.5
-    assert abs(fit.x0 - 4.5) < 0.25 and fit.k == pytest.approx(2, rel=0.3)
+  rng = np.random.default_rng(seed)
+  y = nstar_log2(C, 5, 2, 4.5, 2) + rng.normal(0, 0.2, C.size)
+  fit = fit_n_star(C, np.exp2(y))
+  assert abs(fit.L - 5) < 0.5 and abs(fit.b - 2) < 0.5
+  assert abs(fit.x0 - 4.5) < 0.25 and fit.k == pytest.approx(2, rel=0.3)
 
 
 def test_n_star_on_power_of_two_staircase_tracks_the_law():
-    truth = nstar_log2(C, 5, 2, 4.5, 2)
-    fit = fit_n_star(C, np.exp2(np.round(truth)))
-    assert np.max(np.abs(fit.predict_log2(C) - truth)) < 0.6
+  truth = nstar_log2(C, 5, 2, 4.5, 2)
+  fit = fit_n_star(C, np.exp2(np.round(truth)))
+  assert np.max(np.abs(fit.predict_log2(C) - truth)) < 0.6
 
 
 def test_n_star_constant_is_flagged():
-    fit = fit_n_star(C, np.full(C.size, 16.0))
-    assert np.allclose(fit.predict(C), 16.0)
-    assert any("constant" in f for f in fit.flags)
+  fit = fit_n_star(C, np.full(C.size, 16.0))
+  assert np.allclose(fit.predict(C), 16.0)
+  assert any("constant" in f for f in fit.flags)
 
 
 def test_n_star_step_is_flagged_at_k_edge():
-    fit = fit_n_star(C, np.where(C < 1e4, 8.0, 64.0))
-    assert any("k at upper" in f for f in fit.flags)
+  fit = fit_n_star(C, np.where(C < 1e4, 8.0, 64.0))
+  assert any("k at upper" in f for f in fit.flags)
 
 
 def test_n_star_errors():
-    with pytest.raises(ValueError, match="need at least 5"):
-        fit_n_star([1e2, 1e3, 1e4, 1e5], [4, 8, 16, 16])
-    with pytest.raises(ValueError, match="n_star must be > 0"):
-        fit_n_star(C, np.zeros(C.size))
+  with pytest.raises(ValueError, match="need at least 5"):
+    fit_n_star([1e2, 1e3, 1e4, 1e5], [4, 8, 16, 16])
+  with pytest.raises(ValueError, match="n_star must be > 0"):
+    fit_n_star(C, np.zeros(C.size))

@@ -15,148 +15,148 @@ METRIC = "val/avg@4"
 
 
 def true_envelope(fits, grid):
-    """The envelope of the TRUE curves, each allowed where its fit has data."""
-    curves = np.full((len(fits), grid.size), -np.inf)
-    keys = sorted(fits)
-    for i, n in enumerate(keys):
-        lo, hi = fits[n].compute_range
-        ok = (grid >= lo * (1 - 1e-9)) & (grid <= hi * (1 + 1e-9))
-        curves[i, ok] = fake_runs.sigmoid(grid[ok], **fake_runs.TRUE_PARAMS[n])
-    order = np.sort(curves, axis=0)
-    return order[-1], order[-2], np.array(keys)[np.argmax(curves, axis=0)]
+  """The envelope of the TRUE curves, each allowed where its fit has data."""
+  curves = np.full((len(fits), grid.size), -np.inf)
+  keys = sorted(fits)
+  for i, n in enumerate(keys):
+    lo, hi = fits[n].compute_range
+    ok = (grid >= lo * (1 - 1e-9)) & (grid <= hi * (1 + 1e-9))
+    curves[i, ok] = fake_runs.sigmoid(grid[ok], **fake_runs.TRUE_PARAMS[n])
+  order = np.sort(curves, axis=0)
+  return order[-1], order[-2], np.array(keys)[np.argmax(curves, axis=0)]
 
 
 def test_zero_noise_recovers_every_curve_exactly(clean_sweep):
-    curves = fit_curves(read_runs(clean_sweep).runs, metric=METRIC)
-    assert sorted(curves.fits) == sorted(fake_runs.TRUE_PARAMS)
-    for n, truth in fake_runs.TRUE_PARAMS.items():
-        for name, value in truth.items():
-            assert getattr(curves.fits[n], name) == pytest.approx(value, rel=1e-6), (n, name)
+  curves = fit_curves(read_runs(clean_sweep).runs, metric=METRIC)
+  assert sorted(curves.fits) == sorted(fake_runs.TRUE_PARAMS)
+  for n, truth in fake_runs.TRUE_PARAMS.items():
+    for name, value in truth.items():
+      assert getattr(curves.fits[n], name) == pytest.approx(value, rel=1e-6), (n, name)
 
 
 def test_zero_noise_frontier_and_n_star_are_exact(clean_sweep):
-    curves = fit_curves(read_runs(clean_sweep).runs, metric=METRIC)
-    fr = frontier(curves.fits)
-    best, second, argbest = true_envelope(curves.fits, fr.compute)
-    np.testing.assert_allclose(fr.reward, best, atol=1e-8)
-    clear = best - second > 1e-6  # exact crossings aside
-    assert np.array_equal(fr.n_star[clear], argbest[clear])
-    # The frontier moves to larger n as compute grows (paper Fig. 6).
-    assert fr.n_star[0] == 4 and fr.n_star[-1] == 64
-    assert set(fr.n_star) == {4, 8, 16, 32, 64}
+  curves = fit_curves(read_runs(clean_sweep).runs, metric=METRIC)
+  fr = frontier(curves.fits)
+  best, second, argbest = true_envelope(curves.fits, fr.compute)
+  np.testing.assert_allclose(fr.reward, best, atol=1e-8)
+  clear = best - second > 1e-6  # exact crossings aside
+  assert np.array_equal(fr.n_star[clear], argbest[clear])
+  # The frontier moves to larger n as compute grows (paper Fig. 6).
+  assert fr.n_star[0] == 4 and fr.n_star[-1] == 64
+  assert set(fr.n_star) == {4, 8, 16, 32, 64}
 
 
 def test_noisy_runs_recover_parameters_frontier_and_law(noisy_sweep, clean_sweep):
-    runs = read_runs(noisy_sweep).runs
-    curves = fit_curves(runs, metric=METRIC)
-    for n, truth in fake_runs.TRUE_PARAMS.items():
-        f = curves.fits[n]
-        assert abs(f.a - truth["a"]) < 0.03, n
-        assert f.c_mid == pytest.approx(truth["c_mid"], rel=0.3), n
-        assert f.b == pytest.approx(truth["b"], rel=0.3), n
-        assert abs(f.r0 - truth["r0"]) < 0.03, n
-    fr = frontier(curves.fits, tie_tol=0.005)
-    best, second, argbest = true_envelope(curves.fits, fr.compute)
-    assert np.max(np.abs(fr.reward - best)) < 0.03
-    clear = best - second > 0.03
-    assert clear.sum() > 20 and np.array_equal(fr.n_star[clear], argbest[clear])
-    # n*(C) law: compare with the law fitted to the true n*(C) on the same grid.
-    law = fit_n_star(*fr.n_star_points())
-    true_law = fit_n_star(fr.compute, argbest.astype(float))
-    mid = (fr.compute > 1e3) & (fr.compute < 5e5)
-    err = np.abs(law.predict_log2(fr.compute) - true_law.predict_log2(fr.compute))
-    assert np.max(err[mid]) < 0.75  # within a factor 1.7 of the true law's n*
+  runs = read_runs(noisy_sweep).runs
+  curves = fit_curves(runs, metric=METRIC)
+  for n, truth in fake_runs.TRUE_PARAMS.items():
+    f = curves.fits[n]
+    assert abs(f.a - truth["a"]) < 0.03, n
+    assert f.c_mid == pytest.approx(truth["c_mid"], rel=0.3), n
+    assert f.b == pytest.approx(truth["b"], rel=0.3), n
+    assert abs(f.r0 - truth["r0"]) < 0.03, n
+  fr = frontier(curves.fits, tie_tol=0.005)
+  best, second, argbest = true_envelope(curves.fits, fr.compute)
+  assert np.max(np.abs(fr.reward - best)) < 0.03
+  clear = best - second > 0.03
+  assert clear.sum() > 20 and np.array_equal(fr.n_star[clear], argbest[clear])
+  # n*(C) law: compare with the law fitted to the true n*(C) on the same grid.
+  law = fit_n_star(*fr.n_star_points())
+  true_law = fit_n_star(fr.compute, argbest.astype(float))
+  mid = (fr.compute > 1e3) & (fr.compute < 5e5)
+  err = np.abs(law.predict_log2(fr.compute) - true_law.predict_log2(fr.compute))
+  assert np.max(err[mid]) < 0.75  # within a factor 1.7 of the true law's n*
 
 
 def test_frontier_does_not_depend_on_mapping_or_run_order(noisy_sweep):
-    runs = list(read_runs(noisy_sweep).runs)
-    a = fit_curves(runs, metric=METRIC)
-    random.Random(0).shuffle(runs)
-    b = fit_curves(runs, metric=METRIC)
-    for n in a.fits:
-        assert a.fits[n] == b.fits[n]
-    items = list(a.fits.items())
-    random.Random(1).shuffle(items)
-    f1, f2 = frontier(a.fits), frontier(dict(items))
-    np.testing.assert_array_equal(f1.reward, f2.reward)
-    np.testing.assert_array_equal(f1.n_star, f2.n_star)
+  runs = list(read_runs(noisy_sweep).runs)
+  a = fit_curves(runs, metric=METRIC)
+  random.Random(0).shuffle(runs)
+  b = fit_curves(runs, metric=METRIC)
+  for n in a.fits:
+    assert a.fits[n] == b.fits[n]
+  items = list(a.fits.items())
+  random.Random(1).shuffle(items)
+  f1, f2 = frontier(a.fits), frontier(dict(items))
+  np.testing.assert_array_equal(f1.reward, f2.reward)
+  np.testing.assert_array_equal(f1.n_star, f2.n_star)
 
 
 def test_curves_are_not_used_beyond_their_data():
-    c1, c2 = np.geomspace(10, 1e3, 12), np.geomspace(100, 1e5, 12)
-    fits = {4: fit_sigmoid(c1, fake_runs.sigmoid(c1, 0.9, 1, 100, 0.1)),
-            64: fit_sigmoid(c2, fake_runs.sigmoid(c2, 0.5, 1, 1e4, 0.1))}
-    grid = np.geomspace(10, 1e5, 50)
-    fr = frontier(fits, grid)
-    # n=4 is far better wherever it exists, but it has no data past C=1e3.
-    assert np.all(fr.n_star[grid <= 1e3] == 4)
-    assert np.all(fr.n_star[grid > 1.001e3] == 64)
-    assert not fr.extrapolated.any()
-    fx = frontier(fits, grid, extrapolate=math.inf)
-    assert np.all(fx.n_star == 4)
-    assert np.array_equal(fx.extrapolated, grid > 1e3 * (1 + 1e-9))
-    # Nothing fitted below C=10: undefined there, not invented.
-    fu = frontier(fits, [1.0, 50.0])
-    assert fu.winner[0] == -1 and math.isnan(fu.reward[0]) and fu.n_star[1] == 4
+  c1, c2 = np.geomspace(10, 1e3, 12), np.geomspace(100, 1e5, 12)
+  fits = {4: fit_sigmoid(c1, fake_runs.sigmoid(c1, 0.9, 1, 100, 0.1)),
+          64: fit_sigmoid(c2, fake_runs.sigmoid(c2, 0.5, 1, 1e4, 0.1))}
+  grid = np.geomspace(10, 1e5, 50)
+  fr = frontier(fits, grid)
+  # n=4 is far better wherever it exists, but it has no data past C=1e3.
+  assert np.all(fr.n_star[grid <= 1e3] == 4)
+  assert np.all(fr.n_star[grid > 1.001e3] == 64)
+  assert not fr.extrapolated.any()
+  fx = frontier(fits, grid, extrapolate=math.inf)
+  assert np.all(fx.n_star == 4)
+  assert np.array_equal(fx.extrapolated, grid > 1e3 * (1 + 1e-9))
+  # Nothing fitted below C=10: undefined there, not invented.
+  fu = frontier(fits, [1.0, 50.0])
+  assert fu.winner[0] == -1 and math.isnan(fu.reward[0]) and fu.n_star[1] == 4
 
 
 def test_tie_tolerance_prefers_the_smaller_n():
-    c = np.geomspace(10, 1e4, 12)
-    fits = {8: fit_sigmoid(c, fake_runs.sigmoid(c, 0.600, 1, 100, 0.1)),
-            4: fit_sigmoid(c, fake_runs.sigmoid(c, 0.597, 1, 100, 0.1))}
-    grid = np.geomspace(1e3, 1e4, 5)
-    assert np.all(frontier(fits, grid).n_star == 8)
-    tied = frontier(fits, grid, tie_tol=0.005)
-    assert np.all(tied.n_star == 4)
-    np.testing.assert_allclose(tied.reward, fits[8].predict(grid))  # value stays the max
+  c = np.geomspace(10, 1e4, 12)
+  fits = {8: fit_sigmoid(c, fake_runs.sigmoid(c, 0.600, 1, 100, 0.1)),
+          4: fit_sigmoid(c, fake_runs.sigmoid(c, 0.597, 1, 100, 0.1))}
+  grid = np.geomspace(1e3, 1e4, 5)
+  assert np.all(frontier(fits, grid).n_star == 8)
+  tied = frontier(fits, grid, tie_tol=0.005)
+  assert np.all(tied.n_star == 4)
+  np.testing.assert_allclose(tied.reward, fits[8].predict(grid))  # value stays the max
 
 
 def test_tokens_law_is_the_rollout_law_shifted(clean_sweep):
-    # Appendix E: with a constant response length the token law is the rollout law with
-    # x0 shifted by log10(tokens per rollout) and the same k.
-    runs = read_runs(clean_sweep).runs
-    laws = {}
-    for unit in ("rollouts", "tokens"):
-        curves = fit_curves(runs, metric=METRIC, unit=unit)
-        fr = frontier(curves.fits, log_grid(curves.fits, 200))
-        laws[unit] = fit_n_star(*fr.n_star_points(), unit=unit)
-    shift = math.log10(fake_runs.TOKENS_PER_ROLLOUT)
-    assert laws["tokens"].x0 == pytest.approx(laws["rollouts"].x0 + shift, abs=1e-3)
-    assert laws["tokens"].k == pytest.approx(laws["rollouts"].k, rel=1e-3)
-    assert laws["tokens"].unit == "tokens"
+  # Appendix E: with a constant response length the token law is the rollout law with
+  # x0 shifted by log10(tokens per rollout) and the same k.
+  runs = read_runs(clean_sweep).runs
+  laws = {}
+  for unit in ("rollouts", "tokens"):
+    curves = fit_curves(runs, metric=METRIC, unit=unit)
+    fr = frontier(curves.fits, log_grid(curves.fits, 200))
+    laws[unit] = fit_n_star(*fr.n_star_points(), unit=unit)
+  shift = math.log10(fake_runs.TOKENS_PER_ROLLOUT)
+  assert laws["tokens"].x0 == pytest.approx(laws["rollouts"].x0 + shift, abs=1e-3)
+  assert laws["tokens"].k == pytest.approx(laws["rollouts"].k, rel=1e-3)
+  assert laws["tokens"].unit == "tokens"
 
 
 def test_best_and_worst_metrics_have_frontiers(clean_sweep):
-    runs = read_runs(clean_sweep).runs
-    for metric in ("val/best@4", "val/worst@4"):
-        curves = fit_curves(runs, metric=metric)
-        assert len(curves.fits) == 5
-        assert frontier(curves.fits).defined.all()
+  runs = read_runs(clean_sweep).runs
+  for metric in ("val/best@4", "val/worst@4"):
+    curves = fit_curves(runs, metric=metric)
+    assert len(curves.fits) == 5
+    assert frontier(curves.fits).defined.all()
 
 
 def test_extrapolation_check_zero_noise_is_accurate(clean_sweep):
-    runs = read_runs(clean_sweep).runs
-    check = extrapolation_check(runs, c_cut=3e5, metric=METRIC)
-    assert check.frontier_max_error < 1e-3
-    assert check.heldout_rmse < 1e-3 and check.n_heldout > 0
-    assert check.n_star_agreement > 0.95
-    assert check.lost == ()
+  runs = read_runs(clean_sweep).runs
+  check = extrapolation_check(runs, c_cut=3e5, metric=METRIC)
+  assert check.frontier_max_error < 1e-3
+  assert check.heldout_rmse < 1e-3 and check.n_heldout > 0
+  assert check.n_star_agreement > 0.95
+  assert check.lost == ()
 
 
 def test_extrapolation_check_reports_what_it_cannot_predict(noisy_sweep):
-    runs = read_runs(noisy_sweep).runs
-    # n=64 has only a few points below 1e3: it cannot be fitted there.
-    check = extrapolation_check(runs, c_cut=1e3, metric=METRIC)
-    assert 64 in check.lost
-    assert check.frontier_max_error > 0.05  # predicting far out from 1e3 is poor
-    with pytest.raises(ValueError, match="leaves no data beyond"):
-        extrapolation_check(runs, c_cut=1e9, metric=METRIC)
+  runs = read_runs(noisy_sweep).runs
+  # n=64 has only a few points below 1e3: it cannot be fitted there.
+  check = extrapolation_check(runs, c_cut=1e3, metric=METRIC)
+  assert 64 in check.lost
+  assert check.frontier_max_error > 0.05  # predicting far out from 1e3 is poor
+  with pytest.raises(ValueError, match="leaves no data beyond"):
+    extrapolation_check(runs, c_cut=1e9, metric=METRIC)
 
 
 def test_too_few_records_are_skipped_with_a_reason(tmp_path):
-    fake_runs.make_sweep(tmp_path, configs=[(8, 4), (8, 8)], budget=8 * 8 * 500, n_evals=4)
-    curves = fit_curves(read_runs(tmp_path).runs, metric=METRIC)
-    assert curves.fits == {}
-    assert "need at least 5" in curves.skipped[4]
-    with pytest.raises(ValueError, match="no fitted curves"):
-        frontier(curves.fits)
+  fake_runs.make_sweep(tmp_path, configs=[(8, 4), (8, 8)], budget=8 * 8 * 500, n_evals=4)
+  curves = fit_curves(read_runs(tmp_path).runs, metric=METRIC)
+  assert curves.fits == {}
+  assert "need at least 5" in curves.skipped[4]
+  with pytest.raises(ValueError, match="no fitted curves"):
+    frontier(curves.fits)

@@ -10,44 +10,44 @@ from isojax.budget import BudgetPoint
 
 
 def law(L=4.0, k=2.0, x0=5.0, b=2.0, unit="rollouts"):
-    return NStarFit(L=L, k=k, x0=x0, b=b, rms=0.0, r2=1.0, n_points=10,
-                    compute_range=(1e3, 1e7), unit=unit)
+  return NStarFit(L=L, k=k, x0=x0, b=b, rms=0.0, r2=1.0, n_points=10,
+                  compute_range=(1e3, 1e7), unit=unit)
 
 
 def test_round_pow2_is_nearest_in_log2():
-    assert [round_pow2(x) for x in (1, 1.4, 1.5, 2.7, 2.9, 3.0, 45.2, 45.3, 0.3)] == \
-        [1, 1, 2, 2, 4, 4, 32, 64, 1]  # 2*sqrt(2)=2.83 and 32*sqrt(2)=45.25 are the edges
-    with pytest.raises(ValueError):
-        round_pow2(float("nan"))
+  assert [round_pow2(x) for x in (1, 1.4, 1.5, 2.7, 2.9, 3.0, 45.2, 45.3, 0.3)] == \
+      [1, 1, 2, 2, 4, 4, 32, 64, 1]  # 2*sqrt(2)=2.83 and 32*sqrt(2)=45.25 are the edges
+  with pytest.raises(ValueError):
+    round_pow2(float("nan"))
 
 
 def test_law_past_float_range_predicts_inf_without_a_warning():
-    # Bootstrap laws at a search edge reach this; the demo printed an overflow warning.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert law(L=3000.0).predict(1e9) == np.inf
-        assert law().predict(1e5) == pytest.approx(2 ** 4.0)
+  # Bootstrap laws at a search edge reach this; the demo printed an overflow warning.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert law(L=3000.0).predict(1e9) == np.inf
+    assert law().predict(1e5) == pytest.approx(2 ** 4.0)
 
 
 def test_plan_follows_the_law():
-    f = law()
-    for budget in (1e4, 1e5, 1e6, 1e7):
-        n_star = 2 ** (4.0 / (1 + np.exp(-2.0 * (np.log10(budget) - 5.0))) + 2.0)
-        n = 2 ** int(np.floor(np.log2(n_star) + 0.5))
-        point = plan(budget, f, bp=32)
-        assert isinstance(point, BudgetPoint)
-        assert (point.bp, point.n, point.m) == (32, n, int(budget // (32 * n)))
-        assert point.compute <= budget
+  f = law()
+  for budget in (1e4, 1e5, 1e6, 1e7):
+    n_star = 2 ** (4.0 / (1 + np.exp(-2.0 * (np.log10(budget) - 5.0))) + 2.0)
+    n = 2 ** int(np.floor(np.log2(n_star) + 0.5))
+    point = plan(budget, f, bp=32)
+    assert isinstance(point, BudgetPoint)
+    assert (point.bp, point.n, point.m) == (32, n, int(budget // (32 * n)))
+    assert point.compute <= budget
 
 
 def test_plan_errors_name_the_numbers():
-    f = law()  # n* at C=1e3 is ~4.3 -> n=4
-    with pytest.raises(ValueError, match=r"budget=100.*bp=32.*n=4.*M = 0"):
-        plan(100, f, bp=32)
-    with pytest.raises(ValueError, match=r"budget=1e\+07.*bp=1024.*n=64.*b_max=16384"):
-        plan(1e7, f, bp=1024, b_max=16384)
-    assert plan(1e7, f, bp=256, b_max=16384).batch == 16384
-    with pytest.raises(ValueError, match="tokens"):
-        plan(1e7, law(unit="tokens"), bp=32)
-    with pytest.raises(ValueError, match="bp must be"):
-        plan(1e7, f, bp=0)
+  f = law()  # n* at C=1e3 is ~4.3 -> n=4
+  with pytest.raises(ValueError, match=r"budget=100.*bp=32.*n=4.*M = 0"):
+    plan(100, f, bp=32)
+  with pytest.raises(ValueError, match=r"budget=1e\+07.*bp=1024.*n=64.*b_max=16384"):
+    plan(1e7, f, bp=1024, b_max=16384)
+  assert plan(1e7, f, bp=256, b_max=16384).batch == 16384
+  with pytest.raises(ValueError, match="tokens"):
+    plan(1e7, law(unit="tokens"), bp=32)
+  with pytest.raises(ValueError, match="bp must be"):
+    plan(1e7, f, bp=0)

@@ -12,46 +12,46 @@ from . import fake_runs
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("plots")
-    configs = fake_runs.bp8_configs() + [(64, 4), (32, 8), (16, 16), (4, 64), (16, 8)]
-    fake_runs.make_sweep(root, configs=configs, budget=8 * 64 * 500, noise=0.01, n_evals=30,
-                         hist_bins=8, hist_layout="flat")  # the run loop's layout
-    return read_runs(root).runs
+  root = tmp_path_factory.mktemp("plots")
+  configs = fake_runs.bp8_configs() + [(64, 4), (32, 8), (16, 16), (4, 64), (16, 8)]
+  fake_runs.make_sweep(root, configs=configs, budget=8 * 64 * 500, noise=0.01, n_evals=30,
+                       hist_bins=8, hist_layout="flat")  # the run loop's layout
+  return read_runs(root).runs
 
 
 def _labelled(ax):
-    return ax.get_xlabel() and ax.get_ylabel()
+  return ax.get_xlabel() and ax.get_ylabel()
 
 
 def test_frontier_and_records_figures(runs):
-    sweep = analyze_sweep([r for r in runs if r.bp == 8], metric="val/avg@4", label="bp=8")
-    fig = plots.plot_frontier(sweep)
-    ax = fig.axes[0]
-    assert isinstance(fig, Figure) and _labelled(ax) and ax.get_xscale() == "log"
-    assert "rollouts" in ax.get_xlabel()
-    fig = plots.plot_records(sweep.curves)
-    assert len([a for a in fig.axes if a.get_visible()]) == 5
-    fig = plots.plot_n_star([sweep])
-    ax = fig.axes[0]
-    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"  # log2 n* axis
-    assert "n*" in ax.get_ylabel()
+  sweep = analyze_sweep([r for r in runs if r.bp == 8], metric="val/avg@4", label="bp=8")
+  fig = plots.plot_frontier(sweep)
+  ax = fig.axes[0]
+  assert isinstance(fig, Figure) and _labelled(ax) and ax.get_xscale() == "log"
+  assert "rollouts" in ax.get_xlabel()
+  fig = plots.plot_records(sweep.curves)
+  assert len([a for a in fig.axes if a.get_visible()]) == 5
+  fig = plots.plot_n_star([sweep])
+  ax = fig.axes[0]
+  assert ax.get_xscale() == "log" and ax.get_yscale() == "log"  # log2 n* axis
+  assert "n*" in ax.get_ylabel()
 
 
 def test_fixed_batch_sensitivity_and_hist_figures(runs):
-    fig = plots.plot_fixed_batch(fixed_batch(runs, batch=256, metric="val/avg@4"))
-    assert all(_labelled(ax) and ax.get_xscale() == "log" for ax in fig.axes)
-    fig = plots.plot_sensitivity(sensitivity(runs, metric="val/avg@4"))
-    assert "range" in fig.axes[0].get_title() and "range" in fig.axes[1].get_title()
-    fig = plots.plot_pass1_hist(runs)
-    assert fig is not None and "pass@1" in fig.axes[0].get_xlabel()
-    bars = fig.axes[0].patches
-    assert len(bars) == 16  # n=4 and n=64, 8 bins each
-    assert sum(b.get_height() for b in bars) == pytest.approx(2.0)  # fractions
-    no_hist = [r for r in runs if False]
-    assert plots.plot_pass1_hist(no_hist) is None
+  fig = plots.plot_fixed_batch(fixed_batch(runs, batch=256, metric="val/avg@4"))
+  assert all(_labelled(ax) and ax.get_xscale() == "log" for ax in fig.axes)
+  fig = plots.plot_sensitivity(sensitivity(runs, metric="val/avg@4"))
+  assert "range" in fig.axes[0].get_title() and "range" in fig.axes[1].get_title()
+  fig = plots.plot_pass1_hist(runs)
+  assert fig is not None and "pass@1" in fig.axes[0].get_xlabel()
+  bars = fig.axes[0].patches
+  assert len(bars) == 16  # n=4 and n=64, 8 bins each
+  assert sum(b.get_height() for b in bars) == pytest.approx(2.0)  # fractions
+  no_hist = [r for r in runs if False]
+  assert plots.plot_pass1_hist(no_hist) is None
 
 
 def test_n_colors_are_ordered_by_n():
-    colours = plots.n_colors([64, 4, 16])
-    assert list(colours) == [4, 16, 64]
-    assert len({tuple(np.round(c, 6)) for c in colours.values()}) == 3
+  colours = plots.n_colors([64, 4, 16])
+  assert list(colours) == [4, 16, 64]
+  assert len({tuple(np.round(c, 6)) for c in colours.values()}) == 3

@@ -7,70 +7,70 @@ from isojax.analysis import record_breaking_points
 
 
 def test_increasing_distinct_bins_are_all_records():
-    c = [1, 2, 3, 4]
-    r = [0.10, 0.20, 0.30, 0.40]
-    assert record_breaking_points(c, r, bin_width=0.005).tolist() == [0, 1, 2, 3]
+  c = [1, 2, 3, 4]
+  r = [0.10, 0.20, 0.30, 0.40]
+  assert record_breaking_points(c, r, bin_width=0.005).tolist() == [0, 1, 2, 3]
 
 
 def test_decreasing_tail_adds_nothing():
-    r = [0.1, 0.3, 0.5, 0.45, 0.4, 0.2]
-    assert record_breaking_points(np.arange(1, 7), r).tolist() == [0, 1, 2]
+  r = [0.1, 0.3, 0.5, 0.45, 0.4, 0.2]
+  assert record_breaking_points(np.arange(1, 7), r).tolist() == [0, 1, 2]
 
 
 def test_noise_within_one_bin_is_not_a_record():
-    # 0.500..0.5049 all sit in bin 100 of width 0.005; 0.505 enters bin 101.
-    r = [0.500, 0.503, 0.501, 0.5049, 0.505, 0.5051]
-    assert record_breaking_points(np.arange(6), r, bin_width=0.005).tolist() == [0, 4]
+  # 0.500..0.5049 all sit in bin 100 of width 0.005; 0.505 enters bin 101.
+  r = [0.500, 0.503, 0.501, 0.5049, 0.505, 0.5051]
+  assert record_breaking_points(np.arange(6), r, bin_width=0.005).tolist() == [0, 4]
 
 
 def test_equal_rewards_later_are_not_records():
-    r = [0.2, 0.2, 0.2, 0.3, 0.3]
-    assert record_breaking_points(np.arange(5), r).tolist() == [0, 3]
+  r = [0.2, 0.2, 0.2, 0.3, 0.3]
+  assert record_breaking_points(np.arange(5), r).tolist() == [0, 3]
 
 
 def test_ties_in_compute_keep_only_the_best():
-    # Two runs evaluated at the same compute: only the higher one can be a record, and
-    # which one is listed first must not matter.
-    c = [10, 10, 20, 20]
-    r = [0.30, 0.40, 0.35, 0.45]
-    assert record_breaking_points(c, r, bin_width=0.01).tolist() == [1, 3]
-    assert record_breaking_points(c[::-1], r[::-1], bin_width=0.01).tolist() == [2, 0]
+  # Two runs evaluated at the same compute: only the higher one can be a record, and
+  # which one is listed first must not matter.
+  c = [10, 10, 20, 20]
+  r = [0.30, 0.40, 0.35, 0.45]
+  assert record_breaking_points(c, r, bin_width=0.01).tolist() == [1, 3]
+  assert record_breaking_points(c[::-1], r[::-1], bin_width=0.01).tolist() == [2, 0]
 
 
 def test_exact_tie_in_compute_and_reward_takes_the_first_index():
-    assert record_breaking_points([5, 5], [0.3, 0.3]).tolist() == [0]
+  assert record_breaking_points([5, 5], [0.3, 0.3]).tolist() == [0]
 
 
 def test_unsorted_input_returns_indices_in_compute_order():
-    c = [30, 10, 20]
-    r = [0.5, 0.1, 0.3]
-    assert record_breaking_points(c, r, bin_width=0.05).tolist() == [1, 2, 0]
+  c = [30, 10, 20]
+  r = [0.5, 0.1, 0.3]
+  assert record_breaking_points(c, r, bin_width=0.05).tolist() == [1, 2, 0]
 
 
 def test_coarse_bins_merge_small_gains():
-    r = [0.50, 0.55, 0.58, 0.61, 0.69]
-    assert record_breaking_points(np.arange(5), r, bin_width=0.1).tolist() == [0, 3]
+  r = [0.50, 0.55, 0.58, 0.61, 0.69]
+  assert record_breaking_points(np.arange(5), r, bin_width=0.1).tolist() == [0, 3]
 
 
 def test_nan_points_are_ignored():
-    c = [1, 2, 3, np.nan]
-    r = [0.1, np.nan, 0.2, 0.9]
-    assert record_breaking_points(c, r).tolist() == [0, 2]
+  c = [1, 2, 3, np.nan]
+  r = [0.1, np.nan, 0.2, 0.9]
+  assert record_breaking_points(c, r).tolist() == [0, 2]
 
 
 def test_pooling_order_does_not_change_records():
-    rng = np.random.default_rng(0)
-    c = np.repeat(np.arange(1, 41), 2).astype(float)
-    r = np.tanh(c / 15) + rng.normal(0, 0.02, c.size)
-    idx = record_breaking_points(c, r)
-    perm = rng.permutation(c.size)
-    idx_p = record_breaking_points(c[perm], r[perm])
-    assert sorted(zip(c[idx], r[idx])) == sorted(zip(c[perm][idx_p], r[perm][idx_p]))
+  rng = np.random.default_rng(0)
+  c = np.repeat(np.arange(1, 41), 2).astype(float)
+  r = np.tanh(c / 15) + rng.normal(0, 0.02, c.size)
+  idx = record_breaking_points(c, r)
+  perm = rng.permutation(c.size)
+  idx_p = record_breaking_points(c[perm], r[perm])
+  assert sorted(zip(c[idx], r[idx])) == sorted(zip(c[perm][idx_p], r[perm][idx_p]))
 
 
 def test_empty_and_bad_inputs():
-    assert record_breaking_points([], []).tolist() == []
-    with pytest.raises(ValueError, match="compute has 2 points, reward has 3"):
-        record_breaking_points([1, 2], [0.1, 0.2, 0.3])
-    with pytest.raises(ValueError, match="bin_width"):
-        record_breaking_points([1], [0.1], bin_width=0)
+  assert record_breaking_points([], []).tolist() == []
+  with pytest.raises(ValueError, match="compute has 2 points, reward has 3"):
+    record_breaking_points([1, 2], [0.1, 0.2, 0.3])
+  with pytest.raises(ValueError, match="bin_width"):
+    record_breaking_points([1], [0.1], bin_width=0)

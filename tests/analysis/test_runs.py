@@ -17,128 +17,128 @@ from . import fake_runs
 
 
 def _rows(bp, n, rewards):
-    return [{"step": i + 1, "rollouts": (i + 1) * bp * n, "tokens": (i + 1) * bp * n * 50,
-             "train/reward": r, "val/avg@4": r} for i, r in enumerate(rewards)]
+  return [{"step": i + 1, "rollouts": (i + 1) * bp * n, "tokens": (i + 1) * bp * n * 50,
+           "train/reward": r, "val/avg@4": r} for i, r in enumerate(rewards)]
 
 
 @pytest.fixture
 def messy_root(tmp_path):
-    """A good run, a corrupt line + truncated tail, an empty run, a config-only dir,
-    non-finite rewards, a nested budget layout, a bad config and a duplicate step."""
-    fake_runs.write_run(tmp_path / "good", {"bp": 8, "n": 4, "m": 3, "seed": 1,
-                                            "data": {"difficulty": "easy"}},
-                        _rows(8, 4, [0.1, 0.2, 0.3]))
-    fake_runs.write_run(tmp_path / "corrupt", {"bp": 8, "n": 8, "m": 4},
-                        _rows(8, 8, [0.1, 0.2]),
-                        raw_lines=["this is not json\n",
-                                   json.dumps(_rows(8, 8, [0, 0, 0.4])[2]) + "\n",
-                                   '{"step": 4, "rollouts": 2'])
-    fake_runs.write_run(tmp_path / "empty", {"bp": 8, "n": 16}, [])
-    os.makedirs(tmp_path / "no_metrics")
-    with open(tmp_path / "no_metrics" / "config.json", "w") as f:
-        json.dump({"bp": 8, "n": 32}, f)
-    nan_rows = _rows(8, 2, [0.1, 0.2, 0.3])
-    # NaN / Infinity tokens, as Python's json writes non-finite floats.
-    fake_runs.write_run(tmp_path / "nonfinite", {"budget": {"bp": 8, "n": 2, "m": 3,
-                                                            "compute": 48}}, [],
-                        raw_lines=[json.dumps(nan_rows[0]) + "\n",
-                                   json.dumps(nan_rows[1]).replace("0.2", "NaN") + "\n",
-                                   json.dumps(nan_rows[2]).replace('"train/reward": 0.3',
-                                                                   '"train/reward": Infinity')
-                                   + "\n"])
-    fake_runs.write_run(tmp_path / "badconfig", {"n": 8}, _rows(8, 8, [0.1]))
-    fake_runs.write_run(tmp_path / "sub" / "dup", {"bp": 4, "n": 4},
-                        _rows(4, 4, [0.1, 0.2]) + _rows(4, 4, [0.15]))
-    return tmp_path
+  """A good run, a corrupt line + truncated tail, an empty run, a config-only dir,
+  non-finite rewards, a nested budget layout, a bad config and a duplicate step."""
+  fake_runs.write_run(tmp_path / "good", {"bp": 8, "n": 4, "m": 3, "seed": 1,
+                                          "data": {"difficulty": "easy"}},
+                      _rows(8, 4, [0.1, 0.2, 0.3]))
+  fake_runs.write_run(tmp_path / "corrupt", {"bp": 8, "n": 8, "m": 4},
+                      _rows(8, 8, [0.1, 0.2]),
+                      raw_lines=["this is not json\n",
+                                 json.dumps(_rows(8, 8, [0, 0, 0.4])[2]) + "\n",
+                                 '{"step": 4, "rollouts": 2'])
+  fake_runs.write_run(tmp_path / "empty", {"bp": 8, "n": 16}, [])
+  os.makedirs(tmp_path / "no_metrics")
+  with open(tmp_path / "no_metrics" / "config.json", "w") as f:
+    json.dump({"bp": 8, "n": 32}, f)
+  nan_rows = _rows(8, 2, [0.1, 0.2, 0.3])
+  # NaN / Infinity tokens, as Python's json writes non-finite floats.
+  fake_runs.write_run(tmp_path / "nonfinite", {"budget": {"bp": 8, "n": 2, "m": 3,
+                                                          "compute": 48}}, [],
+                      raw_lines=[json.dumps(nan_rows[0]) + "\n",
+                                 json.dumps(nan_rows[1]).replace("0.2", "NaN") + "\n",
+                                 json.dumps(nan_rows[2]).replace('"train/reward": 0.3',
+                                                                 '"train/reward": Infinity')
+                                 + "\n"])
+  fake_runs.write_run(tmp_path / "badconfig", {"n": 8}, _rows(8, 8, [0.1]))
+  fake_runs.write_run(tmp_path / "sub" / "dup", {"bp": 4, "n": 4},
+                      _rows(4, 4, [0.1, 0.2]) + _rows(4, 4, [0.15]))
+  return tmp_path
 
 
 def test_messy_directory_loads_and_reports_each_problem(messy_root):
-    result = read_runs(messy_root)
-    names = [r.name for r in result.runs]
-    assert names == ["corrupt", "good", "nonfinite", "sub/dup"]
-    kinds = {(os.path.basename(os.path.dirname(p.path)) if p.path.endswith(".jsonl")
-              or p.path.endswith("config.json") else os.path.basename(p.path), p.kind)
-             for p in result.problems}
-    assert ("corrupt", "corrupt_lines") in kinds
-    assert ("empty", "empty") in kinds
-    assert ("no_metrics", "no_metrics") in kinds
-    assert ("nonfinite", "non_finite") in kinds
-    assert ("badconfig", "bad_config") in kinds
-    assert ("dup", "duplicate_steps") in kinds
-    corrupt = next(p for p in result.problems if p.kind == "corrupt_lines")
-    assert "skipped 2 unparseable line(s): 3, 5" in corrupt.detail
-    nonfinite = next(p for p in result.problems if p.kind == "non_finite")
-    assert "train/reward x2" in nonfinite.detail and "val/avg@4 x1" in nonfinite.detail
+  result = read_runs(messy_root)
+  names = [r.name for r in result.runs]
+  assert names == ["corrupt", "good", "nonfinite", "sub/dup"]
+  kinds = {(os.path.basename(os.path.dirname(p.path)) if p.path.endswith(".jsonl")
+            or p.path.endswith("config.json") else os.path.basename(p.path), p.kind)
+           for p in result.problems}
+  assert ("corrupt", "corrupt_lines") in kinds
+  assert ("empty", "empty") in kinds
+  assert ("no_metrics", "no_metrics") in kinds
+  assert ("nonfinite", "non_finite") in kinds
+  assert ("badconfig", "bad_config") in kinds
+  assert ("dup", "duplicate_steps") in kinds
+  corrupt = next(p for p in result.problems if p.kind == "corrupt_lines")
+  assert "skipped 2 unparseable line(s): 3, 5" in corrupt.detail
+  nonfinite = next(p for p in result.problems if p.kind == "non_finite")
+  assert "train/reward x2" in nonfinite.detail and "val/avg@4 x1" in nonfinite.detail
 
 
 def test_run_fields_and_values(messy_root):
-    runs = {r.name: r for r in read_runs(messy_root).runs}
-    good = runs["good"]
-    assert (good.bp, good.n, good.m, good.seed, good.difficulty) == (8, 4, 3, 1, "easy")
-    assert good.batch == 32 and good.get("data.difficulty") == "easy"
-    assert good.get("missing.key", 5) == 5
-    np.testing.assert_array_equal(good.compute("rollouts"), [32, 64, 96])
-    np.testing.assert_array_equal(good.compute("steps"), [1, 2, 3])
-    np.testing.assert_array_equal(good.compute("tokens"), [1600, 3200, 4800])
-    # The corrupt run keeps its valid lines, including the one after the bad line.
-    c, r = runs["corrupt"].points("val/avg@4")
-    np.testing.assert_array_equal(r, [0.1, 0.2, 0.4])
-    # Non-finite values are dropped, finite ones of the same row kept.
-    nf = runs["nonfinite"]
-    assert (nf.bp, nf.n, nf.m, nf.difficulty) == (8, 2, 3, None)
-    c, r = nf.points("val/avg@4")
-    np.testing.assert_array_equal(r, [0.1, 0.3])
-    assert np.isnan(nf.column("train/reward")[2])
-    # A duplicated step keeps its last value.
-    np.testing.assert_array_equal(runs["sub/dup"].points("val/avg@4")[1], [0.15, 0.2])
+  runs = {r.name: r for r in read_runs(messy_root).runs}
+  good = runs["good"]
+  assert (good.bp, good.n, good.m, good.seed, good.difficulty) == (8, 4, 3, 1, "easy")
+  assert good.batch == 32 and good.get("data.difficulty") == "easy"
+  assert good.get("missing.key", 5) == 5
+  np.testing.assert_array_equal(good.compute("rollouts"), [32, 64, 96])
+  np.testing.assert_array_equal(good.compute("steps"), [1, 2, 3])
+  np.testing.assert_array_equal(good.compute("tokens"), [1600, 3200, 4800])
+  # The corrupt run keeps its valid lines, including the one after the bad line.
+  c, r = runs["corrupt"].points("val/avg@4")
+  np.testing.assert_array_equal(r, [0.1, 0.2, 0.4])
+  # Non-finite values are dropped, finite ones of the same row kept.
+  nf = runs["nonfinite"]
+  assert (nf.bp, nf.n, nf.m, nf.difficulty) == (8, 2, 3, None)
+  c, r = nf.points("val/avg@4")
+  np.testing.assert_array_equal(r, [0.1, 0.3])
+  assert np.isnan(nf.column("train/reward")[2])
+  # A duplicated step keeps its last value.
+  np.testing.assert_array_equal(runs["sub/dup"].points("val/avg@4")[1], [0.15, 0.2])
 
 
 def test_load_runs_warns_with_counts(messy_root):
-    with pytest.warns(RunLoadWarning) as record:
-        runs = load_runs(messy_root)
-    assert len(runs) == 4
-    messages = [str(w.message) for w in record]
-    assert any("skipped 2 unparseable line(s)" in m for m in messages)
-    assert any("no metrics.jsonl" in m for m in messages)
+  with pytest.warns(RunLoadWarning) as record:
+    runs = load_runs(messy_root)
+  assert len(runs) == 4
+  messages = [str(w.message) for w in record]
+  assert any("skipped 2 unparseable line(s)" in m for m in messages)
+  assert any("no metrics.jsonl" in m for m in messages)
 
 
 def test_missing_root_and_empty_root(tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
-        read_runs(tmp_path / "nope")
-    result = read_runs(tmp_path)
-    assert result.runs == () and result.problems[0].kind == "no_runs"
+  with pytest.raises(ValueError, match="does not exist"):
+    read_runs(tmp_path / "nope")
+  result = read_runs(tmp_path)
+  assert result.runs == () and result.problems[0].kind == "no_runs"
 
 
 def test_messy_directory_analysis_completes(messy_root):
-    result = read_runs(messy_root)
-    analysis = analyze(list(result.runs), n_boot=0, load_problems=result.problems)
-    assert len(analysis.load_problems) == len(result.problems)
-    assert analysis.groups  # it ran; curves with too few points are reported
-    assert any("not fitted" in p for g in analysis.groups for p in g.problems)
+  result = read_runs(messy_root)
+  analysis = analyze(list(result.runs), n_boot=0, load_problems=result.problems)
+  assert len(analysis.load_problems) == len(result.problems)
+  assert analysis.groups  # it ran; curves with too few points are reported
+  assert any("not fitted" in p for g in analysis.groups for p in g.problems)
 
 
 def test_results_do_not_depend_on_directory_creation_order(tmp_path):
-    configs = fake_runs.bp8_configs()
-    roots = []
-    for order_seed in (0, 1):
-        root = tmp_path / f"r{order_seed}"
-        shuffled = configs[:]
-        random.Random(order_seed).shuffle(shuffled)
-        for bp, n in shuffled:  # same runs (same noise per config), different order
-            fake_runs.make_sweep(root, configs=[(bp, n)], budget=8 * 64 * 500, noise=0.01,
-                                 rng_seed=n, n_evals=30)
-        roots.append(root)
-    fits = [fit_curves(read_runs(r).runs, metric="val/avg@4").fits for r in roots]
-    assert fits[0] == fits[1]
-    f0, f1 = frontier(fits[0]), frontier(fits[1])
-    np.testing.assert_array_equal(f0.n_star, f1.n_star)
+  configs = fake_runs.bp8_configs()
+  roots = []
+  for order_seed in (0, 1):
+    root = tmp_path / f"r{order_seed}"
+    shuffled = configs[:]
+    random.Random(order_seed).shuffle(shuffled)
+    for bp, n in shuffled:  # same runs (same noise per config), different order
+      fake_runs.make_sweep(root, configs=[(bp, n)], budget=8 * 64 * 500, noise=0.01,
+                           rng_seed=n, n_evals=30)
+    roots.append(root)
+  fits = [fit_curves(read_runs(r).runs, metric="val/avg@4").fits for r in roots]
+  assert fits[0] == fits[1]
+  f0, f1 = frontier(fits[0]), frontier(fits[1])
+  np.testing.assert_array_equal(f0.n_star, f1.n_star)
 
 
 def test_pass1_histogram_reads_both_layouts():
-    np.testing.assert_allclose(pass1_histogram({"train/pass1_hist": [1, 3, 0, 4]}),
-                               [0.125, 0.375, 0.0, 0.5])
-    flat = {"train/pass@1_hist/0.5": 0.6, "train/pass@1_hist/0.0": 0.4, "step": 3,
-            "train/zero_pass_frac": 0.1}
-    np.testing.assert_allclose(pass1_histogram(flat), [0.4, 0.6])
-    assert pass1_histogram({"step": 1}) is None
-    assert pass1_histogram({"train/pass1_hist": [0, 0]}) is None
+  np.testing.assert_allclose(pass1_histogram({"train/pass1_hist": [1, 3, 0, 4]}),
+                             [0.125, 0.375, 0.0, 0.5])
+  flat = {"train/pass@1_hist/0.5": 0.6, "train/pass@1_hist/0.0": 0.4, "step": 3,
+          "train/zero_pass_frac": 0.1}
+  np.testing.assert_allclose(pass1_histogram(flat), [0.4, 0.6])
+  assert pass1_histogram({"step": 1}) is None
+  assert pass1_histogram({"train/pass1_hist": [0, 0]}) is None

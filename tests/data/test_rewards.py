@@ -9,20 +9,20 @@ from isojax.data import MathVerifier, exact_match, get_reward_fn
 
 
 def test_exact_match():
-    assert exact_match("1395", "1395") == 1.0
-    assert exact_match(" 1 3 9 5\n", "1395") == 1.0
-    assert exact_match("13950", "1395") == 0.0
-    assert exact_match("", "0") == 0.0
-    assert get_reward_fn("exact_match") is exact_match
-    with pytest.raises(ValueError, match="unknown reward"):
-        get_reward_fn("bleu")
+  assert exact_match("1395", "1395") == 1.0
+  assert exact_match(" 1 3 9 5\n", "1395") == 1.0
+  assert exact_match("13950", "1395") == 0.0
+  assert exact_match("", "0") == 0.0
+  assert get_reward_fn("exact_match") is exact_match
+  with pytest.raises(ValueError, match="unknown reward"):
+    get_reward_fn("bleu")
 
 
 @pytest.fixture(scope="module")
 def verifier():
-    v = MathVerifier(timeout_s=3.0)
-    yield v
-    v.close()
+  v = MathVerifier(timeout_s=3.0)
+  yield v
+  v.close()
 
 
 @pytest.mark.parametrize("response,answer,want", [
@@ -36,55 +36,55 @@ def verifier():
     ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", 1.0),
 ])
 def test_math_verify_cases(verifier, response, answer, want):
-    assert verifier(response, answer) == want
+  assert verifier(response, answer) == want
 
 
 def test_pathological_answer_times_out_in_a_thread(verifier):
-    # sympy tries to evaluate 9^(9^9) (a 370-million-digit integer) and never returns
-    # within any reasonable limit; math-verify's own signal timeout cannot work off
-    # the main thread, so our wall-clock limit must end it.
-    out = {}
+  # sympy tries to evaluate 9^(9^9) (a 370-million-digit integer) and never returns
+  # within any reasonable limit; math-verify's own signal timeout cannot work off
+  # the main thread, so our wall-clock limit must end it.
+  out = {}
 
-    def work():
-        t = time.monotonic()
-        out["score"] = verifier("\\boxed{9^{9^{9}}}", "1")
-        out["seconds"] = time.monotonic() - t
+  def work():
+    t = time.monotonic()
+    out["score"] = verifier("\\boxed{9^{9^{9}}}", "1")
+    out["seconds"] = time.monotonic() - t
 
-    th = threading.Thread(target=work)
-    th.start()
-    th.join(timeout=60)
-    assert not th.is_alive(), "verification hung"
-    assert out["score"] == 0.0
-    assert out["seconds"] < verifier.timeout_s + 5.0  # kill + reap, not a hang
-    assert verifier.num_timeouts >= 1
-    # The verifier recovers with a fresh worker, also from a thread.
-    res = []
-    th = threading.Thread(target=lambda: res.append(verifier("\\boxed{0.25}", "1/4")))
-    th.start()
-    th.join(timeout=120)
-    assert res == [1.0]
+  th = threading.Thread(target=work)
+  th.start()
+  th.join(timeout=60)
+  assert not th.is_alive(), "verification hung"
+  assert out["score"] == 0.0
+  assert out["seconds"] < verifier.timeout_s + 5.0  # kill + reap, not a hang
+  assert verifier.num_timeouts >= 1
+  # The verifier recovers with a fresh worker, also from a thread.
+  res = []
+  th = threading.Thread(target=lambda: res.append(verifier("\\boxed{0.25}", "1/4")))
+  th.start()
+  th.join(timeout=120)
+  assert res == [1.0]
 
 
 def test_score_batch_and_factory(verifier):
-    assert verifier.score_batch(["\\boxed{2}", "\\boxed{5}"], ["2", "3"]) == [1.0, 0.0]
-    with pytest.raises(ValueError):
-        verifier.score_batch(["1"], [])
-    v = get_reward_fn("math_verify", timeout_s=1.0)
-    assert isinstance(v, MathVerifier) and v.timeout_s == 1.0
-    v.close()
-    with pytest.raises(ValueError):
-        MathVerifier(timeout_s=0)
+  assert verifier.score_batch(["\\boxed{2}", "\\boxed{5}"], ["2", "3"]) == [1.0, 0.0]
+  with pytest.raises(ValueError):
+    verifier.score_batch(["1"], [])
+  v = get_reward_fn("math_verify", timeout_s=1.0)
+  assert isinstance(v, MathVerifier) and v.timeout_s == 1.0
+  v.close()
+  with pytest.raises(ValueError):
+    MathVerifier(timeout_s=0)
 
 
 def test_pool_scores_in_parallel_and_survives_a_timeout():
-    from isojax.data.rewards import MathVerifierPool
+  from isojax.data.rewards import MathVerifierPool
 
-    pool = get_reward_fn("math_verify", num_workers=2, timeout_s=2.0)
-    assert isinstance(pool, MathVerifierPool)
-    try:
-        responses = ["\\boxed{0.5}", "\\boxed{9^{9^{9}}}", "\\boxed{3}", "x = 2"]
-        answers = ["1/2", "1", "4", "2"]
-        assert pool.score_batch(responses, answers) == [1.0, 0.0, 0.0, 1.0]
-        assert pool.num_timeouts == 1
-    finally:
-        pool.close()
+  pool = get_reward_fn("math_verify", num_workers=2, timeout_s=2.0)
+  assert isinstance(pool, MathVerifierPool)
+  try:
+    responses = ["\\boxed{0.5}", "\\boxed{9^{9^{9}}}", "\\boxed{3}", "x = 2"]
+    answers = ["1/2", "1", "4", "2"]
+    assert pool.score_batch(responses, answers) == [1.0, 0.0, 0.0, 1.0]
+    assert pool.num_timeouts == 1
+  finally:
+    pool.close()

@@ -12,121 +12,121 @@ ROWS = [{"question": "1+1=", "solution": 2, "uid": "a"},
 
 
 def _write_jsonl(path, rows, extra_lines=()):
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-        for line in extra_lines:
-            f.write(line + "\n")
+  with open(path, "w") as f:
+    for r in rows:
+      f.write(json.dumps(r) + "\n")
+    for line in extra_lines:
+      f.write(line + "\n")
 
 
 def test_jsonl_fields_and_blank_lines(tmp_path):
-    path = tmp_path / "p.jsonl"
-    _write_jsonl(path, ROWS, extra_lines=["", "   "])
-    got = load_problems(path, prompt_field="question", answer_field="solution",
-                        id_field="uid")
-    assert got == [Problem("a", "1+1=", "2"), Problem("b", "2+2=", "4")]
-    # Default ids are row numbers.
-    got = load_jsonl(path, Fields(prompt="question", answer="solution"))
-    assert [p.id for p in got] == ["0", "1"]
+  path = tmp_path / "p.jsonl"
+  _write_jsonl(path, ROWS, extra_lines=["", "   "])
+  got = load_problems(path, prompt_field="question", answer_field="solution",
+                      id_field="uid")
+  assert got == [Problem("a", "1+1=", "2"), Problem("b", "2+2=", "4")]
+  # Default ids are row numbers.
+  got = load_jsonl(path, Fields(prompt="question", answer="solution"))
+  assert [p.id for p in got] == ["0", "1"]
 
 
 def test_malformed_jsonl_names_file_and_line(tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps(ROWS[0]) + "\n\n" + '{"question": "3+3=", "solution": \n')
-    with pytest.raises(ValueError) as e:
-        load_problems(path, prompt_field="question", answer_field="solution")
-    assert f"{path}:3" in str(e.value)
-    assert "malformed JSON" in str(e.value)
+  path = tmp_path / "bad.jsonl"
+  path.write_text(json.dumps(ROWS[0]) + "\n\n" + '{"question": "3+3=", "solution": \n')
+  with pytest.raises(ValueError) as e:
+    load_problems(path, prompt_field="question", answer_field="solution")
+  assert f"{path}:3" in str(e.value)
+  assert "malformed JSON" in str(e.value)
 
 
 def test_missing_field_names_line_and_keys(tmp_path):
-    path = tmp_path / "p.jsonl"
-    _write_jsonl(path, [ROWS[0], {"question": "x"}])
-    with pytest.raises(ValueError) as e:
-        load_problems(path, prompt_field="question", answer_field="solution")
-    msg = str(e.value)
-    assert f"{path}:2" in msg and "'solution'" in msg and "question" in msg
+  path = tmp_path / "p.jsonl"
+  _write_jsonl(path, [ROWS[0], {"question": "x"}])
+  with pytest.raises(ValueError) as e:
+    load_problems(path, prompt_field="question", answer_field="solution")
+  msg = str(e.value)
+  assert f"{path}:2" in msg and "'solution'" in msg and "question" in msg
 
 
 def test_duplicate_ids_rejected(tmp_path):
-    path = tmp_path / "p.jsonl"
-    _write_jsonl(path, [ROWS[0], ROWS[0]])
-    with pytest.raises(ValueError, match="duplicate problem id 'a'"):
-        load_problems(path, prompt_field="question", answer_field="solution",
-                      id_field="uid")
+  path = tmp_path / "p.jsonl"
+  _write_jsonl(path, [ROWS[0], ROWS[0]])
+  with pytest.raises(ValueError, match="duplicate problem id 'a'"):
+    load_problems(path, prompt_field="question", answer_field="solution",
+                  id_field="uid")
 
 
 def test_parquet_nested_fields_and_chat_prompt(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+  import pyarrow as pa
+  import pyarrow.parquet as pq
 
-    # verl-style layout: chat-message prompt, answer nested under reward_model.
-    table = pa.Table.from_pylist([
-        {"prompt": [{"role": "system", "content": "be brief"},
-                    {"role": "user", "content": "What is 1/2?"}],
-         "reward_model": {"ground_truth": "\\frac{1}{2}", "style": "rule"}},
-        {"prompt": [{"role": "user", "content": "What is 3?"}],
-         "reward_model": {"ground_truth": "3", "style": "rule"}},
-    ])
-    path = tmp_path / "train.parquet"
-    pq.write_table(table, path)
-    got = load_problems(path, answer_field="reward_model.ground_truth")
-    assert got == [Problem("0", "What is 1/2?", "\\frac{1}{2}"), Problem("1", "What is 3?", "3")]
-    with pytest.raises(ValueError, match="row 0.*'answer'"):
-        load_problems(path)
+  # verl-style layout: chat-message prompt, answer nested under reward_model.
+  table = pa.Table.from_pylist([
+      {"prompt": [{"role": "system", "content": "be brief"},
+                  {"role": "user", "content": "What is 1/2?"}],
+       "reward_model": {"ground_truth": "\\frac{1}{2}", "style": "rule"}},
+      {"prompt": [{"role": "user", "content": "What is 3?"}],
+       "reward_model": {"ground_truth": "3", "style": "rule"}},
+  ])
+  path = tmp_path / "train.parquet"
+  pq.write_table(table, path)
+  got = load_problems(path, answer_field="reward_model.ground_truth")
+  assert got == [Problem("0", "What is 1/2?", "\\frac{1}{2}"), Problem("1", "What is 3?", "3")]
+  with pytest.raises(ValueError, match="row 0.*'answer'"):
+    load_problems(path)
 
 
 def test_datasets_on_disk(tmp_path):
-    import datasets
+  import datasets
 
-    ds = datasets.Dataset.from_list([r | {"solution": str(r["solution"])} for r in ROWS])
-    ds.save_to_disk(str(tmp_path / "single"))
-    got = load_problems(tmp_path / "single", prompt_field="question",
-                        answer_field="solution", id_field="uid")
-    assert got == [Problem("a", "1+1=", "2"), Problem("b", "2+2=", "4")]
+  ds = datasets.Dataset.from_list([r | {"solution": str(r["solution"])} for r in ROWS])
+  ds.save_to_disk(str(tmp_path / "single"))
+  got = load_problems(tmp_path / "single", prompt_field="question",
+                      answer_field="solution", id_field="uid")
+  assert got == [Problem("a", "1+1=", "2"), Problem("b", "2+2=", "4")]
 
-    dd = datasets.DatasetDict({"train": ds, "test": ds.select([1])})
-    dd.save_to_disk(str(tmp_path / "dict"))
-    got = load_problems(tmp_path / "dict", prompt_field="question", answer_field="solution",
-                        split="test")
-    assert [p.prompt for p in got] == ["2+2="]
-    with pytest.raises(ValueError, match="split"):
-        load_problems(tmp_path / "dict", prompt_field="question", answer_field="solution")
+  dd = datasets.DatasetDict({"train": ds, "test": ds.select([1])})
+  dd.save_to_disk(str(tmp_path / "dict"))
+  got = load_problems(tmp_path / "dict", prompt_field="question", answer_field="solution",
+                      split="test")
+  assert [p.prompt for p in got] == ["2+2="]
+  with pytest.raises(ValueError, match="split"):
+    load_problems(tmp_path / "dict", prompt_field="question", answer_field="solution")
 
 
 def test_bad_paths(tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
-        load_problems(tmp_path / "nope.jsonl")
-    (tmp_path / "x.csv").write_text("a,b\n")
-    with pytest.raises(ValueError, match="unknown problem source"):
-        load_problems(tmp_path / "x.csv")
-    (tmp_path / "d").mkdir()
-    with pytest.raises(ValueError, match="datasets"):
-        load_problems(tmp_path / "d")
+  with pytest.raises(ValueError, match="does not exist"):
+    load_problems(tmp_path / "nope.jsonl")
+  (tmp_path / "x.csv").write_text("a,b\n")
+  with pytest.raises(ValueError, match="unknown problem source"):
+    load_problems(tmp_path / "x.csv")
+  (tmp_path / "d").mkdir()
+  with pytest.raises(ValueError, match="datasets"):
+    load_problems(tmp_path / "d")
 
 
 def test_write_jsonl_round_trip(tmp_path):
-    probs = [Problem("a", "1+1=", "2"), Problem("b", "S31=", "13")]
-    path = tmp_path / "sub" / "out.jsonl"
-    write_jsonl(probs, path, extra=[{"avg@16": 0.5}, {"avg@16": 0.0}])
-    assert load_problems(path, id_field="id") == probs
-    assert json.loads(path.read_text().splitlines()[0])["avg@16"] == 0.5
+  probs = [Problem("a", "1+1=", "2"), Problem("b", "S31=", "13")]
+  path = tmp_path / "sub" / "out.jsonl"
+  write_jsonl(probs, path, extra=[{"avg@16": 0.5}, {"avg@16": 0.0}])
+  assert load_problems(path, id_field="id") == probs
+  assert json.loads(path.read_text().splitlines()[0])["avg@16"] == 0.5
 
 
 class _Tok:
-    def encode(self, text, add_special_tokens=False):
-        return ([7] if add_special_tokens else []) + [ord(c) for c in text]
+  def encode(self, text, add_special_tokens=False):
+    return ([7] if add_special_tokens else []) + [ord(c) for c in text]
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        assert add_generation_prompt
-        text = "|".join(f"{m['role']}:{m['content']}" for m in messages) + "|assistant:"
-        return [ord(c) for c in text]
+  def apply_chat_template(self, messages, add_generation_prompt=True):
+    assert add_generation_prompt
+    text = "|".join(f"{m['role']}:{m['content']}" for m in messages) + "|assistant:"
+    return [ord(c) for c in text]
 
 
 def test_encode_prompts_plain_and_chat():
-    probs = [Problem("a", "1+1=", "2")]
-    assert encode_prompts(_Tok(), probs) == [[7] + [ord(c) for c in "1+1="]]
-    ids = encode_prompts(_Tok(), probs, chat_template=True, system_prompt="sys",
-                         prompt_template="{prompt} Put it in \\boxed{}.")
-    text = "".join(chr(i) for i in ids[0])
-    assert text == "system:sys|user:1+1= Put it in \\boxed{}.|assistant:"
+  probs = [Problem("a", "1+1=", "2")]
+  assert encode_prompts(_Tok(), probs) == [[7] + [ord(c) for c in "1+1="]]
+  ids = encode_prompts(_Tok(), probs, chat_template=True, system_prompt="sys",
+                       prompt_template="{prompt} Put it in \\boxed{}.")
+  text = "".join(chr(i) for i in ids[0])
+  assert text == "system:sys|user:1+1= Put it in \\boxed{}.|assistant:"

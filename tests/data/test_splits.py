@@ -10,125 +10,125 @@ from isojax.data.splits import estimate_counts, write_splits
 
 
 def test_paper_ranges_on_counts_of_16():
-    counts = np.arange(17)  # one problem per possible count out of 16
-    s = split_indices(counts, 16)
-    # hard: avg@16 in [0, 0.0625] -> c in {0, 1} (1/16 = 0.0625 is inside).
-    assert s["hard"].tolist() == [0, 1]
-    # easy: [0.3, 0.6] -> c/16 in {5/16=.3125, ..., 9/16=.5625}.
-    assert s["easy"].tolist() == [5, 6, 7, 8, 9]
-    # very easy: [0.6, 0.9] -> {10/16=.625, ..., 14/16=.875}.
-    assert s["very_easy"].tolist() == [10, 11, 12, 13, 14]
-    assert "extremely_hard" not in s
+  counts = np.arange(17)  # one problem per possible count out of 16
+  s = split_indices(counts, 16)
+  # hard: avg@16 in [0, 0.0625] -> c in {0, 1} (1/16 = 0.0625 is inside).
+  assert s["hard"].tolist() == [0, 1]
+  # easy: [0.3, 0.6] -> c/16 in {5/16=.3125, ..., 9/16=.5625}.
+  assert s["easy"].tolist() == [5, 6, 7, 8, 9]
+  # very easy: [0.6, 0.9] -> {10/16=.625, ..., 14/16=.875}.
+  assert s["very_easy"].tolist() == [10, 11, 12, 13, 14]
+  assert "extremely_hard" not in s
 
 
 def test_extremely_hard_needs_128_samples():
-    counts16 = np.array([0, 0, 0, 3])
-    counts128 = np.array([0, 2, 0, 30])
-    s = split_indices(counts16, 16, extreme_counts_P=counts128, extreme_n=128)
-    assert s["extremely_hard"].tolist() == [0, 2]
-    with pytest.raises(ValueError, match="128"):
-        split_indices(counts16, 16, extreme_counts_P=counts16, extreme_n=16)
+  counts16 = np.array([0, 0, 0, 3])
+  counts128 = np.array([0, 2, 0, 30])
+  s = split_indices(counts16, 16, extreme_counts_P=counts128, extreme_n=128)
+  assert s["extremely_hard"].tolist() == [0, 2]
+  with pytest.raises(ValueError, match="128"):
+    split_indices(counts16, 16, extreme_counts_P=counts16, extreme_n=16)
 
 
 def test_range_edges_and_errors():
-    assert indices_in_range([3, 6], 10, 0.3, 0.6).tolist() == [0, 1]  # closed range
-    with pytest.raises(ValueError):
-        indices_in_range([17], 16, 0, 1)
-    with pytest.raises(ValueError):
-        indices_in_range([1], 16, 0.6, 0.3)
+  assert indices_in_range([3, 6], 10, 0.3, 0.6).tolist() == [0, 1]  # closed range
+  with pytest.raises(ValueError):
+    indices_in_range([17], 16, 0, 1)
+  with pytest.raises(ValueError):
+    indices_in_range([1], 16, 0.6, 0.3)
 
 
 def test_mixture_half_hard_half_easy():
-    splits = {"hard": np.arange(0, 100), "easy": np.arange(100, 150)}
-    mix = mixture_indices(splits, {"hard": 0.5, "easy": 0.5}, total=80, seed=0)
-    assert len(mix) == 80 and len(set(mix.tolist())) == 80
-    assert np.sum(mix < 100) == 40 and np.sum(mix >= 100) == 40
-    again = mixture_indices(splits, {"hard": 0.5, "easy": 0.5}, total=80, seed=0)
-    assert mix.tolist() == again.tolist()
-    # Shuffled, not two blocks.
-    assert not (np.all(mix[:40] < 100) or np.all(mix[:40] >= 100))
-    with pytest.raises(ValueError, match="'easy'.*has 50"):
-        mixture_indices(splits, {"hard": 0.5, "easy": 0.5}, total=120, seed=0)
-    with pytest.raises(ValueError, match="sum to 1"):
-        mixture_indices(splits, {"hard": 0.5, "easy": 0.6}, total=10, seed=0)
-    with pytest.raises(ValueError, match="unknown"):
-        mixture_indices(splits, {"medium": 1.0}, total=10, seed=0)
+  splits = {"hard": np.arange(0, 100), "easy": np.arange(100, 150)}
+  mix = mixture_indices(splits, {"hard": 0.5, "easy": 0.5}, total=80, seed=0)
+  assert len(mix) == 80 and len(set(mix.tolist())) == 80
+  assert np.sum(mix < 100) == 40 and np.sum(mix >= 100) == 40
+  again = mixture_indices(splits, {"hard": 0.5, "easy": 0.5}, total=80, seed=0)
+  assert mix.tolist() == again.tolist()
+  # Shuffled, not two blocks.
+  assert not (np.all(mix[:40] < 100) or np.all(mix[:40] >= 100))
+  with pytest.raises(ValueError, match="'easy'.*has 50"):
+    mixture_indices(splits, {"hard": 0.5, "easy": 0.5}, total=120, seed=0)
+  with pytest.raises(ValueError, match="sum to 1"):
+    mixture_indices(splits, {"hard": 0.5, "easy": 0.6}, total=10, seed=0)
+  with pytest.raises(ValueError, match="unknown"):
+    mixture_indices(splits, {"medium": 1.0}, total=10, seed=0)
 
 
 class _FixedRateSampler:
-    """Answers problem i correctly in the first `correct[i]` of its n samples."""
+  """Answers problem i correctly in the first `correct[i]` of its n samples."""
 
-    def __init__(self, correct):
-        self.correct = correct
+  def __init__(self, correct):
+    self.correct = correct
 
-    def generate(self, prompt_ids, *, n, max_tokens, temperature, top_p=1.0, top_k=None,
-                 stop_token_ids=(), seed=0):
-        from isojax.rollout.base import Rollouts
+  def generate(self, prompt_ids, *, n, max_tokens, temperature, top_p=1.0, top_k=None,
+               stop_token_ids=(), seed=0):
+    from isojax.rollout.base import Rollouts
 
-        seqs = []
-        for ids in prompt_ids:
-            i = ids[0]
-            seqs += [[ord("y") if j < self.correct[i] else ord("n"), 1] for j in range(n)]
-        return Rollouts.from_sequences(seqs, [[0.0, 0.0]] * len(seqs), ["stop"] * len(seqs))
+    seqs = []
+    for ids in prompt_ids:
+      i = ids[0]
+      seqs += [[ord("y") if j < self.correct[i] else ord("n"), 1] for j in range(n)]
+    return Rollouts.from_sequences(seqs, [[0.0, 0.0]] * len(seqs), ["stop"] * len(seqs))
 
 
 class _IdTok:
-    eos_token_id, pad_token_id, bos_token_id = 1, 0, None
+  eos_token_id, pad_token_id, bos_token_id = 1, 0, None
 
-    def encode(self, text, add_special_tokens=False):
-        return [int(text)]
+  def encode(self, text, add_special_tokens=False):
+    return [int(text)]
 
-    def decode(self, ids):
-        return "".join(chr(i) for i in ids)
+  def decode(self, ids):
+    return "".join(chr(i) for i in ids)
 
 
 def test_estimate_and_write_splits(tmp_path):
-    correct = [0, 1, 5, 9, 12, 16, 7, 0]
-    problems = [Problem(f"p{i}", str(i), "y") for i in range(len(correct))]
-    counts = estimate_counts(_FixedRateSampler(correct), problems, _IdTok(), n=16,
-                             batch_size=3)
-    assert counts.tolist() == correct
-    splits = split_indices(counts, 16)
-    summary = write_splits(str(tmp_path), problems, counts, 16, splits)
-    assert summary["splits"] == {"easy": 3, "hard": 3, "very_easy": 1}
-    rows = [json.loads(l) for l in (tmp_path / "easy.jsonl").read_text().splitlines()]
-    assert [r["id"] for r in rows] == ["p2", "p3", "p6"]
-    assert rows[0]["avg@16"] == pytest.approx(5 / 16)
-    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+  correct = [0, 1, 5, 9, 12, 16, 7, 0]
+  problems = [Problem(f"p{i}", str(i), "y") for i in range(len(correct))]
+  counts = estimate_counts(_FixedRateSampler(correct), problems, _IdTok(), n=16,
+                           batch_size=3)
+  assert counts.tolist() == correct
+  splits = split_indices(counts, 16)
+  summary = write_splits(str(tmp_path), problems, counts, 16, splits)
+  assert summary["splits"] == {"easy": 3, "hard": 3, "very_easy": 1}
+  rows = [json.loads(l) for l in (tmp_path / "easy.jsonl").read_text().splitlines()]
+  assert [r["id"] for r in rows] == ["p2", "p3", "p6"]
+  assert rows[0]["avg@16"] == pytest.approx(5 / 16)
+  assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
 def test_mix_spec_and_size():
-    from isojax.data.splits import mixture_size, parse_mix
+  from isojax.data.splits import mixture_size, parse_mix
 
-    assert parse_mix("hard_easy=hard:0.5,easy:0.5") == ("hard_easy", {"hard": 0.5,
-                                                                       "easy": 0.5})
-    with pytest.raises(ValueError, match="NAME=SPLIT"):
-        parse_mix("hard:0.5")
-    splits = {"hard": np.arange(30), "easy": np.arange(30, 130)}
-    # 50/50: limited by the 30 hard problems -> 60 in all.
-    assert mixture_size(splits, {"hard": 0.5, "easy": 0.5}) == 60
-    assert mixture_size(splits, {"hard": 0.25, "easy": 0.75}) == 120
+  assert parse_mix("hard_easy=hard:0.5,easy:0.5") == ("hard_easy", {"hard": 0.5,
+                                                                     "easy": 0.5})
+  with pytest.raises(ValueError, match="NAME=SPLIT"):
+    parse_mix("hard:0.5")
+  splits = {"hard": np.arange(30), "easy": np.arange(30, 130)}
+  # 50/50: limited by the 30 hard problems -> 60 in all.
+  assert mixture_size(splits, {"hard": 0.5, "easy": 0.5}) == 60
+  assert mixture_size(splits, {"hard": 0.25, "easy": 0.75}) == 120
 
 
 def test_driver_on_the_base_model(tmp_path):
-    """The CLI end to end: JaxSampler on the committed base model, a tiny pool."""
-    from isojax.data.splits import main
+  """The CLI end to end: JaxSampler on the committed base model, a tiny pool."""
+  from isojax.data.splits import main
 
-    main(["--num", "12", "--seed", "5", "--samples", "16", "--extreme_samples", "128",
-          "--max_tokens", "8", "--mix", "hard_easy=hard:0.5,easy:0.5",
-          "--out", str(tmp_path)])
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["num_problems"] == 12 and summary["samples"] == 16
-    assert "--extreme_samples 128" in summary["command"]
-    rows = {}
-    for name in ("easy", "hard", "very_easy", "extremely_hard", "hard_easy"):
-        rows[name] = [json.loads(l) for l in (tmp_path / f"{name}.jsonl").read_text()
-                      .splitlines()]
-        assert len(rows[name]) == summary["splits"][name]
-    for r in rows["easy"]:
-        assert 0.3 <= r["avg@16"] <= 0.6
-    for r in rows["hard"]:
-        assert r["avg@16"] <= 0.0625
-    for r in rows["extremely_hard"]:
-        assert r["avg@16"] == 0 and r["pass@128"] == 0.0
-    assert len(rows["hard_easy"]) == 2 * min(len(rows["hard"]), len(rows["easy"]))
+  main(["--num", "12", "--seed", "5", "--samples", "16", "--extreme_samples", "128",
+        "--max_tokens", "8", "--mix", "hard_easy=hard:0.5,easy:0.5",
+        "--out", str(tmp_path)])
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["num_problems"] == 12 and summary["samples"] == 16
+  assert "--extreme_samples 128" in summary["command"]
+  rows = {}
+  for name in ("easy", "hard", "very_easy", "extremely_hard", "hard_easy"):
+    rows[name] = [json.loads(l) for l in (tmp_path / f"{name}.jsonl").read_text()
+                  .splitlines()]
+    assert len(rows[name]) == summary["splits"][name]
+  for r in rows["easy"]:
+    assert 0.3 <= r["avg@16"] <= 0.6
+  for r in rows["hard"]:
+    assert r["avg@16"] <= 0.0625
+  for r in rows["extremely_hard"]:
+    assert r["avg@16"] == 0 and r["pass@128"] == 0.0
+  assert len(rows["hard_easy"]) == 2 * min(len(rows["hard"]), len(rows["easy"]))

@@ -23,44 +23,44 @@ FAMILIES = {
 
 
 def make_torch_model(family: str, seed: int = 0):
-    """A float32 transformers model whose norms and biases are random too (not 1/0),
-    so a swapped or ignored norm/bias tensor changes the logits."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
+  """A float32 transformers model whose norms and biases are random too (not 1/0),
+  so a swapped or ignored norm/bias tensor changes the logits."""
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).float().eval()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(0.05 * torch.randn_like(p))
+  return model
 
 
 @pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory):
-    """family -> (torch model, directory it was saved to with save_pretrained)."""
-    made = {}
+  """family -> (torch model, directory it was saved to with save_pretrained)."""
+  made = {}
 
-    def get(family):
-        if family not in made:
-            model = make_torch_model(family)
-            path = tmp_path_factory.mktemp(family)
-            model.save_pretrained(path)
-            made[family] = (model, path)
-        return made[family]
+  def get(family):
+    if family not in made:
+      model = make_torch_model(family)
+      path = tmp_path_factory.mktemp(family)
+      model.save_pretrained(path)
+      made[family] = (model, path)
+    return made[family]
 
-    return get
+  return get
 
 
 def _torch_logits(model, ids_BxT) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.as_tensor(np.asarray(ids_BxT), dtype=torch.long)).logits.numpy()
+  with torch.no_grad():
+    return model(torch.as_tensor(np.asarray(ids_BxT), dtype=torch.long)).logits.numpy()
 
 
 @pytest.fixture(scope="session")
 def torch_logits():
-    """(torch model, ids [B, T]) -> float32 logits [B, T, V] as numpy."""
-    return _torch_logits
+  """(torch model, ids [B, T]) -> float32 logits [B, T, V] as numpy."""
+  return _torch_logits
 
 
 @pytest.fixture(scope="session")
 def hf_config():
-    """family -> a fresh transformers config object."""
-    return lambda family: FAMILIES[family]()
+  """family -> a fresh transformers config object."""
+  return lambda family: FAMILIES[family]()

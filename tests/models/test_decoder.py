@@ -16,112 +16,112 @@ LOGICAL_NAMES = {"vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "qwen3_tied"])
 def test_logits_match_transformers(hf_dir, torch_logits, family):
-    torch_model, path = hf_dir(family)
-    model, cfg = load_pretrained(path)
-    ids_BxT = np.random.RandomState(1).randint(0, 128, (2, 48))
-    ref = torch_logits(torch_model, ids_BxT)
-    out = np.asarray(_forward(model, ids_BxT, None))
-    assert out.dtype == np.float32 and out.shape == ref.shape
-    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
-    # The reference is not trivially small: a wrong rope/norm would be far off.
-    assert np.abs(ref).max() > 0.5
+  torch_model, path = hf_dir(family)
+  model, cfg = load_pretrained(path)
+  ids_BxT = np.random.RandomState(1).randint(0, 128, (2, 48))
+  ref = torch_logits(torch_model, ids_BxT)
+  out = np.asarray(_forward(model, ids_BxT, None))
+  assert out.dtype == np.float32 and out.shape == ref.shape
+  np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
+  # The reference is not trivially small: a wrong rope/norm would be far off.
+  assert np.abs(ref).max() > 0.5
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3_tied"])
 def test_left_padded_batch_equals_each_sequence_alone(hf_dir, torch_logits, family):
-    torch_model, path = hf_dir(family)
-    model, _ = load_pretrained(path)
-    rng = np.random.RandomState(2)
-    lengths, T = [30, 17, 5], 30
-    ids_BxT = np.zeros((3, T), np.int32)
-    mask_BxT = np.zeros((3, T), np.int32)
-    seqs = [rng.randint(0, 128, n) for n in lengths]
-    for b, s in enumerate(seqs):
-        ids_BxT[b, T - len(s):] = s
-        mask_BxT[b, T - len(s):] = 1
-    out = np.asarray(_forward(model, ids_BxT, mask_BxT))
-    assert np.isfinite(out).all()  # pad rows too: they must not poison gradients with NaN
-    for b, s in enumerate(seqs):
-        ref = torch_logits(torch_model, s[None])[0]
-        np.testing.assert_allclose(out[b, T - len(s):], ref, atol=1e-4, rtol=0)
+  torch_model, path = hf_dir(family)
+  model, _ = load_pretrained(path)
+  rng = np.random.RandomState(2)
+  lengths, T = [30, 17, 5], 30
+  ids_BxT = np.zeros((3, T), np.int32)
+  mask_BxT = np.zeros((3, T), np.int32)
+  seqs = [rng.randint(0, 128, n) for n in lengths]
+  for b, s in enumerate(seqs):
+    ids_BxT[b, T - len(s):] = s
+    mask_BxT[b, T - len(s):] = 1
+  out = np.asarray(_forward(model, ids_BxT, mask_BxT))
+  assert np.isfinite(out).all()  # pad rows too: they must not poison gradients with NaN
+  for b, s in enumerate(seqs):
+    ref = torch_logits(torch_model, s[None])[0]
+    np.testing.assert_allclose(out[b, T - len(s):], ref, atol=1e-4, rtol=0)
 
 
 def test_hidden_states_and_lm_head_compose(hf_dir):
-    _, path = hf_dir("qwen2")
-    model, cfg = load_pretrained(path)
-    ids = jnp.asarray(np.random.RandomState(3).randint(0, 128, (2, 9)))
-    h, split, full = jax.jit(lambda m: (m.hidden_states(ids), m.lm_head(m.hidden_states(ids)),
-                                        m(ids)))(model)
-    assert h.shape == (2, 9, cfg.hidden_size)
-    np.testing.assert_array_equal(np.asarray(split), np.asarray(full))
+  _, path = hf_dir("qwen2")
+  model, cfg = load_pretrained(path)
+  ids = jnp.asarray(np.random.RandomState(3).randint(0, 128, (2, 9)))
+  h, split, full = jax.jit(lambda m: (m.hidden_states(ids), m.lm_head(m.hidden_states(ids)),
+                                      m(ids)))(model)
+  assert h.shape == (2, 9, cfg.hidden_size)
+  np.testing.assert_array_equal(np.asarray(split), np.asarray(full))
 
 
 def test_bf16_compute_with_fp32_head_is_close_to_fp32(hf_dir, torch_logits):
-    torch_model, path = hf_dir("qwen3")
-    ids = np.random.RandomState(4).randint(0, 128, (2, 32))
-    ref = torch_logits(torch_model, ids)
-    for dtype, compute in [(jnp.bfloat16, None), (jnp.float32, jnp.bfloat16)]:
-        model, cfg = load_pretrained(path, dtype=dtype, compute_dtype=compute,
-                                     lm_head_fp32=True)
-        assert cfg.dtype == jnp.bfloat16
-        out = _forward(model, ids, None)
-        assert out.dtype == jnp.float32
-        err = np.abs(np.asarray(out) - ref).max()
-        assert 1e-4 < err < 0.05 * np.abs(ref).max(), err  # bf16, but not garbage
-    model, _ = load_pretrained(path, dtype=jnp.bfloat16, lm_head_fp32=False)
-    assert _forward(model, ids, None).dtype == jnp.bfloat16
+  torch_model, path = hf_dir("qwen3")
+  ids = np.random.RandomState(4).randint(0, 128, (2, 32))
+  ref = torch_logits(torch_model, ids)
+  for dtype, compute in [(jnp.bfloat16, None), (jnp.float32, jnp.bfloat16)]:
+    model, cfg = load_pretrained(path, dtype=dtype, compute_dtype=compute,
+                                 lm_head_fp32=True)
+    assert cfg.dtype == jnp.bfloat16
+    out = _forward(model, ids, None)
+    assert out.dtype == jnp.float32
+    err = np.abs(np.asarray(out) - ref).max()
+    assert 1e-4 < err < 0.05 * np.abs(ref).max(), err  # bf16, but not garbage
+  model, _ = load_pretrained(path, dtype=jnp.bfloat16, lm_head_fp32=False)
+  assert _forward(model, ids, None).dtype == jnp.bfloat16
 
 
 def test_remat_gives_identical_logits_and_gradients(hf_dir):
-    _, path = hf_dir("llama3")
-    plain, _ = load_pretrained(path)
-    rematted, cfg = load_pretrained(path, remat=True)
-    assert cfg.remat
-    ids = jnp.asarray(np.random.RandomState(5).randint(0, 128, (2, 16)))
-    mask = jnp.ones_like(ids).at[0, :4].set(0)
+  _, path = hf_dir("llama3")
+  plain, _ = load_pretrained(path)
+  rematted, cfg = load_pretrained(path, remat=True)
+  assert cfg.remat
+  ids = jnp.asarray(np.random.RandomState(5).randint(0, 128, (2, 16)))
+  mask = jnp.ones_like(ids).at[0, :4].set(0)
 
-    def loss(model):
-        logp = jax.nn.log_softmax(model(ids, attention_mask=mask))
-        return jnp.mean(jnp.take_along_axis(logp[:, :-1], ids[:, 1:, None], -1))
+  def loss(model):
+    logp = jax.nn.log_softmax(model(ids, attention_mask=mask))
+    return jnp.mean(jnp.take_along_axis(logp[:, :-1], ids[:, 1:, None], -1))
 
-    l0, g0 = jax.jit(nnx.value_and_grad(loss))(plain)
-    l1, g1 = jax.jit(nnx.value_and_grad(loss))(rematted)
-    np.testing.assert_allclose(l0, l1, rtol=1e-6)
-    leaves0, leaves1 = jax.tree.leaves(g0), jax.tree.leaves(g1)
-    assert len(leaves0) == len(leaves1) > 0
-    for a, b in zip(leaves0, leaves1):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
-    assert max(float(jnp.abs(a).max()) for a in leaves0) > 0
+  l0, g0 = jax.jit(nnx.value_and_grad(loss))(plain)
+  l1, g1 = jax.jit(nnx.value_and_grad(loss))(rematted)
+  np.testing.assert_allclose(l0, l1, rtol=1e-6)
+  leaves0, leaves1 = jax.tree.leaves(g0), jax.tree.leaves(g1)
+  assert len(leaves0) == len(leaves1) > 0
+  for a, b in zip(leaves0, leaves1):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+  assert max(float(jnp.abs(a).max()) for a in leaves0) > 0
 
 
 def test_every_param_has_logical_axis_names(hf_config):
-    hf = hf_config("qwen2").to_dict()
-    hf["architectures"] = ["Qwen2ForCausalLM"]
-    cfg = ModelConfig.from_hf_dict(hf)
-    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-    params = jax.tree.leaves(nnx.state(model, nnx.Param),
-                             is_leaf=lambda x: isinstance(x, nnx.Variable))
-    assert len(params) == 3 + cfg.num_layers * 12
-    for p in params:
-        names = p.get_metadata()["out_sharding"]
-        assert len(names) == p.get_value().ndim and set(names) <= LOGICAL_NAMES, names
+  hf = hf_config("qwen2").to_dict()
+  hf["architectures"] = ["Qwen2ForCausalLM"]
+  cfg = ModelConfig.from_hf_dict(hf)
+  model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+  params = jax.tree.leaves(nnx.state(model, nnx.Param),
+                           is_leaf=lambda x: isinstance(x, nnx.Variable))
+  assert len(params) == 3 + cfg.num_layers * 12
+  for p in params:
+    names = p.get_metadata()["out_sharding"]
+    assert len(names) == p.get_value().ndim and set(names) <= LOGICAL_NAMES, names
 
 
 def test_config_round_trips_and_reads_legacy_rope():
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
-          "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 500000.0,
-          "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-          "torch_dtype": "bfloat16", "bos_token_id": 1}
-    cfg = ModelConfig.from_hf_dict(hf)
-    assert (cfg.rope_type, cfg.rope_theta, cfg.rope_factor, cfg.head_dim) == (
-        "llama3", 500000.0, 32.0, 16)
-    out = cfg.to_hf_dict()
-    assert out["bos_token_id"] == 1 and out["architectures"] == ["LlamaForCausalLM"]
-    assert out["torch_dtype"] == out["dtype"] == "float32"
-    assert ModelConfig.from_hf_dict(out) == cfg
-    with pytest.raises(ValueError, match="MistralForCausalLM.*supported.*LlamaForCausalLM"):
-        ModelConfig.from_hf_dict({**hf, "architectures": ["MistralForCausalLM"]})
-    with pytest.raises(ValueError, match="yarn"):
-        ModelConfig.from_hf_dict({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+  hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "torch_dtype": "bfloat16", "bos_token_id": 1}
+  cfg = ModelConfig.from_hf_dict(hf)
+  assert (cfg.rope_type, cfg.rope_theta, cfg.rope_factor, cfg.head_dim) == (
+      "llama3", 500000.0, 32.0, 16)
+  out = cfg.to_hf_dict()
+  assert out["bos_token_id"] == 1 and out["architectures"] == ["LlamaForCausalLM"]
+  assert out["torch_dtype"] == out["dtype"] == "float32"
+  assert ModelConfig.from_hf_dict(out) == cfg
+  with pytest.raises(ValueError, match="MistralForCausalLM.*supported.*LlamaForCausalLM"):
+    ModelConfig.from_hf_dict({**hf, "architectures": ["MistralForCausalLM"]})
+  with pytest.raises(ValueError, match="yarn"):
+    ModelConfig.from_hf_dict({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})

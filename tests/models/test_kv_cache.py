@@ -10,82 +10,82 @@ from isojax.models import KVCache, load_pretrained
 
 
 def _left_pad(seqs, T):
-    ids = np.zeros((len(seqs), T), np.int32)
-    mask = np.zeros((len(seqs), T), np.int32)
-    for b, s in enumerate(seqs):
-        ids[b, T - len(s):] = s
-        mask[b, T - len(s):] = 1
-    return ids, mask
+  ids = np.zeros((len(seqs), T), np.int32)
+  mask = np.zeros((len(seqs), T), np.int32)
+  for b, s in enumerate(seqs):
+    ids[b, T - len(s):] = s
+    mask[b, T - len(s):] = 1
+  return ids, mask
 
 
 @jax.jit
 def _generate_with_cache(graphdef, state, prompt_BxP, mask_BxP, new_BxN):
-    """Prefill, then feed the given tokens one at a time inside lax.while_loop (as a
-    sampler does); returns prefill logits and the logits of every decode step."""
-    model = nnx.merge(graphdef, state)
-    B, P = prompt_BxP.shape
-    N = new_BxN.shape[1]
-    cache = model.init_cache(B, P + N + 3)  # spare slots: unwritten slots must not matter
-    prefill_BxPxV, cache = model.prefill(prompt_BxP, mask_BxP, cache)
+  """Prefill, then feed the given tokens one at a time inside lax.while_loop (as a
+  sampler does); returns prefill logits and the logits of every decode step."""
+  model = nnx.merge(graphdef, state)
+  B, P = prompt_BxP.shape
+  N = new_BxN.shape[1]
+  cache = model.init_cache(B, P + N + 3)  # spare slots: unwritten slots must not matter
+  prefill_BxPxV, cache = model.prefill(prompt_BxP, mask_BxP, cache)
 
-    def body(carry):
-        i, cache, out_NxBxV = carry
-        logits_BxV, cache = nnx.merge(graphdef, state).decode_step(new_BxN[:, i], cache)
-        return i + 1, cache, out_NxBxV.at[i].set(logits_BxV)
+  def body(carry):
+    i, cache, out_NxBxV = carry
+    logits_BxV, cache = nnx.merge(graphdef, state).decode_step(new_BxN[:, i], cache)
+    return i + 1, cache, out_NxBxV.at[i].set(logits_BxV)
 
-    out = jnp.zeros((N, B, model.cfg.vocab_size), jnp.float32)
-    _, cache, out_NxBxV = jax.lax.while_loop(lambda c: c[0] < N, body, (0, cache, out))
-    return prefill_BxPxV, out_NxBxV.transpose(1, 0, 2), cache
+  out = jnp.zeros((N, B, model.cfg.vocab_size), jnp.float32)
+  _, cache, out_NxBxV = jax.lax.while_loop(lambda c: c[0] < N, body, (0, cache, out))
+  return prefill_BxPxV, out_NxBxV.transpose(1, 0, 2), cache
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_prefill_and_decode_equal_full_forward(hf_dir, family):
-    _, path = hf_dir(family)
-    model, cfg = load_pretrained(path)
-    rng = np.random.RandomState(0)
-    P, N = 12, 6
-    prompts = [rng.randint(0, 128, n) for n in (12, 7, 3)]
-    prompt_BxP, mask_BxP = _left_pad(prompts, P)
-    new_BxN = rng.randint(0, 128, (3, N)).astype(np.int32)
+  _, path = hf_dir(family)
+  model, cfg = load_pretrained(path)
+  rng = np.random.RandomState(0)
+  P, N = 12, 6
+  prompts = [rng.randint(0, 128, n) for n in (12, 7, 3)]
+  prompt_BxP, mask_BxP = _left_pad(prompts, P)
+  new_BxN = rng.randint(0, 128, (3, N)).astype(np.int32)
 
-    graphdef, state = nnx.split(model)
-    prefill, decode, cache = _generate_with_cache(graphdef, state, prompt_BxP, mask_BxP, new_BxN)
+  graphdef, state = nnx.split(model)
+  prefill, decode, cache = _generate_with_cache(graphdef, state, prompt_BxP, mask_BxP, new_BxN)
 
-    full_ids = np.concatenate([prompt_BxP, new_BxN], 1)
-    full_mask = np.concatenate([mask_BxP, np.ones_like(new_BxN)], 1)
-    full = np.asarray(jax.jit(lambda m, i, a: m(i, attention_mask=a))(model, full_ids, full_mask))
-    real = mask_BxP.astype(bool)
-    np.testing.assert_allclose(np.asarray(prefill)[real], full[:, :P][real], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(np.asarray(decode), full[:, P:], atol=1e-5, rtol=0)
-    # Bookkeeping: positions count real tokens only; slots past the end stay invalid.
-    np.testing.assert_array_equal(np.asarray(cache.positions_B), [12 + N, 7 + N, 3 + N])
-    assert int(cache.index) == P + N
-    valid = np.asarray(cache.valid_BxS)
-    np.testing.assert_array_equal(valid[:, :P], real)
-    assert valid[:, P:P + N].all() and not valid[:, P + N:].any()
+  full_ids = np.concatenate([prompt_BxP, new_BxN], 1)
+  full_mask = np.concatenate([mask_BxP, np.ones_like(new_BxN)], 1)
+  full = np.asarray(jax.jit(lambda m, i, a: m(i, attention_mask=a))(model, full_ids, full_mask))
+  real = mask_BxP.astype(bool)
+  np.testing.assert_allclose(np.asarray(prefill)[real], full[:, :P][real], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(decode), full[:, P:], atol=1e-5, rtol=0)
+  # Bookkeeping: positions count real tokens only; slots past the end stay invalid.
+  np.testing.assert_array_equal(np.asarray(cache.positions_B), [12 + N, 7 + N, 3 + N])
+  assert int(cache.index) == P + N
+  valid = np.asarray(cache.valid_BxS)
+  np.testing.assert_array_equal(valid[:, :P], real)
+  assert valid[:, P:P + N].all() and not valid[:, P + N:].any()
 
 
 def test_prefill_last_only_and_chunked_prefill(hf_dir):
-    """Prefill in two chunks == one prefill; last_only gives the last column."""
-    _, path = hf_dir("qwen2")
-    model, _ = load_pretrained(path)
-    rng = np.random.RandomState(1)
-    ids_BxP, mask_BxP = _left_pad([rng.randint(0, 128, n) for n in (10, 4)], 10)
-    prefill = jax.jit(lambda m, i, a, c, last: m.prefill(i, a, c, last_only=last),
-                      static_argnums=4)
-    one, _ = prefill(model, ids_BxP, mask_BxP, model.init_cache(2, 16), False)
-    last, _ = prefill(model, ids_BxP, mask_BxP, model.init_cache(2, 16), True)
-    np.testing.assert_allclose(np.asarray(last), np.asarray(one)[:, -1], atol=1e-6)
-    a, cache = prefill(model, ids_BxP[:, :7], mask_BxP[:, :7], model.init_cache(2, 16), False)
-    b, _ = prefill(model, ids_BxP[:, 7:], mask_BxP[:, 7:], cache, False)
-    np.testing.assert_allclose(np.asarray(b)[:, -1], np.asarray(one)[:, -1], atol=1e-5)
+  """Prefill in two chunks == one prefill; last_only gives the last column."""
+  _, path = hf_dir("qwen2")
+  model, _ = load_pretrained(path)
+  rng = np.random.RandomState(1)
+  ids_BxP, mask_BxP = _left_pad([rng.randint(0, 128, n) for n in (10, 4)], 10)
+  prefill = jax.jit(lambda m, i, a, c, last: m.prefill(i, a, c, last_only=last),
+                    static_argnums=4)
+  one, _ = prefill(model, ids_BxP, mask_BxP, model.init_cache(2, 16), False)
+  last, _ = prefill(model, ids_BxP, mask_BxP, model.init_cache(2, 16), True)
+  np.testing.assert_allclose(np.asarray(last), np.asarray(one)[:, -1], atol=1e-6)
+  a, cache = prefill(model, ids_BxP[:, :7], mask_BxP[:, :7], model.init_cache(2, 16), False)
+  b, _ = prefill(model, ids_BxP[:, 7:], mask_BxP[:, 7:], cache, False)
+  np.testing.assert_allclose(np.asarray(b)[:, -1], np.asarray(one)[:, -1], atol=1e-5)
 
 
 def test_init_cache_shapes(hf_dir):
-    _, path = hf_dir("qwen3")
-    model, cfg = load_pretrained(path, dtype=jnp.bfloat16)
-    cache = model.init_cache(4, 32)
-    assert isinstance(cache, KVCache) and cache.max_len == 32
-    assert cache.k_LxBxSxKxH.shape == (cfg.num_layers, 4, 32, cfg.num_kv_heads, cfg.head_dim)
-    assert cache.v_LxBxSxKxH.dtype == jnp.bfloat16
-    assert len(jax.tree.leaves(cache)) == 5  # a pytree: passes through jit / while_loop
+  _, path = hf_dir("qwen3")
+  model, cfg = load_pretrained(path, dtype=jnp.bfloat16)
+  cache = model.init_cache(4, 32)
+  assert isinstance(cache, KVCache) and cache.max_len == 32
+  assert cache.k_LxBxSxKxH.shape == (cfg.num_layers, 4, 32, cfg.num_kv_heads, cfg.head_dim)
+  assert cache.v_LxBxSxKxH.dtype == jnp.bfloat16
+  assert len(jax.tree.leaves(cache)) == 5  # a pytree: passes through jit / while_loop

@@ -9,100 +9,100 @@ EPS = 1e-6
 
 
 def adv(rewards, n, est, **kw):
-    return np.asarray(compute_advantages(np.asarray(rewards, np.float32), group_size=n,
-                                         estimator=est, **kw))
+  return np.asarray(compute_advantages(np.asarray(rewards, np.float32), group_size=n,
+                                       estimator=est, **kw))
 
 
 def test_grpo_closed_form_pair():
-    # mean 0.5, std(ddof=1) = sqrt(0.5); (1 - 0.5) / sqrt(0.5) = sqrt(0.5)
-    a = adv([1.0, 0.0], 2, "grpo")
-    np.testing.assert_allclose(a, [np.sqrt(0.5), -np.sqrt(0.5)], rtol=1e-5)
+  # mean 0.5, std(ddof=1) = sqrt(0.5); (1 - 0.5) / sqrt(0.5) = sqrt(0.5)
+  a = adv([1.0, 0.0], 2, "grpo")
+  np.testing.assert_allclose(a, [np.sqrt(0.5), -np.sqrt(0.5)], rtol=1e-5)
 
 
 def test_grpo_closed_form_two_groups():
-    # group 1: [1, 0, 0, 0] mean .25, var(ddof=1) = (.5625 + 3*.0625)/3 = .25 -> std .5
-    # group 2: [1, 1, 0, 0] mean .5, var = 4*.25/3 = 1/3
-    a = adv([1, 0, 0, 0, 1, 1, 0, 0], 4, "grpo")
-    s2 = np.sqrt(1 / 3)
-    np.testing.assert_allclose(a, [1.5, -.5, -.5, -.5, .5 / s2, .5 / s2, -.5 / s2, -.5 / s2],
-                               rtol=1e-5)
+  # group 1: [1, 0, 0, 0] mean .25, var(ddof=1) = (.5625 + 3*.0625)/3 = .25 -> std .5
+  # group 2: [1, 1, 0, 0] mean .5, var = 4*.25/3 = 1/3
+  a = adv([1, 0, 0, 0, 1, 1, 0, 0], 4, "grpo")
+  s2 = np.sqrt(1 / 3)
+  np.testing.assert_allclose(a, [1.5, -.5, -.5, -.5, .5 / s2, .5 / s2, -.5 / s2, -.5 / s2],
+                             rtol=1e-5)
 
 
 def test_drgrpo_closed_form():
-    a = adv([1, 0, 0, 0, 1, 1, 1, 0], 4, "drgrpo")
-    np.testing.assert_allclose(a, [.75, -.25, -.25, -.25, .25, .25, .25, -.75], atol=1e-7)
+  a = adv([1, 0, 0, 0, 1, 1, 1, 0], 4, "drgrpo")
+  np.testing.assert_allclose(a, [.75, -.25, -.25, -.25, .25, .25, .25, -.75], atol=1e-7)
 
 
 def test_rloo_closed_form():
-    # r_i - mean of the other three
-    a = adv([1, 0, 0, 0, 3, 1, 2, 2], 4, "rloo")
-    np.testing.assert_allclose(a, [1, -1 / 3, -1 / 3, -1 / 3, 3 - 5 / 3, 1 - 7 / 3, 0, 0],
-                               atol=1e-6)
+  # r_i - mean of the other three
+  a = adv([1, 0, 0, 0, 3, 1, 2, 2], 4, "rloo")
+  np.testing.assert_allclose(a, [1, -1 / 3, -1 / 3, -1 / 3, 3 - 5 / 3, 1 - 7 / 3, 0, 0],
+                             atol=1e-6)
 
 
 def test_batch_closed_form():
-    # centred: [.5, -.5, .5, -.5, 0, 0, 0, 0]... groups of 2
-    r = [1, 0, 1, 0, 2, 2, 0, 0]
-    centred = np.array([.5, -.5, .5, -.5, 0, 0, 0, 0])
-    a = adv(r, 2, "batch")
-    np.testing.assert_allclose(a, centred / (centred.std(ddof=1) + EPS), rtol=1e-5)
+  # centred: [.5, -.5, .5, -.5, 0, 0, 0, 0]... groups of 2
+  r = [1, 0, 1, 0, 2, 2, 0, 0]
+  centred = np.array([.5, -.5, .5, -.5, 0, 0, 0, 0])
+  a = adv(r, 2, "batch")
+  np.testing.assert_allclose(a, centred / (centred.std(ddof=1) + EPS), rtol=1e-5)
 
 
 @pytest.mark.parametrize("est", ["grpo", "drgrpo", "batch", "rloo"])
 def test_zero_variance_group_is_exactly_zero(est):
-    # 0.1 * 3 / 3 != 0.1 in float: without the explicit zeroing, grpo would give
-    # (rounding error) / 1e-6, far from 0.
-    r = [0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 1.0, 0.0, 0.5]
-    a = adv(r, 3, est)
-    assert np.all(a[:6] == 0.0)
-    assert np.any(a[6:] != 0.0)
+  # 0.1 * 3 / 3 != 0.1 in float: without the explicit zeroing, grpo would give
+  # (rounding error) / 1e-6, far from 0.
+  r = [0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 1.0, 0.0, 0.5]
+  a = adv(r, 3, est)
+  assert np.all(a[:6] == 0.0)
+  assert np.any(a[6:] != 0.0)
 
 
 def test_random_matches_numpy_formulas():
-    rng = np.random.default_rng(0)
-    r = rng.normal(size=(6, 5)).astype(np.float32)
-    flat = r.reshape(-1)
-    mean = r.mean(1, keepdims=True)
-    std = r.std(1, ddof=1, keepdims=True)
-    np.testing.assert_allclose(adv(flat, 5, "grpo"), ((r - mean) / (std + EPS)).ravel(),
-                               rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(adv(flat, 5, "drgrpo"), (r - mean).ravel(), atol=1e-5)
-    loo = np.stack([[r[g, i] - np.delete(r[g], i).mean() for i in range(5)] for g in range(6)])
-    np.testing.assert_allclose(adv(flat, 5, "rloo"), loo.ravel(), atol=1e-5)
-    c = r - mean
-    np.testing.assert_allclose(adv(flat, 5, "batch"), (c / (c.std(ddof=1) + EPS)).ravel(),
-                               rtol=1e-4, atol=1e-5)
+  rng = np.random.default_rng(0)
+  r = rng.normal(size=(6, 5)).astype(np.float32)
+  flat = r.reshape(-1)
+  mean = r.mean(1, keepdims=True)
+  std = r.std(1, ddof=1, keepdims=True)
+  np.testing.assert_allclose(adv(flat, 5, "grpo"), ((r - mean) / (std + EPS)).ravel(),
+                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(adv(flat, 5, "drgrpo"), (r - mean).ravel(), atol=1e-5)
+  loo = np.stack([[r[g, i] - np.delete(r[g], i).mean() for i in range(5)] for g in range(6)])
+  np.testing.assert_allclose(adv(flat, 5, "rloo"), loo.ravel(), atol=1e-5)
+  c = r - mean
+  np.testing.assert_allclose(adv(flat, 5, "batch"), (c / (c.std(ddof=1) + EPS)).ravel(),
+                             rtol=1e-4, atol=1e-5)
 
 
 def test_decoupled_baseline():
-    # 2 prompts, n_train=2 trained rollouts, n_est=4 baseline rollouts each.
-    base = np.array([1, 0, 0, 0, 1, 1, 1, 0], np.float32)
-    train = np.array([1, 0, 1, 0], np.float32)  # a subset of each prompt's baseline set
-    m = base.reshape(2, 4).mean(1)  # [.25, .75]
-    s = base.reshape(2, 4).std(1, ddof=1)  # [.5, .5]
-    exp_grpo = (train.reshape(2, 2) - m[:, None]) / (s[:, None] + EPS)
-    np.testing.assert_allclose(adv(train, 2, "grpo", baseline_rewards_B=base),
-                               exp_grpo.ravel(), rtol=1e-5)
-    np.testing.assert_allclose(adv(train, 2, "drgrpo", baseline_rewards_B=base),
-                               (train.reshape(2, 2) - m[:, None]).ravel(), atol=1e-6)
-    # leave-one-out among the 4 baseline rollouts: (sum - r) / 3
-    sums = base.reshape(2, 4).sum(1)
-    exp_rloo = train.reshape(2, 2) - (sums[:, None] - train.reshape(2, 2)) / 3
-    np.testing.assert_allclose(adv(train, 2, "rloo", baseline_rewards_B=base),
-                               exp_rloo.ravel(), atol=1e-6)
-    # n_est == n_train reproduces the coupled estimator
-    np.testing.assert_allclose(adv(train, 2, "grpo", baseline_rewards_B=train),
-                               adv(train, 2, "grpo"), rtol=1e-6)
+  # 2 prompts, n_train=2 trained rollouts, n_est=4 baseline rollouts each.
+  base = np.array([1, 0, 0, 0, 1, 1, 1, 0], np.float32)
+  train = np.array([1, 0, 1, 0], np.float32)  # a subset of each prompt's baseline set
+  m = base.reshape(2, 4).mean(1)  # [.25, .75]
+  s = base.reshape(2, 4).std(1, ddof=1)  # [.5, .5]
+  exp_grpo = (train.reshape(2, 2) - m[:, None]) / (s[:, None] + EPS)
+  np.testing.assert_allclose(adv(train, 2, "grpo", baseline_rewards_B=base),
+                             exp_grpo.ravel(), rtol=1e-5)
+  np.testing.assert_allclose(adv(train, 2, "drgrpo", baseline_rewards_B=base),
+                             (train.reshape(2, 2) - m[:, None]).ravel(), atol=1e-6)
+  # leave-one-out among the 4 baseline rollouts: (sum - r) / 3
+  sums = base.reshape(2, 4).sum(1)
+  exp_rloo = train.reshape(2, 2) - (sums[:, None] - train.reshape(2, 2)) / 3
+  np.testing.assert_allclose(adv(train, 2, "rloo", baseline_rewards_B=base),
+                             exp_rloo.ravel(), atol=1e-6)
+  # n_est == n_train reproduces the coupled estimator
+  np.testing.assert_allclose(adv(train, 2, "grpo", baseline_rewards_B=train),
+                             adv(train, 2, "grpo"), rtol=1e-6)
 
 
 def test_decoupled_zero_variance_follows_baseline():
-    # trained subset all equal, baseline is not -> non-zero advantage (it has gradient)
-    base = np.array([1, 1, 0, 0, 1, 1, 1, 1], np.float32)
-    train = np.array([1, 1, 1, 1], np.float32)
-    a = adv(train, 2, "grpo", baseline_rewards_B=base)
-    assert np.all(a[:2] > 0) and np.all(a[2:] == 0)
-    flags = np.asarray(zero_variance_groups(train, group_size=2, baseline_rewards_B=base))
-    np.testing.assert_array_equal(flags, [False, True])
+  # trained subset all equal, baseline is not -> non-zero advantage (it has gradient)
+  base = np.array([1, 1, 0, 0, 1, 1, 1, 1], np.float32)
+  train = np.array([1, 1, 1, 1], np.float32)
+  a = adv(train, 2, "grpo", baseline_rewards_B=base)
+  assert np.all(a[:2] > 0) and np.all(a[2:] == 0)
+  flags = np.asarray(zero_variance_groups(train, group_size=2, baseline_rewards_B=base))
+  np.testing.assert_array_equal(flags, [False, True])
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -113,5 +113,5 @@ def test_decoupled_zero_variance_follows_baseline():
     (dict(group_size=2, baseline_rewards_B=np.zeros(2, np.float32)), "n_est=1"),
 ])
 def test_bad_input(kw, match):
-    with pytest.raises(ValueError, match=match):
-        compute_advantages(np.zeros(4, np.float32), **kw)
+  with pytest.raises(ValueError, match=match):
+    compute_advantages(np.zeros(4, np.float32), **kw)

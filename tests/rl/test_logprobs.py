@@ -10,93 +10,93 @@ from isojax.rl.logprobs import logits_logp_entropy, token_logp_entropy
 
 
 def np_logp_entropy(logits, targets):
-    z = logits.astype(np.float64)
-    lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
-    logp = z - lse[:, None]
-    return logp[np.arange(len(targets)), targets], -(np.exp(logp) * logp).sum(-1)
+  z = logits.astype(np.float64)
+  lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+  logp = z - lse[:, None]
+  return logp[np.arange(len(targets)), targets], -(np.exp(logp) * logp).sum(-1)
 
 
 def test_logp_entropy_matches_numpy_including_extreme_logits():
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(6, 11)).astype(np.float32) * 3
-    logits[1] += 500.0  # overflow without the shift
-    logits[2, 4] = 80.0  # nearly one-hot
-    targets = rng.integers(0, 11, 6)
-    lp, ent = logits_logp_entropy(jnp.asarray(logits), jnp.asarray(targets))
-    rlp, rent = np_logp_entropy(logits, targets)
-    np.testing.assert_allclose(np.asarray(lp), rlp, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(ent), rent, rtol=1e-4, atol=1e-5)
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(6, 11)).astype(np.float32) * 3
+  logits[1] += 500.0  # overflow without the shift
+  logits[2, 4] = 80.0  # nearly one-hot
+  targets = rng.integers(0, 11, 6)
+  lp, ent = logits_logp_entropy(jnp.asarray(logits), jnp.asarray(targets))
+  rlp, rent = np_logp_entropy(logits, targets)
+  np.testing.assert_allclose(np.asarray(lp), rlp, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(ent), rent, rtol=1e-4, atol=1e-5)
 
 
 def test_gradients_are_softmax_formulas():
-    rng = np.random.default_rng(1)
-    logits = rng.normal(size=(4, 7)).astype(np.float32)
-    targets = np.array([0, 3, 6, 2])
-    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
-    g_lp = jax.grad(lambda x: logits_logp_entropy(x, jnp.asarray(targets))[0].sum())(
-        jnp.asarray(logits))
-    np.testing.assert_allclose(np.asarray(g_lp), np.eye(7)[targets] - p, atol=1e-6)
-    # dH/dl_j = -p_j (log p_j + H)
-    logp = np.log(p)
-    h = -(p * logp).sum(-1, keepdims=True)
-    g_h = jax.grad(lambda x: logits_logp_entropy(x, jnp.asarray(targets))[1].sum())(
-        jnp.asarray(logits))
-    np.testing.assert_allclose(np.asarray(g_h), -p * (logp + h), atol=1e-6)
+  rng = np.random.default_rng(1)
+  logits = rng.normal(size=(4, 7)).astype(np.float32)
+  targets = np.array([0, 3, 6, 2])
+  p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+  g_lp = jax.grad(lambda x: logits_logp_entropy(x, jnp.asarray(targets))[0].sum())(
+      jnp.asarray(logits))
+  np.testing.assert_allclose(np.asarray(g_lp), np.eye(7)[targets] - p, atol=1e-6)
+  # dH/dl_j = -p_j (log p_j + H)
+  logp = np.log(p)
+  h = -(p * logp).sum(-1, keepdims=True)
+  g_h = jax.grad(lambda x: logits_logp_entropy(x, jnp.asarray(targets))[1].sum())(
+      jnp.asarray(logits))
+  np.testing.assert_allclose(np.asarray(g_h), -p * (logp + h), atol=1e-6)
 
 
 class StandIn:
-    """hidden_states = embedding lookup; lm_head = projection (fp32)."""
+  """hidden_states = embedding lookup; lm_head = projection (fp32)."""
 
-    def __init__(self, emb, proj):
-        self.emb, self.proj = emb, proj
+  def __init__(self, emb, proj):
+    self.emb, self.proj = emb, proj
 
-    def hidden_states(self, ids, attention_mask=None):
-        return self.emb[ids] * attention_mask[..., None]
+  def hidden_states(self, ids, attention_mask=None):
+    return self.emb[ids] * attention_mask[..., None]
 
-    def lm_head(self, h):
-        return h @ self.proj
+  def lm_head(self, h):
+    return h @ self.proj
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 4, 16])
 def test_chunked_equals_unchunked_values_and_gradients(chunk):
-    rng = np.random.default_rng(2)
-    B, T, D, V = 3, 9, 5, 13
-    ids = jnp.asarray(rng.integers(0, V, (B, T)))
-    attn = jnp.ones((B, T), jnp.int32)
-    mask = np.zeros((B, T), np.float32)
-    mask[:, 6:] = 1  # chunks over the prompt region are skipped
-    emb, proj = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((V, D), (D, V)))
+  rng = np.random.default_rng(2)
+  B, T, D, V = 3, 9, 5, 13
+  ids = jnp.asarray(rng.integers(0, V, (B, T)))
+  attn = jnp.ones((B, T), jnp.int32)
+  mask = np.zeros((B, T), np.float32)
+  mask[:, 6:] = 1  # chunks over the prompt region are skipped
+  emb, proj = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((V, D), (D, V)))
 
-    def loss(proj, chunk):
-        lp, ent = token_logp_entropy(StandIn(emb, proj), ids, attn, jnp.asarray(mask),
-                                     chunk=chunk)
-        return jnp.sum((lp + 0.1 * ent) * mask), (lp, ent)
+  def loss(proj, chunk):
+    lp, ent = token_logp_entropy(StandIn(emb, proj), ids, attn, jnp.asarray(mask),
+                                 chunk=chunk)
+    return jnp.sum((lp + 0.1 * ent) * mask), (lp, ent)
 
-    (v0, (lp0, ent0)), g0 = jax.value_and_grad(loss, has_aux=True)(proj, None)
-    (v1, (lp1, ent1)), g1 = jax.value_and_grad(loss, has_aux=True)(proj, chunk)
-    np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
-    on = mask > 0
-    np.testing.assert_allclose(np.asarray(lp1)[on], np.asarray(lp0)[on], rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(ent1)[on], np.asarray(ent0)[on], rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), rtol=1e-5, atol=1e-6)
-    # column 0 has no prediction; position t's log-prob comes from logits at t - 1
-    assert np.all(np.asarray(lp0)[:, 0] == 0)
-    rlp, _ = np_logp_entropy(np.asarray(emb[ids[:, 3]] @ proj), np.asarray(ids[:, 4]))
-    np.testing.assert_allclose(np.asarray(lp0)[:, 4], rlp, rtol=1e-5)
+  (v0, (lp0, ent0)), g0 = jax.value_and_grad(loss, has_aux=True)(proj, None)
+  (v1, (lp1, ent1)), g1 = jax.value_and_grad(loss, has_aux=True)(proj, chunk)
+  np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
+  on = mask > 0
+  np.testing.assert_allclose(np.asarray(lp1)[on], np.asarray(lp0)[on], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(ent1)[on], np.asarray(ent0)[on], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), rtol=1e-5, atol=1e-6)
+  # column 0 has no prediction; position t's log-prob comes from logits at t - 1
+  assert np.all(np.asarray(lp0)[:, 0] == 0)
+  rlp, _ = np_logp_entropy(np.asarray(emb[ids[:, 3]] @ proj), np.asarray(ids[:, 4]))
+  np.testing.assert_allclose(np.asarray(lp0)[:, 4], rlp, rtol=1e-5)
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.3])
 def test_temperature_scores_the_sampled_distribution(temperature):
-    """logp must be log softmax(logits / T): the distribution the sampler drew from."""
-    rng = np.random.default_rng(3)
-    B, T, D, V = 2, 6, 4, 9
-    ids = rng.integers(0, V, (B, T))
-    emb, proj = rng.normal(size=(V, D)), rng.normal(size=(D, V))
-    attn = jnp.ones((B, T), jnp.int32)
-    lp, ent = token_logp_entropy(
-        StandIn(jnp.asarray(emb, jnp.float32), jnp.asarray(proj, jnp.float32)),
-        jnp.asarray(ids), attn, jnp.ones((B, T), jnp.float32), temperature=temperature)
-    logits = (emb[ids[:, :-1]] @ proj).reshape(-1, V) / temperature
-    rlp, rent = np_logp_entropy(logits, ids[:, 1:].reshape(-1))
-    np.testing.assert_allclose(np.asarray(lp)[:, 1:].reshape(-1), rlp, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(ent)[:, 1:].reshape(-1), rent, rtol=1e-4, atol=1e-5)
+  """logp must be log softmax(logits / T): the distribution the sampler drew from."""
+  rng = np.random.default_rng(3)
+  B, T, D, V = 2, 6, 4, 9
+  ids = rng.integers(0, V, (B, T))
+  emb, proj = rng.normal(size=(V, D)), rng.normal(size=(D, V))
+  attn = jnp.ones((B, T), jnp.int32)
+  lp, ent = token_logp_entropy(
+      StandIn(jnp.asarray(emb, jnp.float32), jnp.asarray(proj, jnp.float32)),
+      jnp.asarray(ids), attn, jnp.ones((B, T), jnp.float32), temperature=temperature)
+  logits = (emb[ids[:, :-1]] @ proj).reshape(-1, V) / temperature
+  rlp, rent = np_logp_entropy(logits, ids[:, 1:].reshape(-1))
+  np.testing.assert_allclose(np.asarray(lp)[:, 1:].reshape(-1), rlp, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(ent)[:, 1:].reshape(-1), rent, rtol=1e-4, atol=1e-5)

@@ -21,247 +21,247 @@ AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "prompt_mean"
 
 # ------------------------------------------------------------------ reference
 def np_kl(est, lp, rf):
-    if est == "k1":
-        return lp - rf
-    if est == "k2":
-        return 0.5 * (lp - rf) ** 2
-    return np.exp(rf - lp) - (rf - lp) - 1.0
+  if est == "k1":
+    return lp - rf
+  if est == "k2":
+    return 0.5 * (lp - rf) ** 2
+  return np.exp(rf - lp) - (rf - lp) - 1.0
 
 
 def np_reference(logp, old, adv, mask, c: LossConfig, n, sampler=None, ref=None, ent=None,
                  logp_sg=None):
-    """Returns (loss, metrics). ``logp_sg`` is where stop-gradient quantities
-    (the CISPO weight) are evaluated; defaults to ``logp``."""
-    logp_sg = logp if logp_sg is None else logp_sg
-    B, T = logp.shape
-    lo, hi = 1 - c.clip_low, 1 + c.clip_high
-    zero_group = [bool(np.all(adv[g * n:(g + 1) * n] == 0)) for g in range(B // n)]
-    tok = np.zeros((B, T))
-    frac = {"low": 0, "high": 0, "dual": 0}
-    tis_w, gaps, akl = [], [], []
-    for b in range(B):
-        a = adv[b]
-        length = mask[b].sum()
-        s = None
-        if c.kind == "gspo":
-            s = np.exp(sum((logp[b, t] - old[b, t]) for t in range(T) if mask[b, t])
-                       / max(length, 1))
-        for t in range(T):
-            if not mask[b, t]:
-                continue
-            akl.append(np.exp(logp[b, t] - old[b, t]) - 1 - (logp[b, t] - old[b, t]))
-            if c.kind == "cispo":
-                r = np.exp(logp_sg[b, t] - old[b, t])
-                term = -min(max(r, lo), hi) * a * logp[b, t]
-                frac["low"] += r < lo
-                frac["high"] += r > hi
-            else:
-                r = np.exp(logp[b, t] - old[b, t]) if c.kind == "ppo_clip" else s
-                term = max(-a * r, -a * min(max(r, lo), hi))
-                frac["low"] += (a < 0) and (r < lo)
-                frac["high"] += (a > 0) and (r > hi)
-                if c.clip_dual is not None and a < 0:
-                    frac["dual"] += term > -c.clip_dual * a
-                    term = min(term, -c.clip_dual * a)
-            if sampler is not None:
-                w = np.exp(old[b, t] - sampler[b, t])
-                gaps.append(abs(old[b, t] - sampler[b, t]))
-                if c.tis_cap is not None:
-                    tis_w.append((min(w, c.tis_cap), w > c.tis_cap))
-                    term *= min(w, c.tis_cap)
-                else:
-                    tis_w.append((w, False))
-            tok[b, t] = term
+  """Returns (loss, metrics). ``logp_sg`` is where stop-gradient quantities
+  (the CISPO weight) are evaluated; defaults to ``logp``."""
+  logp_sg = logp if logp_sg is None else logp_sg
+  B, T = logp.shape
+  lo, hi = 1 - c.clip_low, 1 + c.clip_high
+  zero_group = [bool(np.all(adv[g * n:(g + 1) * n] == 0)) for g in range(B // n)]
+  tok = np.zeros((B, T))
+  frac = {"low": 0, "high": 0, "dual": 0}
+  tis_w, gaps, akl = [], [], []
+  for b in range(B):
+    a = adv[b]
+    length = mask[b].sum()
+    s = None
+    if c.kind == "gspo":
+      s = np.exp(sum((logp[b, t] - old[b, t]) for t in range(T) if mask[b, t])
+                 / max(length, 1))
+    for t in range(T):
+      if not mask[b, t]:
+        continue
+      akl.append(np.exp(logp[b, t] - old[b, t]) - 1 - (logp[b, t] - old[b, t]))
+      if c.kind == "cispo":
+        r = np.exp(logp_sg[b, t] - old[b, t])
+        term = -min(max(r, lo), hi) * a * logp[b, t]
+        frac["low"] += r < lo
+        frac["high"] += r > hi
+      else:
+        r = np.exp(logp[b, t] - old[b, t]) if c.kind == "ppo_clip" else s
+        term = max(-a * r, -a * min(max(r, lo), hi))
+        frac["low"] += (a < 0) and (r < lo)
+        frac["high"] += (a > 0) and (r > hi)
+        if c.clip_dual is not None and a < 0:
+          frac["dual"] += term > -c.clip_dual * a
+          term = min(term, -c.clip_dual * a)
+      if sampler is not None:
+        w = np.exp(old[b, t] - sampler[b, t])
+        gaps.append(abs(old[b, t] - sampler[b, t]))
+        if c.tis_cap is not None:
+          tis_w.append((min(w, c.tis_cap), w > c.tis_cap))
+          term *= min(w, c.tis_cap)
+        else:
+          tis_w.append((w, False))
+      tok[b, t] = term
 
-    def aggregate(x, keep_group):
-        rows = [b for b in range(B) if keep_group[b // n]]
-        if c.agg == "token_mean":
-            vals = [x[b, t] for b in rows for t in range(T) if mask[b, t]]
-            return sum(vals) / len(vals) if vals else 0.0
-        if c.agg in ("seq_mean_token_mean", "seq_mean_token_sum"):
-            per = []
-            for b in rows:
-                vals = [x[b, t] for t in range(T) if mask[b, t]]
-                if vals:
-                    per.append(np.mean(vals) if c.agg == "seq_mean_token_mean" else sum(vals))
-            return np.mean(per) if per else 0.0
-        per = []
-        for g in range(B // n):
-            if not keep_group[g]:
-                continue
-            vals = [x[b, t] for b in range(g * n, (g + 1) * n) for t in range(T) if mask[b, t]]
-            if vals:
-                per.append(np.mean(vals))
-        return np.mean(per) if per else 0.0
+  def aggregate(x, keep_group):
+    rows = [b for b in range(B) if keep_group[b // n]]
+    if c.agg == "token_mean":
+      vals = [x[b, t] for b in rows for t in range(T) if mask[b, t]]
+      return sum(vals) / len(vals) if vals else 0.0
+    if c.agg in ("seq_mean_token_mean", "seq_mean_token_sum"):
+      per = []
+      for b in rows:
+        vals = [x[b, t] for t in range(T) if mask[b, t]]
+        if vals:
+          per.append(np.mean(vals) if c.agg == "seq_mean_token_mean" else sum(vals))
+      return np.mean(per) if per else 0.0
+    per = []
+    for g in range(B // n):
+      if not keep_group[g]:
+        continue
+      vals = [x[b, t] for b in range(g * n, (g + 1) * n) for t in range(T) if mask[b, t]]
+      if vals:
+        per.append(np.mean(vals))
+    return np.mean(per) if per else 0.0
 
-    everyone = [True] * (B // n)
-    nonzero = [not z for z in zero_group]
-    pg_keep = nonzero if c.zero_var_filter == "all" else everyone
-    reg_keep = nonzero if c.zero_var_filter in ("all", "regularizers") else everyone
-    ntok = mask.sum()
-    m = {"pg_loss": aggregate(tok, pg_keep), "approx_kl_old": sum(akl) / ntok,
-         "zero_var_frac": np.mean(zero_group)}
-    m.update({f"clip_frac_{k}": v / ntok for k, v in frac.items()})
-    loss = m["pg_loss"]
-    if ref is not None:
-        kl = np_kl(c.kl_estimator, logp, ref)
-        m["kl_loss"] = aggregate(kl, reg_keep)
-        m["kl_ref"] = (kl * mask).sum() / ntok
-        loss += c.kl_coef * m["kl_loss"]
-    if ent is not None:
-        m["entropy_term"] = aggregate(ent, reg_keep)
-        m["entropy"] = (ent * mask).sum() / ntok
-        loss -= c.entropy_coef * m["entropy_term"]
-    if sampler is not None:
-        m["tis_weight_mean"] = np.mean([w for w, _ in tis_w])
-        m["tis_weight_max"] = max(w for w, _ in tis_w)
-        m["tis_frac_truncated"] = np.mean([tr for _, tr in tis_w])
-        m["logp_gap_mean"] = np.mean(gaps)
-        m["logp_gap_max"] = max(gaps)
-    m["loss"] = loss
-    return loss, m
+  everyone = [True] * (B // n)
+  nonzero = [not z for z in zero_group]
+  pg_keep = nonzero if c.zero_var_filter == "all" else everyone
+  reg_keep = nonzero if c.zero_var_filter in ("all", "regularizers") else everyone
+  ntok = mask.sum()
+  m = {"pg_loss": aggregate(tok, pg_keep), "approx_kl_old": sum(akl) / ntok,
+       "zero_var_frac": np.mean(zero_group)}
+  m.update({f"clip_frac_{k}": v / ntok for k, v in frac.items()})
+  loss = m["pg_loss"]
+  if ref is not None:
+    kl = np_kl(c.kl_estimator, logp, ref)
+    m["kl_loss"] = aggregate(kl, reg_keep)
+    m["kl_ref"] = (kl * mask).sum() / ntok
+    loss += c.kl_coef * m["kl_loss"]
+  if ent is not None:
+    m["entropy_term"] = aggregate(ent, reg_keep)
+    m["entropy"] = (ent * mask).sum() / ntok
+    loss -= c.entropy_coef * m["entropy_term"]
+  if sampler is not None:
+    m["tis_weight_mean"] = np.mean([w for w, _ in tis_w])
+    m["tis_weight_max"] = max(w for w, _ in tis_w)
+    m["tis_frac_truncated"] = np.mean([tr for _, tr in tis_w])
+    m["logp_gap_mean"] = np.mean(gaps)
+    m["logp_gap_max"] = max(gaps)
+  m["loss"] = loss
+  return loss, m
 
 
 def make_inputs(seed, B=8, T=7, n=2, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    logp = -rng.uniform(0.05, 3.0, (B, T))
-    old = logp + 0.5 * rng.normal(size=(B, T))
-    sampler = old + 0.3 * rng.normal(size=(B, T))
-    ref = logp + 0.4 * rng.normal(size=(B, T))
-    ent = rng.uniform(0.0, 2.0, (B, T))
-    adv = rng.normal(size=B)
-    adv[n:2 * n] = 0.0  # one zero-variance group
-    mask = (rng.uniform(size=(B, T)) < 0.7).astype(dtype)
-    mask[3] = 0.0  # an empty sequence
-    mask[:, 0] = 0.0
-    # garbage on untrained positions must not leak into anything
-    logp = np.where(mask > 0, logp, -np.inf)
-    return {k: v.astype(dtype) for k, v in dict(logp=logp, old=old, sampler=sampler, ref=ref,
-                                                 ent=ent, adv=adv, mask=mask).items()}
+  rng = np.random.default_rng(seed)
+  logp = -rng.uniform(0.05, 3.0, (B, T))
+  old = logp + 0.5 * rng.normal(size=(B, T))
+  sampler = old + 0.3 * rng.normal(size=(B, T))
+  ref = logp + 0.4 * rng.normal(size=(B, T))
+  ent = rng.uniform(0.0, 2.0, (B, T))
+  adv = rng.normal(size=B)
+  adv[n:2 * n] = 0.0  # one zero-variance group
+  mask = (rng.uniform(size=(B, T)) < 0.7).astype(dtype)
+  mask[3] = 0.0  # an empty sequence
+  mask[:, 0] = 0.0
+  # garbage on untrained positions must not leak into anything
+  logp = np.where(mask > 0, logp, -np.inf)
+  return {k: v.astype(dtype) for k, v in dict(logp=logp, old=old, sampler=sampler, ref=ref,
+                                               ent=ent, adv=adv, mask=mask).items()}
 
 
 def run_jax(x, cfg, n, with_extras):
-    kw = dict(sampler_logp_BxT=x["sampler"], ref_logp_BxT=x["ref"], entropy_BxT=x["ent"]) \
-        if with_extras else {}
-    loss, m = policy_loss(x["logp"], x["old"], x["adv"], x["mask"], cfg, group_size=n, **kw)
-    return float(loss), {k: float(v) for k, v in m.items()}
+  kw = dict(sampler_logp_BxT=x["sampler"], ref_logp_BxT=x["ref"], entropy_BxT=x["ent"]) \
+      if with_extras else {}
+  loss, m = policy_loss(x["logp"], x["old"], x["adv"], x["mask"], cfg, group_size=n, **kw)
+  return float(loss), {k: float(v) for k, v in m.items()}
 
 
 def run_ref(x, cfg, n, with_extras):
-    x64 = {k: v.astype(np.float64) for k, v in x.items()}
-    x64["logp"] = np.where(x["mask"] > 0, x64["logp"], 0.0)
-    kw = dict(sampler=x64["sampler"], ref=x64["ref"], ent=x64["ent"]) if with_extras else {}
-    return np_reference(x64["logp"], x64["old"], x64["adv"], x64["mask"], cfg, n, **kw)
+  x64 = {k: v.astype(np.float64) for k, v in x.items()}
+  x64["logp"] = np.where(x["mask"] > 0, x64["logp"], 0.0)
+  kw = dict(sampler=x64["sampler"], ref=x64["ref"], ent=x64["ent"]) if with_extras else {}
+  return np_reference(x64["logp"], x64["old"], x64["adv"], x64["mask"], cfg, n, **kw)
 
 
 def check(x, cfg, n, with_extras):
-    loss, m = run_jax(x, cfg, n, with_extras)
-    rloss, rm = run_ref(x, cfg, n, with_extras)
-    assert set(m) == set(rm), set(m) ^ set(rm)
-    np.testing.assert_allclose(loss, rloss, rtol=2e-5, atol=1e-6)
-    for k in rm:
-        np.testing.assert_allclose(m[k], rm[k], rtol=2e-5, atol=1e-6, err_msg=k)
+  loss, m = run_jax(x, cfg, n, with_extras)
+  rloss, rm = run_ref(x, cfg, n, with_extras)
+  assert set(m) == set(rm), set(m) ^ set(rm)
+  np.testing.assert_allclose(loss, rloss, rtol=2e-5, atol=1e-6)
+  for k in rm:
+    np.testing.assert_allclose(m[k], rm[k], rtol=2e-5, atol=1e-6, err_msg=k)
 
 
 @pytest.mark.parametrize("kind, agg", list(itertools.product(KINDS, AGGS)))
 def test_pg_loss_matches_reference(kind, agg):
-    cfg = LossConfig(kind=kind, agg=agg, clip_low=0.2, clip_high=0.28)
-    check(make_inputs(1), cfg, 2, with_extras=False)
+  cfg = LossConfig(kind=kind, agg=agg, clip_low=0.2, clip_high=0.28)
+  check(make_inputs(1), cfg, 2, with_extras=False)
 
 
 @pytest.mark.parametrize("kind, agg, zv", list(itertools.product(
     KINDS, AGGS, ("off", "all", "regularizers"))))
 def test_full_loss_matches_reference(kind, agg, zv):
-    cfg = LossConfig(kind=kind, agg=agg, clip_low=0.2, clip_high=0.28, tis_cap=1.5,
-                     kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01, zero_var_filter=zv,
-                     clip_dual=None if kind == "cispo" else 1.6)
-    check(make_inputs(2, B=12, n=3), cfg, 3, with_extras=True)
+  cfg = LossConfig(kind=kind, agg=agg, clip_low=0.2, clip_high=0.28, tis_cap=1.5,
+                   kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01, zero_var_filter=zv,
+                   clip_dual=None if kind == "cispo" else 1.6)
+  check(make_inputs(2, B=12, n=3), cfg, 3, with_extras=True)
 
 
 @pytest.mark.parametrize("est", ["k1", "k2", "k3"])
 def test_kl_estimators(est):
-    cfg = LossConfig(kl_coef=0.3, kl_estimator=est)
-    check(make_inputs(3), cfg, 2, with_extras=True)
+  cfg = LossConfig(kl_coef=0.3, kl_estimator=est)
+  check(make_inputs(3), cfg, 2, with_extras=True)
 
 
 def test_cispo_unbounded_below_and_no_tis():
-    cfg = LossConfig(kind="cispo", clip_low=1.0, clip_high=0.1, tis_cap=None)
-    check(make_inputs(4), cfg, 4, with_extras=True)
+  cfg = LossConfig(kind="cispo", clip_low=1.0, clip_high=0.1, tis_cap=None)
+  check(make_inputs(4), cfg, 4, with_extras=True)
 
 
 def test_zero_variance_filter_all_changes_denominator():
-    # pg terms of a zero-variance group are 0 anyway; "all" removes its tokens
-    # from the token count, so the loss scales by total/kept tokens.
-    x = make_inputs(5)
-    off, _ = run_jax(x, LossConfig(zero_var_filter="off"), 2, False)
-    on, _ = run_jax(x, LossConfig(zero_var_filter="all"), 2, False)
-    m = x["mask"]
-    kept = m.sum() - m[2:4].sum()
-    np.testing.assert_allclose(on, off * m.sum() / kept, rtol=1e-5)
+  # pg terms of a zero-variance group are 0 anyway; "all" removes its tokens
+  # from the token count, so the loss scales by total/kept tokens.
+  x = make_inputs(5)
+  off, _ = run_jax(x, LossConfig(zero_var_filter="off"), 2, False)
+  on, _ = run_jax(x, LossConfig(zero_var_filter="all"), 2, False)
+  m = x["mask"]
+  kept = m.sum() - m[2:4].sum()
+  np.testing.assert_allclose(on, off * m.sum() / kept, rtol=1e-5)
 
 
 def test_micro_batch_slices_sum_to_whole_batch():
-    x = make_inputs(6, B=12, n=3)
-    for agg in AGGS:
-        cfg = LossConfig(agg=agg, kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0,
-                         zero_var_filter="regularizers")
-        full, fm = run_jax(x, cfg, 3, True)
-        w = token_weights(x["mask"], x["adv"], cfg, group_size=3)
-        total, parts = 0.0, []
-        for rows in (slice(0, 4), slice(4, 8), slice(8, 12)):  # 4 rows: cuts groups
-            l, m = weighted_policy_loss(
-                x["logp"][rows], x["old"][rows], x["adv"][rows], x["mask"][rows],
-                type(w)(*(a[rows] for a in w)), cfg, sampler_logp_BxT=x["sampler"][rows],
-                ref_logp_BxT=x["ref"][rows], entropy_BxT=x["ent"][rows])
-            total += float(l)
-            parts.append(m)
-        np.testing.assert_allclose(total, full, rtol=1e-5)
-        np.testing.assert_allclose(sum(float(p["entropy"]) for p in parts), fm["entropy"],
-                                   rtol=1e-5)
-        np.testing.assert_allclose(max(float(p["tis_weight_max"]) for p in parts),
-                                   fm["tis_weight_max"], rtol=1e-6)
+  x = make_inputs(6, B=12, n=3)
+  for agg in AGGS:
+    cfg = LossConfig(agg=agg, kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0,
+                     zero_var_filter="regularizers")
+    full, fm = run_jax(x, cfg, 3, True)
+    w = token_weights(x["mask"], x["adv"], cfg, group_size=3)
+    total, parts = 0.0, []
+    for rows in (slice(0, 4), slice(4, 8), slice(8, 12)):  # 4 rows: cuts groups
+      l, m = weighted_policy_loss(
+          x["logp"][rows], x["old"][rows], x["adv"][rows], x["mask"][rows],
+          type(w)(*(a[rows] for a in w)), cfg, sampler_logp_BxT=x["sampler"][rows],
+          ref_logp_BxT=x["ref"][rows], entropy_BxT=x["ent"][rows])
+      total += float(l)
+      parts.append(m)
+    np.testing.assert_allclose(total, full, rtol=1e-5)
+    np.testing.assert_allclose(sum(float(p["entropy"]) for p in parts), fm["entropy"],
+                               rtol=1e-5)
+    np.testing.assert_allclose(max(float(p["tis_weight_max"]) for p in parts),
+                               fm["tis_weight_max"], rtol=1e-6)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradient_matches_finite_differences(kind):
-    """d loss / d logp in float64: jax.grad vs central differences of the NumPy
-    reference (stop-gradient quantities held at the base point)."""
-    cfg = LossConfig(kind=kind, agg="seq_mean_token_mean" if kind == "gspo" else "prompt_mean",
-                     clip_low=0.2, clip_high=0.28, tis_cap=1.5, kl_coef=0.1,
-                     entropy_coef=0.01, clip_dual=None if kind == "cispo" else 1.6)
-    x = make_inputs(7, B=4, T=5, n=2, dtype=np.float64)
-    x["logp"] = np.where(x["mask"] > 0, x["logp"], -1.0)
-    x["adv"][2:4] = [0.7, -1.2]
-    n = 2
-    with jax.enable_x64(True):
-        def f(logp):
-            return policy_loss(logp, jnp.asarray(x["old"]), jnp.asarray(x["adv"]),
-                               jnp.asarray(x["mask"]), cfg, sampler_logp_BxT=jnp.asarray(x["sampler"]),
-                               ref_logp_BxT=jnp.asarray(x["ref"]), entropy_BxT=jnp.asarray(x["ent"]),
-                               group_size=n)[0]
-        g = np.asarray(jax.grad(f)(jnp.asarray(x["logp"])))
-        assert g.dtype == np.float64
-    h = 1e-6
-    fd = np.zeros_like(x["logp"])
-    for b, t in itertools.product(*map(range, x["logp"].shape)):
-        def at(delta):
-            lp = x["logp"].copy()
-            lp[b, t] += delta
-            return np_reference(lp, x["old"], x["adv"], x["mask"], cfg, n, sampler=x["sampler"],
-                                ref=x["ref"], ent=x["ent"], logp_sg=x["logp"])[0]
-        fd[b, t] = (at(h) - at(-h)) / (2 * h)
-    assert np.abs(fd).max() > 1e-3  # the check is not vacuous
-    np.testing.assert_allclose(g, fd, rtol=1e-6, atol=1e-8)
-    assert np.all(g[x["mask"] == 0] == 0)
+  """d loss / d logp in float64: jax.grad vs central differences of the NumPy
+  reference (stop-gradient quantities held at the base point)."""
+  cfg = LossConfig(kind=kind, agg="seq_mean_token_mean" if kind == "gspo" else "prompt_mean",
+                   clip_low=0.2, clip_high=0.28, tis_cap=1.5, kl_coef=0.1,
+                   entropy_coef=0.01, clip_dual=None if kind == "cispo" else 1.6)
+  x = make_inputs(7, B=4, T=5, n=2, dtype=np.float64)
+  x["logp"] = np.where(x["mask"] > 0, x["logp"], -1.0)
+  x["adv"][2:4] = [0.7, -1.2]
+  n = 2
+  with jax.enable_x64(True):
+    def f(logp):
+      return policy_loss(logp, jnp.asarray(x["old"]), jnp.asarray(x["adv"]),
+                         jnp.asarray(x["mask"]), cfg, sampler_logp_BxT=jnp.asarray(x["sampler"]),
+                         ref_logp_BxT=jnp.asarray(x["ref"]), entropy_BxT=jnp.asarray(x["ent"]),
+                         group_size=n)[0]
+    g = np.asarray(jax.grad(f)(jnp.asarray(x["logp"])))
+    assert g.dtype == np.float64
+  h = 1e-6
+  fd = np.zeros_like(x["logp"])
+  for b, t in itertools.product(*map(range, x["logp"].shape)):
+    def at(delta):
+      lp = x["logp"].copy()
+      lp[b, t] += delta
+      return np_reference(lp, x["old"], x["adv"], x["mask"], cfg, n, sampler=x["sampler"],
+                          ref=x["ref"], ent=x["ent"], logp_sg=x["logp"])[0]
+    fd[b, t] = (at(h) - at(-h)) / (2 * h)
+  assert np.abs(fd).max() > 1e-3  # the check is not vacuous
+  np.testing.assert_allclose(g, fd, rtol=1e-6, atol=1e-8)
+  assert np.all(g[x["mask"] == 0] == 0)
 
 
 def test_entropy_gradient_is_minus_coef_times_weights():
-    x = make_inputs(8)
-    cfg = LossConfig(entropy_coef=0.3, agg="seq_mean_token_sum")
-    g = jax.grad(lambda e: policy_loss(x["logp"], x["old"], x["adv"], x["mask"], cfg,
-                                       entropy_BxT=e, group_size=2)[0])(jnp.asarray(x["ent"]))
-    rows = (x["mask"].sum(1) > 0).sum()
-    np.testing.assert_allclose(np.asarray(g), -0.3 * x["mask"] / rows, rtol=1e-6)
+  x = make_inputs(8)
+  cfg = LossConfig(entropy_coef=0.3, agg="seq_mean_token_sum")
+  g = jax.grad(lambda e: policy_loss(x["logp"], x["old"], x["adv"], x["mask"], cfg,
+                                     entropy_BxT=e, group_size=2)[0])(jnp.asarray(x["ent"]))
+  rows = (x["mask"].sum(1) > 0).sum()
+  np.testing.assert_allclose(np.asarray(g), -0.3 * x["mask"] / rows, rtol=1e-6)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -274,22 +274,22 @@ def test_entropy_gradient_is_minus_coef_times_weights():
     (dict(kl_coef=-1.0), "kl_coef"),
 ])
 def test_bad_config(kw, match):
-    with pytest.raises(ValueError, match=match):
-        LossConfig(**kw)
+  with pytest.raises(ValueError, match=match):
+    LossConfig(**kw)
 
 
 def test_bad_inputs():
-    x = make_inputs(9)
-    with pytest.raises(ValueError, match="mask_BxT has shape"):
-        policy_loss(x["logp"], x["old"], x["adv"], x["mask"][:, :3], LossConfig())
-    with pytest.raises(ValueError, match="adv_B"):
-        policy_loss(x["logp"], x["old"], x["adv"][:3], x["mask"], LossConfig())
-    with pytest.raises(ValueError, match="ref_logp_BxT is None"):
-        policy_loss(x["logp"], x["old"], x["adv"], x["mask"], LossConfig(kl_coef=0.1))
-    with pytest.raises(ValueError, match="sampler_logp_BxT is None"):
-        policy_loss(x["logp"], x["old"], x["adv"], x["mask"], LossConfig(tis_cap=2.0))
-    with pytest.raises(ValueError, match="group_size"):
-        policy_loss(x["logp"], x["old"], x["adv"], x["mask"], LossConfig(agg="prompt_mean"))
-    with pytest.raises(ValueError, match="does not divide"):
-        policy_loss(x["logp"], x["old"], x["adv"], x["mask"],
-                    dataclasses.replace(LossConfig(), zero_var_filter="all"), group_size=3)
+  x = make_inputs(9)
+  with pytest.raises(ValueError, match="mask_BxT has shape"):
+    policy_loss(x["logp"], x["old"], x["adv"], x["mask"][:, :3], LossConfig())
+  with pytest.raises(ValueError, match="adv_B"):
+    policy_loss(x["logp"], x["old"], x["adv"][:3], x["mask"], LossConfig())
+  with pytest.raises(ValueError, match="ref_logp_BxT is None"):
+    policy_loss(x["logp"], x["old"], x["adv"], x["mask"], LossConfig(kl_coef=0.1))
+  with pytest.raises(ValueError, match="sampler_logp_BxT is None"):
+    policy_loss(x["logp"], x["old"], x["adv"], x["mask"], LossConfig(tis_cap=2.0))
+  with pytest.raises(ValueError, match="group_size"):
+    policy_loss(x["logp"], x["old"], x["adv"], x["mask"], LossConfig(agg="prompt_mean"))
+  with pytest.raises(ValueError, match="does not divide"):
+    policy_loss(x["logp"], x["old"], x["adv"], x["mask"],
+                dataclasses.replace(LossConfig(), zero_var_filter="all"), group_size=3)

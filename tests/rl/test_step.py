@@ -30,133 +30,133 @@ LOSS = LossConfig(kind="ppo_clip", agg="prompt_mean", kl_coef=0.2, kl_estimator=
 
 
 def tiny_config(**kw):
-    base = dict(architecture="Qwen2ForCausalLM", vocab_size=64, hidden_size=32,
-                intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                tie_word_embeddings=True, attention_bias=True)
-    return ModelConfig(**{**base, **kw})
+  base = dict(architecture="Qwen2ForCausalLM", vocab_size=64, hidden_size=32,
+              intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+              tie_word_embeddings=True, attention_bias=True)
+  return ModelConfig(**{**base, **kw})
 
 
 def make_batch(seed=0, rewards=(1, 0, 0, 1, 1, 1, 1, 1)):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(1, 64, (B, T)).astype(np.int32)
-    attn = np.zeros((B, T), np.int32)
-    loss_mask = np.zeros((B, T), np.float32)
-    prompt_len = [5, 3, 5, 4, 2, 2, 5, 3]
-    completion_len = [7, 4, 1, 7, 5, 2, 6, 3]
-    for b in range(B):
-        attn[b, PROMPT - prompt_len[b]:PROMPT + completion_len[b]] = 1
-        loss_mask[b, PROMPT:PROMPT + completion_len[b]] = 1
-    ids = ids * attn
-    sampler = (-rng.uniform(0.5, 4.0, (B, T)) * loss_mask).astype(np.float32)
-    return Batch(input_ids_BxT=jnp.asarray(ids), attention_mask_BxT=jnp.asarray(attn),
-                 loss_mask_BxT=jnp.asarray(loss_mask), sampler_logp_BxT=jnp.asarray(sampler),
-                 rewards_B=jnp.asarray(np.asarray(rewards, np.float32)))
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(1, 64, (B, T)).astype(np.int32)
+  attn = np.zeros((B, T), np.int32)
+  loss_mask = np.zeros((B, T), np.float32)
+  prompt_len = [5, 3, 5, 4, 2, 2, 5, 3]
+  completion_len = [7, 4, 1, 7, 5, 2, 6, 3]
+  for b in range(B):
+    attn[b, PROMPT - prompt_len[b]:PROMPT + completion_len[b]] = 1
+    loss_mask[b, PROMPT:PROMPT + completion_len[b]] = 1
+  ids = ids * attn
+  sampler = (-rng.uniform(0.5, 4.0, (B, T)) * loss_mask).astype(np.float32)
+  return Batch(input_ids_BxT=jnp.asarray(ids), attention_mask_BxT=jnp.asarray(attn),
+               loss_mask_BxT=jnp.asarray(loss_mask), sampler_logp_BxT=jnp.asarray(sampler),
+               rewards_B=jnp.asarray(np.asarray(rewards, np.float32)))
 
 
 @pytest.fixture(scope="module")
 def model():
-    return Decoder(tiny_config(), rngs=nnx.Rngs(0))
+  return Decoder(tiny_config(), rngs=nnx.Rngs(0))
 
 
 def perturbed_state(model, mesh=None):
-    """A state whose params differ from ref_params (so KL and its gradient are live)."""
-    state = init_train_state(model, LOSS, SGD_LIKE, batch_size=B, mesh=mesh)
-    keys = iter(jax.random.split(jax.random.key(1), 64))
-    noisy = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(next(keys), p.shape), state.params)
-    return state.replace(params=jax.device_put(noisy, jax.tree.map(lambda p: p.sharding,
-                                                                   state.params)))
+  """A state whose params differ from ref_params (so KL and its gradient are live)."""
+  state = init_train_state(model, LOSS, SGD_LIKE, batch_size=B, mesh=mesh)
+  keys = iter(jax.random.split(jax.random.key(1), 64))
+  noisy = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(next(keys), p.shape), state.params)
+  return state.replace(params=jax.device_put(noisy, jax.tree.map(lambda p: p.sharding,
+                                                                 state.params)))
 
 
 def run(model, *, micro, mesh=None, chunk=None, batch=None, step=None):
-    if step is None:
-        step = make_train_step(model, LOSS, SGD_LIKE, batch_size=B, group_size=N,
-                               micro_batch_size=micro, mesh=mesh, logits_chunk=chunk)
-    state = perturbed_state(model, mesh)
-    before = jax.tree.map(np.asarray, state.params)
-    new, metrics = step(state, make_batch() if batch is None else batch)
-    delta = jax.tree.map(lambda a, b: np.asarray(a) - b, new.params, before)
-    return delta, {k: float(v) for k, v in metrics.items()}, new
+  if step is None:
+    step = make_train_step(model, LOSS, SGD_LIKE, batch_size=B, group_size=N,
+                           micro_batch_size=micro, mesh=mesh, logits_chunk=chunk)
+  state = perturbed_state(model, mesh)
+  before = jax.tree.map(np.asarray, state.params)
+  new, metrics = step(state, make_batch() if batch is None else batch)
+  delta = jax.tree.map(lambda a, b: np.asarray(a) - b, new.params, before)
+  return delta, {k: float(v) for k, v in metrics.items()}, new
 
 
 @pytest.fixture(scope="module")
 def step8(model):
-    """Single device, one micro-batch; not donating, so tests can reuse states."""
-    return make_train_step(model, LOSS, SGD_LIKE, batch_size=B, group_size=N,
-                           micro_batch_size=8, donate=False)
+  """Single device, one micro-batch; not donating, so tests can reuse states."""
+  return make_train_step(model, LOSS, SGD_LIKE, batch_size=B, group_size=N,
+                         micro_batch_size=8, donate=False)
 
 
 @pytest.fixture(scope="module")
 def full_batch_run(model, step8):
-    return run(model, micro=8, step=step8)
+  return run(model, micro=8, step=step8)
 
 
 def reference_grad_and_loss(model):
-    """jax.grad of policy_loss on the model's full logits, advantages from NumPy."""
-    batch = make_batch()
-    state = perturbed_state(model)
-    graphdef, _ = nnx.split(model, nnx.Param)
-    ids = batch.input_ids_BxT
+  """jax.grad of policy_loss on the model's full logits, advantages from NumPy."""
+  batch = make_batch()
+  state = perturbed_state(model)
+  graphdef, _ = nnx.split(model, nnx.Param)
+  ids = batch.input_ids_BxT
 
-    def logp_entropy(params):
-        logits = nnx.merge(graphdef, params)(ids, attention_mask=batch.attention_mask_BxT)
-        logsm = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-        lp = jnp.take_along_axis(logsm, ids[:, 1:, None], axis=-1)[..., 0]
-        ent = -jnp.sum(jnp.exp(logsm) * logsm, axis=-1)
-        pad = jnp.zeros((B, 1))
-        return jnp.concatenate([pad, lp], 1), jnp.concatenate([pad, ent], 1)
+  def logp_entropy(params):
+    logits = nnx.merge(graphdef, params)(ids, attention_mask=batch.attention_mask_BxT)
+    logsm = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    lp = jnp.take_along_axis(logsm, ids[:, 1:, None], axis=-1)[..., 0]
+    ent = -jnp.sum(jnp.exp(logsm) * logsm, axis=-1)
+    pad = jnp.zeros((B, 1))
+    return jnp.concatenate([pad, lp], 1), jnp.concatenate([pad, ent], 1)
 
-    r = np.asarray(batch.rewards_B).reshape(-1, N)
-    std = r.std(1, ddof=1, keepdims=True)
-    adv = np.where(std > 0, (r - r.mean(1, keepdims=True)) / (std + 1e-6), 0.0).ravel()
-    ref_logp = jax.lax.stop_gradient(logp_entropy(state.ref_params)[0])
+  r = np.asarray(batch.rewards_B).reshape(-1, N)
+  std = r.std(1, ddof=1, keepdims=True)
+  adv = np.where(std > 0, (r - r.mean(1, keepdims=True)) / (std + 1e-6), 0.0).ravel()
+  ref_logp = jax.lax.stop_gradient(logp_entropy(state.ref_params)[0])
 
-    def loss_fn(params):
-        lp, ent = logp_entropy(params)
-        return policy_loss(lp, jax.lax.stop_gradient(lp), jnp.asarray(adv, jnp.float32),
-                           batch.loss_mask_BxT, LOSS, sampler_logp_BxT=batch.sampler_logp_BxT,
-                           ref_logp_BxT=ref_logp, entropy_BxT=ent, group_size=N)
+  def loss_fn(params):
+    lp, ent = logp_entropy(params)
+    return policy_loss(lp, jax.lax.stop_gradient(lp), jnp.asarray(adv, jnp.float32),
+                       batch.loss_mask_BxT, LOSS, sampler_logp_BxT=batch.sampler_logp_BxT,
+                       ref_logp_BxT=ref_logp, entropy_BxT=ent, group_size=N)
 
-    (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params)
-    return jax.tree.map(np.asarray, grads), float(loss), metrics
+  (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params)
+  return jax.tree.map(np.asarray, grads), float(loss), metrics
 
 
 def assert_trees_close(a, b, atol, rtol=0.0):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(x, y, atol=atol, rtol=rtol, err_msg=jax.tree_util.keystr(path))
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(x, y, atol=atol, rtol=rtol, err_msg=jax.tree_util.keystr(path))
 
 
 def test_step_gradient_matches_direct_full_batch_reference(model, full_batch_run):
-    delta, metrics, _ = full_batch_run
-    grads, loss, ref_metrics = reference_grad_and_loss(model)
-    scale = max(np.abs(g).max() for g in jax.tree.leaves(grads))
-    assert scale > 1e-3
-    assert_trees_close(jax.tree.map(lambda d: -d, delta), grads, atol=2e-5 * scale, rtol=1e-3)
-    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
-    for k in ("pg_loss", "kl_loss", "entropy", "tis_weight_mean", "logp_gap_max"):
-        np.testing.assert_allclose(metrics[k], float(ref_metrics[k]), rtol=1e-5, err_msg=k)
-    assert metrics["kl_ref"] > 0 and metrics["skipped"] == 0
-    assert metrics["zero_var_frac"] == 0.5 and metrics["tokens"] == 35
+  delta, metrics, _ = full_batch_run
+  grads, loss, ref_metrics = reference_grad_and_loss(model)
+  scale = max(np.abs(g).max() for g in jax.tree.leaves(grads))
+  assert scale > 1e-3
+  assert_trees_close(jax.tree.map(lambda d: -d, delta), grads, atol=2e-5 * scale, rtol=1e-3)
+  np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
+  for k in ("pg_loss", "kl_loss", "entropy", "tis_weight_mean", "logp_gap_max"):
+    np.testing.assert_allclose(metrics[k], float(ref_metrics[k]), rtol=1e-5, err_msg=k)
+  assert metrics["kl_ref"] > 0 and metrics["skipped"] == 0
+  assert metrics["zero_var_frac"] == 0.5 and metrics["tokens"] == 35
 
 
 def test_micro_batch_invariance(model, full_batch_run):
-    """micro 2 (with a chunked lm head) vs micro 8; micro 4 is covered sharded below."""
-    delta8, m8, _ = full_batch_run
-    delta2, m2, _ = run(model, micro=2, chunk=4)
-    assert_trees_close(delta2, delta8, atol=1e-5)
-    for k in m8:
-        np.testing.assert_allclose(m2[k], m8[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  """micro 2 (with a chunked lm head) vs micro 8; micro 4 is covered sharded below."""
+  delta8, m8, _ = full_batch_run
+  delta2, m2, _ = run(model, micro=2, chunk=4)
+  assert_trees_close(delta2, delta8, atol=1e-5)
+  for k in m8:
+    np.testing.assert_allclose(m2[k], m8[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_sharded_8_devices_equals_single_device(model, full_batch_run):
-    assert jax.device_count() == 8, "tests/conftest.py should give 8 fake CPU devices"
-    mesh = shd.make_mesh(data=2, fsdp=2, tensor=2)
-    delta8, m8, _ = full_batch_run
-    delta, m, new = run(model, micro=4, mesh=mesh)
-    assert_trees_close(delta, delta8, atol=1e-5)
-    for k in m8:
-        np.testing.assert_allclose(m[k], m8[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    q = jax.tree.leaves(new.params["layers"][0]["attn"]["q_kernel"])[0]
-    assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+  assert jax.device_count() == 8, "tests/conftest.py should give 8 fake CPU devices"
+  mesh = shd.make_mesh(data=2, fsdp=2, tensor=2)
+  delta8, m8, _ = full_batch_run
+  delta, m, new = run(model, micro=4, mesh=mesh)
+  assert_trees_close(delta, delta8, atol=1e-5)
+  for k in m8:
+    np.testing.assert_allclose(m[k], m8[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  q = jax.tree.leaves(new.params["layers"][0]["attn"]["q_kernel"])[0]
+  assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
 
 
 # One step of the Easy-set recipe on a fixed model (nnx.Rngs(0)) and batch. Recorded
@@ -166,66 +166,66 @@ REGRESSION = {"loss": 0.01159990206360817, "grad_norm": 0.27305349707603455,
 
 
 def test_one_step_regression():
-    model = Decoder(tiny_config(), rngs=nnx.Rngs(0))
-    loss_cfg = LossConfig(kind="ppo_clip", clip_high=0.28, agg="token_mean", kl_coef=1e-3,
-                          entropy_coef=1e-3, tis_cap=2.0)
-    optim_cfg = OptimConfig(lr_base=1e-3, batch_base=1024)
-    step = make_train_step(model, loss_cfg, optim_cfg, batch_size=B, group_size=N,
-                           micro_batch_size=4)
-    state = init_train_state(model, loss_cfg, optim_cfg, batch_size=B)
-    before = jax.tree.map(np.asarray, state.params)
-    new, metrics = step(state, make_batch(seed=3, rewards=(1, 0, 1, 0, 0, 0, 1, 0)))
-    delta = [np.asarray(a, np.float64) - b
-             for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(before))]
-    got = {k: float(metrics[k]) for k in ("loss", "grad_norm", "entropy")}
-    got["update_norm"] = float(np.sqrt(sum((d ** 2).sum() for d in delta)))
-    print("regression numbers:", repr(got))
-    assert int(new.step) == 1
-    np.testing.assert_allclose(got["update_norm"], float(metrics["update_norm"]), rtol=1e-4)
-    for k, v in REGRESSION.items():
-        np.testing.assert_allclose(got[k], v, rtol=1e-5, err_msg=k)
+  model = Decoder(tiny_config(), rngs=nnx.Rngs(0))
+  loss_cfg = LossConfig(kind="ppo_clip", clip_high=0.28, agg="token_mean", kl_coef=1e-3,
+                        entropy_coef=1e-3, tis_cap=2.0)
+  optim_cfg = OptimConfig(lr_base=1e-3, batch_base=1024)
+  step = make_train_step(model, loss_cfg, optim_cfg, batch_size=B, group_size=N,
+                         micro_batch_size=4)
+  state = init_train_state(model, loss_cfg, optim_cfg, batch_size=B)
+  before = jax.tree.map(np.asarray, state.params)
+  new, metrics = step(state, make_batch(seed=3, rewards=(1, 0, 1, 0, 0, 0, 1, 0)))
+  delta = [np.asarray(a, np.float64) - b
+           for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(before))]
+  got = {k: float(metrics[k]) for k in ("loss", "grad_norm", "entropy")}
+  got["update_norm"] = float(np.sqrt(sum((d ** 2).sum() for d in delta)))
+  print("regression numbers:", repr(got))
+  assert int(new.step) == 1
+  np.testing.assert_allclose(got["update_norm"], float(metrics["update_norm"]), rtol=1e-4)
+  for k, v in REGRESSION.items():
+    np.testing.assert_allclose(got[k], v, rtol=1e-5, err_msg=k)
 
 
 def test_non_finite_leaves_state_unchanged(model, step8):
-    step = step8
-    state = perturbed_state(model)
-    batch = make_batch()
-    bad = batch.replace(rewards_B=batch.rewards_B.at[0].set(jnp.nan))
-    with pytest.raises(ValueError, match="rewards_B has 1 non-finite"):
-        step(state, bad)  # the host-side check stops it before any update
-    new, metrics = step.jitted(state, bad)  # bypass the check: the step must skip
-    assert float(metrics["skipped"]) == 1.0 and float(metrics["update_norm"]) == 0.0
-    assert int(new.step) == int(state.step) == 0
-    assert_trees_close(jax.tree.map(np.asarray, new), jax.tree.map(np.asarray, state), atol=0)
-    new, metrics = step.jitted(state, batch)  # the same state still updates normally
-    assert float(metrics["skipped"]) == 0.0 and int(new.step) == 1
+  step = step8
+  state = perturbed_state(model)
+  batch = make_batch()
+  bad = batch.replace(rewards_B=batch.rewards_B.at[0].set(jnp.nan))
+  with pytest.raises(ValueError, match="rewards_B has 1 non-finite"):
+    step(state, bad)  # the host-side check stops it before any update
+  new, metrics = step.jitted(state, bad)  # bypass the check: the step must skip
+  assert float(metrics["skipped"]) == 1.0 and float(metrics["update_norm"]) == 0.0
+  assert int(new.step) == int(state.step) == 0
+  assert_trees_close(jax.tree.map(np.asarray, new), jax.tree.map(np.asarray, state), atol=0)
+  new, metrics = step.jitted(state, batch)  # the same state still updates normally
+  assert float(metrics["skipped"]) == 0.0 and int(new.step) == 1
 
 
 def test_decoupled_baseline_reaches_the_step(model, step8):
-    # n_est = 2n baseline rollouts per prompt; the n trained ones are among them.
-    batch = make_batch()
-    r = np.asarray(batch.rewards_B).reshape(-1, N)
-    base = np.concatenate([r, [[0, 0, 1, 0], [0, 0, 0, 0]]], axis=1)  # [Bp, 2N]
-    adv = (r - base.mean(1, keepdims=True)) / (base.std(1, ddof=1, keepdims=True) + 1e-6)
-    batch = batch.replace(baseline_rewards_B=jnp.asarray(base.ravel(), jnp.float32))
-    _, metrics = step8(perturbed_state(model), batch)
-    np.testing.assert_allclose(float(metrics["adv_abs_mean"]), np.abs(adv).mean(), rtol=1e-6)
-    assert float(metrics["zero_var_frac"]) == 0.0  # group 2 is all-1 but its baseline is not
+  # n_est = 2n baseline rollouts per prompt; the n trained ones are among them.
+  batch = make_batch()
+  r = np.asarray(batch.rewards_B).reshape(-1, N)
+  base = np.concatenate([r, [[0, 0, 1, 0], [0, 0, 0, 0]]], axis=1)  # [Bp, 2N]
+  adv = (r - base.mean(1, keepdims=True)) / (base.std(1, ddof=1, keepdims=True) + 1e-6)
+  batch = batch.replace(baseline_rewards_B=jnp.asarray(base.ravel(), jnp.float32))
+  _, metrics = step8(perturbed_state(model), batch)
+  np.testing.assert_allclose(float(metrics["adv_abs_mean"]), np.abs(adv).mean(), rtol=1e-6)
+  assert float(metrics["zero_var_frac"]) == 0.0  # group 2 is all-1 but its baseline is not
 
 
 def test_state_layout(model):
-    state = init_train_state(model, LossConfig(kl_coef=0.0), OptimConfig(), batch_size=B)
-    assert state.ref_params is None and int(state.step) == 0
-    with_ref = init_train_state(model, LOSS, OptimConfig(), batch_size=B)
-    assert with_ref.ref_params is not None
-    # the state owns its buffers: donating it must not delete the model's arrays
-    leaf = jax.tree.leaves(with_ref.params)[0]
-    assert leaf.unsafe_buffer_pointer() != jax.tree.leaves(nnx.state(model, nnx.Param))[
-        0].unsafe_buffer_pointer()
+  state = init_train_state(model, LossConfig(kl_coef=0.0), OptimConfig(), batch_size=B)
+  assert state.ref_params is None and int(state.step) == 0
+  with_ref = init_train_state(model, LOSS, OptimConfig(), batch_size=B)
+  assert with_ref.ref_params is not None
+  # the state owns its buffers: donating it must not delete the model's arrays
+  leaf = jax.tree.leaves(with_ref.params)[0]
+  assert leaf.unsafe_buffer_pointer() != jax.tree.leaves(nnx.state(model, nnx.Param))[
+      0].unsafe_buffer_pointer()
 
 
 def _bad(batch, **changes):
-    return dataclasses.replace(batch, **changes)
+  return dataclasses.replace(batch, **changes)
 
 
 @pytest.mark.parametrize("mutate, match", [
@@ -241,22 +241,22 @@ def _bad(batch, **changes):
     (lambda b: _bad(b, baseline_rewards_B=jnp.zeros(6)), "baseline_rewards_B has shape"),
 ])
 def test_bad_batch_raises_before_update(model, mutate, match):
-    step = make_train_step(model, LOSS, SGD_LIKE, batch_size=B, group_size=N,
-                           micro_batch_size=4)
-    with pytest.raises(ValueError, match=match):
-        step(None, mutate(make_batch()))  # raises on the host; the state is never touched
+  step = make_train_step(model, LOSS, SGD_LIKE, batch_size=B, group_size=N,
+                         micro_batch_size=4)
+  with pytest.raises(ValueError, match=match):
+    step(None, mutate(make_batch()))  # raises on the host; the state is never touched
 
 
 def test_bad_sizes():
-    model = Decoder(tiny_config(num_layers=1), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="group_size=3 does not divide batch_size=8"):
-        make_train_step(model, LOSS, SGD_LIKE, batch_size=8, group_size=3)
-    with pytest.raises(ValueError, match="micro_batch_size=3 does not divide"):
-        make_train_step(model, LOSS, SGD_LIKE, batch_size=8, group_size=4, micro_batch_size=3)
-    mesh = shd.make_mesh(data=2, fsdp=2, tensor=2)
-    with pytest.raises(ValueError, match="batch shards"):
-        make_train_step(model, LOSS, SGD_LIKE, batch_size=8, group_size=4, micro_batch_size=2,
-                        mesh=mesh)
-    step = make_train_step(model, LOSS, SGD_LIKE, batch_size=16, group_size=4)
-    with pytest.raises(ValueError, match="built for batch_size=16"):
-        step(None, make_batch())
+  model = Decoder(tiny_config(num_layers=1), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="group_size=3 does not divide batch_size=8"):
+    make_train_step(model, LOSS, SGD_LIKE, batch_size=8, group_size=3)
+  with pytest.raises(ValueError, match="micro_batch_size=3 does not divide"):
+    make_train_step(model, LOSS, SGD_LIKE, batch_size=8, group_size=4, micro_batch_size=3)
+  mesh = shd.make_mesh(data=2, fsdp=2, tensor=2)
+  with pytest.raises(ValueError, match="batch shards"):
+    make_train_step(model, LOSS, SGD_LIKE, batch_size=8, group_size=4, micro_batch_size=2,
+                    mesh=mesh)
+  step = make_train_step(model, LOSS, SGD_LIKE, batch_size=16, group_size=4)
+  with pytest.raises(ValueError, match="built for batch_size=16"):
+    step(None, make_batch())
