@@ -159,9 +159,9 @@ def test_readme_commands_serve_a_tiny_run_and_stop(venv, readme, tmp_path):
 
   Only its placeholders change (port, pid file, run dir), the run is cut to a few
   updates at a large learning rate, and set-up reuses $VLLM_VENV. With the
-  server in float32, a server that missed a weight push would sample from
-  stale weights: the sampler/trainer logprob gap of the next update would be
-  ~1e-2 instead of ~1e-5.
+  server in float32 the sampler/trainer logprob gap is ~1e-5; a server that
+  missed a weight push samples from stale weights (with the push removed from
+  the loop, the gap was 5.6 at the second update).
   """
   setup, start, train, stop = readme.block_of("python launch/vllm_server.py --model")
   port, pid_file, workdir = free_port(), tmp_path / "vllm.pid", tmp_path / "tiny_vllm"
