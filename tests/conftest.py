@@ -28,8 +28,8 @@ class Readme:
       text = f.read()
     self.blocks = [(m.group(1), m.group(2))
                    for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)]
-    self.commands = [cmd for lang, body in self.blocks if lang == "bash"
-                     for cmd in self._split(body)]
+    self.bash_blocks = [self._split(body) for lang, body in self.blocks if lang == "bash"]
+    self.commands = [cmd for block in self.bash_blocks for cmd in block]
 
   @staticmethod
   def _split(body: str) -> list[str]:
@@ -46,8 +46,7 @@ class Readme:
 
   def block_of(self, prefix: str) -> list[str]:
     """Every command of the bash block that holds the command starting `prefix`."""
-    blocks = [self._split(body) for lang, body in self.blocks if lang == "bash"]
-    found = [b for b in blocks if any(c.startswith(prefix) for c in b)]
+    found = [b for b in self.bash_blocks if any(c.startswith(prefix) for c in b)]
     assert len(found) == 1, f"README.md has {len(found)} blocks with {prefix!r}"
     return found[0]
 
