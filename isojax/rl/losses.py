@@ -1,8 +1,9 @@
 """Policy-gradient losses of the GRPO family, with KL and entropy regularisers.
 
 Every algorithmic choice is a small pure function in a table keyed by name:
-``PG_LOSSES`` (ppo_clip / cispo / gspo), ``AGGREGATIONS`` (how token terms are
-averaged) and ``KL_ESTIMATORS`` (k1 / k2 / k3). ``LossConfig`` picks one of each.
+``PG_LOSSES`` (ppo_clip / cispo / cispo_two_sided / gspo), ``AGGREGATIONS``
+(how token terms are averaged) and ``KL_ESTIMATORS`` (k1 / k2 / k3).
+``LossConfig`` picks one of each.
 
 Aggregation weights (``isojax.rl.aggregation``) are computed once per batch so
 that micro-batch losses add up to the batch loss. ``policy_loss`` is the
@@ -12,7 +13,8 @@ one-call form for a whole batch; the update step uses ``token_weights`` once and
 Metrics: token fractions and means are over all trained tokens of the batch
 (not filtered). ``clip_frac_low``/``_high``: tokens whose ratio lies below
 1 - clip_low / above 1 + clip_high where that clip changes the loss (A < 0 /
-A > 0 for ppo_clip and gspo; any A for cispo, whose weight is always clipped);
+A > 0 for ppo_clip and gspo; any A for the CISPO weight, which has no lower clip
+unless two-sided, so its ``clip_frac_low`` is 0);
 ``clip_frac_dual``: tokens capped by the dual clip; ``approx_kl_old``: k3
 estimate of KL(pi_old || pi); ``kl_ref``: the configured estimator's token mean
 (``kl_loss``: as aggregated into the loss); ``entropy`` likewise
@@ -26,6 +28,7 @@ here iff all its advantages are 0. Rollouts are grouped contiguously by prompt
 """
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -45,14 +48,23 @@ class LossConfig:
   """The RL objective. Frozen: derived values never get written back.
 
   Attributes:
-    kind: "ppo_clip" (token-level clipped surrogate, GRPO/DAPO), "cispo"
-      (stop-gradient clipped IS weight times log-prob, MiniMax-M1 / ScaleRL)
-      or "gspo" (sequence-level geometric-mean ratio s_i, clipped; every
-      token of a sequence carries s_i, so with agg="seq_mean_token_mean" this
-      is exactly the GSPO objective, whose clip ranges are ~1e-3, not 0.2).
+    kind: "ppo_clip" (token-level clipped surrogate, GRPO/DAPO); "cispo"
+      (MiniMax-M1 / ScaleRL: -sg(min(r, 1 + clip_high)) * A * log pi, the IS
+      weight truncated from above only; clip_low is not used);
+      "cispo_two_sided" (the same with the weight clipped to
+      [1 - clip_low, 1 + clip_high], the general form of MiniMax-M1's
+      equation, which MiniMax-M1 runs with no lower bound); or "gspo"
+      (sequence-level geometric-mean ratio s_i, clipped; every token of a
+      sequence carries s_i, so with agg="seq_mean_token_mean" this is exactly
+      the GSPO objective, whose clip ranges are ~1e-3, not 0.2).
+      With one on-policy update per batch (old_logp == logp, as isojax's
+      update step uses it) the ratio is 1, no clip binds, and CISPO and
+      PPO-clip give the same gradient, -A * grad log pi per token (PPO-clip's
+      grad of -r A is -A r grad log pi, and r = 1); they differ only on a
+      stale batch (old_logp != logp: several updates per batch, or pi_old a
+      lagging policy).
     clip_low, clip_high: ratio clipped to [1 - clip_low, 1 + clip_high]
-      (clip-higher: clip_high > clip_low). For "cispo" set clip_low >= 1 to
-      leave the IS weight unbounded below, as MiniMax-M1 does.
+      (clip-higher: clip_high > clip_low); "cispo" uses clip_high only.
     clip_dual: dual-clip constant c > 1 for negative advantages (the token
       loss is capped at -c*A); None disables it. ppo_clip and gspo only.
     agg: "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum" |
@@ -129,12 +141,17 @@ def _gspo(logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg):
   return _clipped_surrogate(ratio_BxT, adv_Bx1, cfg)
 
 
-def _cispo(logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg):
+def _cispo(logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg, *, two_sided=False):
+  """-sg(w) A log pi with w = min(r, 1 + clip_high) (or clipped on both sides)."""
   del mask_BxT
-  lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+  hi = 1.0 + cfg.clip_high
   ratio_BxT = jax.lax.stop_gradient(jnp.exp(logp_BxT - old_logp_BxT))
-  weight_BxT = jnp.clip(ratio_BxT, lo, hi)
-  flags = {"clip_low": ratio_BxT < lo, "clip_high": ratio_BxT > hi}
+  weight_BxT = jnp.minimum(ratio_BxT, hi)
+  flags = {"clip_high": ratio_BxT > hi}
+  if two_sided:
+    lo = 1.0 - cfg.clip_low
+    weight_BxT = jnp.maximum(weight_BxT, lo)
+    flags["clip_low"] = ratio_BxT < lo
   return -weight_BxT * adv_Bx1 * logp_BxT, flags
 
 
@@ -142,6 +159,7 @@ def _cispo(logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg):
 PG_LOSSES: dict[str, Callable] = {
     "ppo_clip": _ppo_clip,
     "cispo": _cispo,
+    "cispo_two_sided": functools.partial(_cispo, two_sided=True),
     "gspo": _gspo,
 }
 

@@ -15,7 +15,7 @@ import pytest
 
 from isojax.rl.losses import LossConfig, policy_loss, token_weights, weighted_policy_loss
 
-KINDS = ("ppo_clip", "cispo", "gspo")
+KINDS = ("ppo_clip", "cispo", "cispo_two_sided", "gspo")
 AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "prompt_mean")
 
 
@@ -50,10 +50,14 @@ def np_reference(logp, old, adv, mask, c: LossConfig, n, sampler=None, ref=None,
       if not mask[b, t]:
         continue
       akl.append(np.exp(logp[b, t] - old[b, t]) - 1 - (logp[b, t] - old[b, t]))
-      if c.kind == "cispo":
+      if c.kind.startswith("cispo"):
+        # MiniMax-M1 / ScaleRL: IS weight truncated from above; "cispo_two_sided"
+        # also from below.
         r = np.exp(logp_sg[b, t] - old[b, t])
-        term = -min(max(r, lo), hi) * a * logp[b, t]
-        frac["low"] += r < lo
+        two_sided = c.kind == "cispo_two_sided"
+        weight = min(max(r, lo) if two_sided else r, hi)
+        term = -weight * a * logp[b, t]
+        frac["low"] += two_sided and r < lo
         frac["high"] += r > hi
       else:
         r = np.exp(logp[b, t] - old[b, t]) if c.kind == "ppo_clip" else s
@@ -174,7 +178,7 @@ def test_pg_loss_matches_reference(kind, agg):
 def test_full_loss_matches_reference(kind, agg, zv):
   cfg = LossConfig(kind=kind, agg=agg, clip_low=0.2, clip_high=0.28, tis_cap=1.5,
                    kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01, zero_var_filter=zv,
-                   clip_dual=None if kind == "cispo" else 1.6)
+                   clip_dual=None if kind.startswith("cispo") else 1.6)
   check(make_inputs(2, B=12, n=3), cfg, 3, with_extras=True)
 
 
@@ -185,8 +189,51 @@ def test_kl_estimators(est):
 
 
 def test_cispo_unbounded_below_and_no_tis():
-  cfg = LossConfig(kind="cispo", clip_low=1.0, clip_high=0.1, tis_cap=None)
+  cfg = LossConfig(kind="cispo", clip_low=0.2, clip_high=0.1, tis_cap=None)
   check(make_inputs(4), cfg, 4, with_extras=True)
+
+
+def _grad_logp(x, cfg, old):
+  f = lambda lp: policy_loss(lp, old, x["adv"], x["mask"], cfg, group_size=2)[0]  # noqa: E731
+  return np.asarray(jax.grad(f)(jnp.asarray(x["logp"])))
+
+
+def test_cispo_weight_has_no_floor_on_a_stale_batch():
+  """On a stale batch (old_logp != logp) CISPO's weight min(r, 1 + eps_high) keeps
+  ratios below 1 - clip_low, where the two-sided form floors them: the gradients
+  differ exactly there, by (1 - clip_low - r) * A / tokens, as NumPy computes it."""
+  x = make_inputs(11)
+  x["logp"] = np.where(x["mask"] > 0, x["logp"], -1.0)
+  one, two = (LossConfig(kind=k, clip_low=0.2, clip_high=0.28, agg="token_mean")
+              for k in ("cispo", "cispo_two_sided"))
+  r = np.exp(x["logp"].astype(np.float64) - x["old"])
+  on = x["mask"] > 0
+  floored = on & (r < 0.8)
+  assert floored.sum() >= 5 and (on & (r > 1.28)).sum() >= 5  # both clips are exercised
+  g1, g2 = _grad_logp(x, one, x["old"]), _grad_logp(x, two, x["old"])
+  ntok = x["mask"].sum()
+  adv_BxT = np.broadcast_to(x["adv"][:, None], r.shape)
+  want1 = np.where(on, -np.minimum(r, 1.28) * adv_BxT / ntok, 0.0)
+  want2 = np.where(on, -np.clip(r, 0.8, 1.28) * adv_BxT / ntok, 0.0)
+  np.testing.assert_allclose(g1, want1, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(g2, want2, rtol=1e-5, atol=1e-7)
+  differs = np.abs(g1 - g2) > 1e-7
+  assert np.array_equal(differs, floored & (adv_BxT != 0))
+  _, m1 = run_jax(x, one, 2, False)
+  assert m1["clip_frac_low"] == 0.0 and m1["clip_frac_high"] > 0
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_on_policy_cispo_and_ppo_clip_give_the_same_gradient(agg):
+  """One update per batch: old_logp == logp, ratio 1, no clip binds."""
+  x = make_inputs(12)
+  x["logp"] = np.where(x["mask"] > 0, x["logp"], -1.0)
+  grads = [_grad_logp(x, LossConfig(kind=k, agg=agg, clip_low=0.2, clip_high=0.28),
+                      jnp.asarray(x["logp"]))
+           for k in ("ppo_clip", "cispo", "cispo_two_sided")]
+  assert np.abs(grads[0]).max() > 1e-3
+  np.testing.assert_allclose(grads[1], grads[0], rtol=1e-6, atol=1e-8)
+  np.testing.assert_allclose(grads[2], grads[0], rtol=1e-6, atol=1e-8)
 
 
 def test_zero_variance_filter_all_changes_denominator():
@@ -228,7 +275,7 @@ def test_gradient_matches_finite_differences(kind):
   reference (stop-gradient quantities held at the base point)."""
   cfg = LossConfig(kind=kind, agg="seq_mean_token_mean" if kind == "gspo" else "prompt_mean",
                    clip_low=0.2, clip_high=0.28, tis_cap=1.5, kl_coef=0.1,
-                   entropy_coef=0.01, clip_dual=None if kind == "cispo" else 1.6)
+                   entropy_coef=0.01, clip_dual=None if kind.startswith("cispo") else 1.6)
   x = make_inputs(7, B=4, T=5, n=2, dtype=np.float64)
   x["logp"] = np.where(x["mask"] > 0, x["logp"], -1.0)
   x["adv"][2:4] = [0.7, -1.2]
