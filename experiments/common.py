@@ -127,7 +127,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl = ml_collections.ConfigDict()
   c.rl.adv_estimator = "grpo"      # grpo | drgrpo | batch | rloo
   c.rl.adv_std_eps = 1e-6
-  c.rl.kind = "ppo_clip"           # ppo_clip | cispo | gspo
+  c.rl.kind = "ppo_clip"           # ppo_clip | cispo | cispo_two_sided | gspo
   c.rl.clip_low = 0.2
   c.rl.clip_high = 0.2
   c.rl.clip_dual = 0.0             # 0 = off
