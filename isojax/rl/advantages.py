@@ -3,7 +3,9 @@
 Rewards arrive flat, ``rewards_B`` with ``B = Bp * n``, grouped contiguously by
 prompt (prompt-major: rows ``[g*n, (g+1)*n)`` are the ``n`` rollouts of prompt
 ``g``). Every estimator is a small pure function on the ``[Bp, n]`` view, chosen
-by name from ``ESTIMATORS``.
+by name from ``ESTIMATORS``: ``fn(r_BpxN, base_BpxM, std_eps, keep_Bpx1)``, where
+``keep_Bpx1`` marks the groups the loss trains on (batch-level statistics are
+taken over those).
 
 Decoupled baseline (IsoCompute playbook, App. G): the baseline statistics may
 come from a larger set of ``n_est >= n_train`` rollouts per prompt than the
@@ -16,6 +18,16 @@ what makes the leave-one-out baseline of ``rloo`` well defined.
 A group whose baseline rewards are all equal has advantages of exactly 0 (not
 ``0 / eps`` rounding noise), so downstream code can identify zero-variance
 groups as the groups whose advantages are all zero.
+
+Zero-variance groups and the "batch" estimator: with ``drop_zero_variance``
+(the loss's zero-variance filter drops those groups, ``zero_var_filter="all"``)
+the batch-level std is taken over the remaining groups only, as if the filtered
+prompts had never been in the batch (ScaleRL filters them before normalising).
+Otherwise their centred rewards (all 0) stay in the statistic: they are part of
+the batch the loss averages over, and with a fraction f of the rollouts in such
+groups they shrink the std by about sqrt(1 - f), so every advantage is about
+1 / sqrt(1 - f) larger than over the trained groups alone. The per-group
+estimators are unaffected.
 """
 
 from typing import Callable
@@ -30,32 +42,37 @@ def _centred(r_BpxN, base_BpxM):
   return r_BpxN - base_BpxM.mean(axis=1, keepdims=True)
 
 
-def _grpo(r_BpxN, base_BpxM, std_eps):
+def _grpo(r_BpxN, base_BpxM, std_eps, keep_Bpx1):
   """(r - group mean) / (group std + eps), std with ddof=1 (verl, TRL, tunix)."""
+  del keep_Bpx1
   std_Bpx1 = base_BpxM.std(axis=1, ddof=1, keepdims=True)
   return _centred(r_BpxN, base_BpxM) / (std_Bpx1 + std_eps)
 
 
-def _drgrpo(r_BpxN, base_BpxM, std_eps):
+def _drgrpo(r_BpxN, base_BpxM, std_eps, keep_Bpx1):
   """Dr. GRPO: r - group mean, no std normalisation."""
-  del std_eps
+  del std_eps, keep_Bpx1
   return _centred(r_BpxN, base_BpxM)
 
 
-def _batch(r_BpxN, base_BpxM, std_eps):
+def _batch(r_BpxN, base_BpxM, std_eps, keep_Bpx1):
   """ScaleRL batch-level normalisation: centre per group, then divide by the std
-  (ddof=1) of the centred values over the whole batch (of baseline rollouts,
-  when a decoupled baseline is given)."""
-  scale = _centred(base_BpxM, base_BpxM).std(ddof=1)
-  return _centred(r_BpxN, base_BpxM) / (scale + std_eps)
+  (ddof=1) of the centred values over the batch's kept groups (of baseline
+  rollouts, when a decoupled baseline is given)."""
+  c_BpxM = _centred(base_BpxM, base_BpxM)
+  w_BpxM = jnp.broadcast_to(keep_Bpx1, c_BpxM.shape).astype(c_BpxM.dtype)
+  count = w_BpxM.sum()
+  mean = (w_BpxM * c_BpxM).sum() / jnp.maximum(count, 1.0)
+  var = (w_BpxM * jnp.square(c_BpxM - mean)).sum() / jnp.maximum(count - 1.0, 1.0)
+  return _centred(r_BpxN, base_BpxM) / (jnp.sqrt(var) + std_eps)
 
 
-def _rloo(r_BpxN, base_BpxM, std_eps):
+def _rloo(r_BpxN, base_BpxM, std_eps, keep_Bpx1):
   """Leave-one-out: r_i - mean of the other rollouts of the same prompt.
 
   With a decoupled baseline the "others" are the other ``n_est - 1`` baseline
   rollouts (r_i itself is one of the baseline rollouts by convention)."""
-  del std_eps
+  del std_eps, keep_Bpx1
   m = base_BpxM.shape[1]
   loo_mean_BpxN = (base_BpxM.sum(axis=1, keepdims=True) - r_BpxN) / (m - 1)
   return r_BpxN - loo_mean_BpxN
@@ -100,7 +117,7 @@ def zero_variance_groups(rewards_B, *, group_size, baseline_rewards_B=None):
 
 
 def compute_advantages(rewards_B, *, group_size, estimator="grpo", std_eps=1e-6,
-                       baseline_rewards_B=None):
+                       baseline_rewards_B=None, drop_zero_variance=False):
   """Per-rollout advantages from flat, prompt-grouped rewards.
 
   Args:
@@ -111,6 +128,9 @@ def compute_advantages(rewards_B, *, group_size, estimator="grpo", std_eps=1e-6,
     baseline_rewards_B: optional [Bp * n_est] rewards of n_est >= group_size
       rollouts per prompt (same prompt order, grouped contiguously) from which
       the baseline mean/std are computed instead of ``rewards_B``.
+    drop_zero_variance: the loss drops zero-variance groups (its
+      ``zero_var_filter="all"``); the "batch" std then leaves them out too
+      (see the module docstring). No effect on the per-group estimators.
 
   Returns:
     [B] float32 advantages; exactly 0 for every rollout of a prompt whose
@@ -127,8 +147,9 @@ def compute_advantages(rewards_B, *, group_size, estimator="grpo", std_eps=1e-6,
   if base_BpxM.shape[1] < min_group:
     raise ValueError(f"estimator {estimator!r} needs at least {min_group} "
                      f"rollouts per prompt, got {base_BpxM.shape[1]}")
-  adv_BpxN = fn(r_BpxN, base_BpxM, std_eps)
   flat_Bpx1 = (base_BpxM.max(axis=1) == base_BpxM.min(axis=1))[:, None]
+  keep_Bpx1 = ~flat_Bpx1 if drop_zero_variance else jnp.ones_like(flat_Bpx1)
+  adv_BpxN = fn(r_BpxN, base_BpxM, std_eps, keep_Bpx1)
   # Exactly zero, not (r - fl(mean)) rounding noise amplified by 1/eps.
   adv_BpxN = jnp.where(flat_Bpx1, 0.0, adv_BpxN)
   return jax.lax.stop_gradient(adv_BpxN.reshape(-1))

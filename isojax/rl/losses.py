@@ -112,6 +112,13 @@ class LossConfig:
     if self.tis_cap is not None and not self.tis_cap > 0:
       raise ValueError(f"LossConfig.tis_cap={self.tis_cap} must be > 0 or None")
 
+  @property
+  def drops_zero_variance(self) -> bool:
+    """Zero-variance groups leave the policy-gradient term (zero_var_filter="all"),
+    so batch-level advantage statistics leave them out too
+    (``compute_advantages(..., drop_zero_variance=...)``)."""
+    return ZERO_VAR_FILTERS[self.zero_var_filter][0]
+
 
 def _clipped_surrogate(ratio_BxT, adv_Bx1, cfg):
   """-min(r A, clip(r) A), optionally dual-clipped at -c A for A < 0."""

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from isojax.rl.advantages import compute_advantages, zero_variance_groups
+from isojax.rl.losses import LossConfig
 
 EPS = 1e-6
 
@@ -103,6 +104,52 @@ def test_decoupled_zero_variance_follows_baseline():
   assert np.all(a[:2] > 0) and np.all(a[2:] == 0)
   flags = np.asarray(zero_variance_groups(train, group_size=2, baseline_rewards_B=base))
   np.testing.assert_array_equal(flags, [False, True])
+
+
+def np_batch_advantages(r_BpxN, base_BpxM, drop_flat):
+  """NumPy reference of the "batch" estimator: centre each group on its baseline
+  mean; divide by the ddof=1 std of the centred baseline rewards of the groups
+  kept (all groups, or only those whose baseline rewards are not all equal)."""
+  flat = base_BpxM.max(1) == base_BpxM.min(1)
+  centred = base_BpxM - base_BpxM.mean(1, keepdims=True)
+  kept = centred[~flat] if drop_flat else centred
+  out = (r_BpxN - base_BpxM.mean(1, keepdims=True)) / (kept.std(ddof=1) + EPS)
+  out[flat] = 0.0
+  return out.ravel()
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_batch_std_leaves_out_zero_variance_groups_when_they_are_dropped(decoupled):
+  rng = np.random.default_rng(3)
+  base = (rng.uniform(size=(8, 6)) < 0.4).astype(np.float32)
+  base[[1, 4, 6]] = [[1] * 6, [0] * 6, [1] * 6]  # three zero-variance groups
+  base[0] = [1, 0, 0, 0, 0, 0]
+  train = base[:, :4] if decoupled else base
+  kw = dict(baseline_rewards_B=base.ravel()) if decoupled else {}
+  for drop in (False, True):
+    got = adv(train.ravel(), train.shape[1], "batch", drop_zero_variance=drop, **kw)
+    np.testing.assert_allclose(got, np_batch_advantages(train, base, drop), rtol=1e-5,
+                               atol=1e-6)
+  # Kept in the statistic, the flat groups' zeros inflate every advantage by exactly
+  # sqrt((N - 1) / (K - 1)) for N baseline rollouts, K of them in varied groups.
+  n_all, n_kept = base.size, base.size - 3 * base.shape[1]
+  kept_in = adv(train.ravel(), train.shape[1], "batch", **kw)
+  left_out = adv(train.ravel(), train.shape[1], "batch", drop_zero_variance=True, **kw)
+  nz = left_out != 0
+  np.testing.assert_allclose(kept_in[nz] / left_out[nz],
+                             np.sqrt((n_all - 1) / (n_kept - 1)), rtol=1e-4)
+
+
+@pytest.mark.parametrize("est", ["grpo", "drgrpo", "rloo"])
+def test_drop_zero_variance_leaves_per_group_estimators_alone(est):
+  r = np.array([1, 0, 0, 1, 1, 1, 0, 1, 0], np.float32)
+  np.testing.assert_array_equal(adv(r, 3, est, drop_zero_variance=True), adv(r, 3, est))
+
+
+def test_loss_config_says_when_zero_variance_groups_are_dropped():
+  assert LossConfig(zero_var_filter="all").drops_zero_variance
+  assert not LossConfig(zero_var_filter="regularizers").drops_zero_variance
+  assert not LossConfig().drops_zero_variance
 
 
 @pytest.mark.parametrize("kw, match", [
