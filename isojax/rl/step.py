@@ -278,7 +278,8 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
     adv_B = compute_advantages(batch.rewards_B, group_size=group_size,
                                estimator=loss_cfg.adv_estimator,
                                std_eps=loss_cfg.adv_std_eps,
-                               baseline_rewards_B=batch.baseline_rewards_B)
+                               baseline_rewards_B=batch.baseline_rewards_B,
+                               drop_zero_variance=loss_cfg.drops_zero_variance)
     mask = batch.loss_mask_BxT.astype(jnp.float32)
     data = {"ids": batch.input_ids_BxT, "attn": batch.attention_mask_BxT, "mask": mask,
             "sampler": batch.sampler_logp_BxT.astype(jnp.float32), "adv": adv_B,
