@@ -1,8 +1,8 @@
 """Per-configuration reward curves, their upper envelope, and extrapolation checks.
 
-The workflow of the IsoCompute playbook (§4.1, Appendix A): pool the runs of each
-configuration, keep the record-breaking points, fit a monotone sigmoid per
-configuration, and take the upper envelope of the fitted curves over a log-spaced
+The workflow of the IsoCompute playbook (§4.1, Appendix A): keep the record-breaking
+points of each run, fit one monotone sigmoid per configuration to the union of its
+runs' records, and take the upper envelope of the fitted curves over a log-spaced
 compute grid. The configuration attaining the envelope at C gives n*(C).
 
 A fitted curve is only used where its data are: at compute between its first and last
@@ -43,10 +43,11 @@ class CurveSet:
 
   Attributes:
     fits: curve key -> SigmoidFit, for keys with enough record points.
-    points: key -> (compute, reward) of every pooled evaluation.
-    records: key -> (compute, reward) of the record-breaking points.
+    points: key -> (compute, reward) of every evaluation of the key's runs.
+    records: key -> (compute, reward) of the record-breaking points of each run,
+      united (the points the curve is fitted to).
     skipped: key -> why it was not fitted.
-    n_runs: key -> number of runs pooled.
+    n_runs: key -> number of runs of the configuration.
   """
 
   metric: str
@@ -61,14 +62,18 @@ class CurveSet:
 
 @functools.lru_cache(maxsize=4096)
 def _fit_records(compute_bytes: bytes, reward_bytes: bytes) -> fits_lib.SigmoidFit:
-  # Bootstrap resamples refit the same record sets over and over (a run drawn twice
-  # adds no new records); the fit is a pure function of the points, so memoise it.
+  # Bootstrap resamples refit the same record sets over and over (a configuration with
+  # one run, or the same draw of its seeds); the fit is a pure function of the points,
+  # so memoise it.
   return fits_lib.fit_sigmoid(np.frombuffer(compute_bytes), np.frombuffer(reward_bytes))
 
 
 def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rollouts",
                bin_width: float = 0.005, max_compute: float | None = None) -> CurveSet:
-  """Fits one sigmoid per configuration to the record-breaking points of its runs.
+  """Fits one sigmoid per configuration to the union of its runs' record points.
+
+  Records are taken per run (`records.record_points`), never of the runs pooled
+  into one best-so-far curve, which would fit a maximum over seeds.
 
   Args:
     runs: the runs to use (already restricted to one difficulty / Bp as wanted).
@@ -159,10 +164,11 @@ def frontier(fits: Mapping[Hashable, fits_lib.SigmoidFit], compute_grid=None, *,
     extrapolate: a curve may be used up to `extrapolate` x its last data point
       (1.0: never beyond its data; math.inf: anywhere above its first point).
       Grid points that need it are marked in `Frontier.extrapolated`.
-    tie_tol: curves within tie_tol of the best count as tied, and a tie goes to the
-      smallest n (then the smallest key): where curves cannot be told apart, e.g. all
-      near the base model's reward at small C, the cheaper configuration is optimal
-      and fit noise does not decide n*. The envelope value stays the maximum.
+    tie_tol: 0 (default, the paper) gives the upper envelope. An explicit option:
+      curves within tie_tol of the best count as tied and a tie goes to the smallest
+      n (then the smallest key). Beware: it moves n* towards small n wherever curves
+      lie close, which makes n* look saturated early. The envelope value stays the
+      maximum.
 
   The result does not depend on the order of the mapping.
   """

@@ -4,6 +4,13 @@ A checkpoint that does not beat every earlier one is dominated: an earlier check
 reached at least as much reward with less compute, so it cannot lie on a compute-
 optimal frontier. Keeping only the records also stops long, correlated runs from
 outweighing short ones in the fit (IsoCompute playbook §4, Fig. 5 and Fig. 15).
+
+Records are taken per run, then the records of a configuration's runs (its seeds) are
+united (§4.1: "subsample each training run to a compact set of record-breaking
+points"). Taking records of the seeds pooled into one best-so-far curve instead would
+fit a running maximum over seeds: biased upward, the more so the more seeds or
+evaluations a configuration has, which tilts the frontier towards well-replicated
+configurations.
 """
 
 from __future__ import annotations
@@ -50,32 +57,47 @@ def record_breaking_points(compute, reward, *, bin_width: float = 0.005) -> np.n
   return order[bins > best_before]
 
 
-def pool_points(runs, metric: str, unit: str = "rollouts", *,
-                max_compute: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """All (compute, metric) points of `runs` pooled, sorted by (compute, -reward).
+def _run_points(run, metric: str, unit: str, max_compute: float | None):
+  """(compute, metric) of one run at compute > 0 (<= max_compute when given).
 
-  Points at compute <= 0 (an evaluation before any training) are left out: they have
-  no place on a log compute axis. `max_compute` drops later points (extrapolation
-  checks fit on the early part only).
+  Points at compute <= 0 (an evaluation before any training) have no place on a log
+  compute axis.
   """
-  cs, rs = [], []
-  for run in runs:
-    c, r = run.points(metric, unit)
-    cs.append(c)
-    rs.append(r)
-  c = np.concatenate(cs) if cs else np.zeros(0)
-  r = np.concatenate(rs) if rs else np.zeros(0)
+  c, r = run.points(metric, unit)
   keep = c > 0
   if max_compute is not None:
     keep &= c <= max_compute
-  c, r = c[keep], r[keep]
+  return c[keep], r[keep]
+
+
+def _sorted_union(parts) -> tuple[np.ndarray, np.ndarray]:
+  """Concatenated (compute, reward) pairs sorted by (compute, -reward)."""
+  c = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0)
+  r = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0)
   order = np.lexsort((-r, c))
   return c[order], r[order]
 
 
+def pool_points(runs, metric: str, unit: str = "rollouts", *,
+                max_compute: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """All (compute, metric) points of `runs` together, sorted by (compute, -reward).
+
+  Points at compute <= 0 are left out; `max_compute` drops later points
+  (extrapolation checks fit on the early part only).
+  """
+  return _sorted_union([_run_points(run, metric, unit, max_compute) for run in runs])
+
+
 def record_points(runs, metric: str, unit: str = "rollouts", *, bin_width: float = 0.005,
                   max_compute: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """(compute, reward) of the record-breaking points of `runs` pooled together."""
-  c, r = pool_points(runs, metric, unit, max_compute=max_compute)
-  idx = record_breaking_points(c, r, bin_width=bin_width)
-  return c[idx], r[idx]
+  """(compute, reward) of the record-breaking points of each run, united over `runs`.
+
+  Each run contributes its own records (a run drawn twice by the bootstrap
+  contributes them twice); the union is sorted by (compute, -reward).
+  """
+  parts = []
+  for run in runs:
+    c, r = _run_points(run, metric, unit, max_compute)
+    idx = record_breaking_points(c, r, bin_width=bin_width)
+    parts.append((c[idx], r[idx]))
+  return _sorted_union(parts)

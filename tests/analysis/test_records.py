@@ -1,9 +1,25 @@
-"""record_breaking_points on hand-made sequences with known answers."""
+"""record_breaking_points on hand-made sequences with known answers; record_points
+takes them per run."""
+
+import dataclasses
 
 import numpy as np
 import pytest
 
-from isojax.analysis import record_breaking_points
+from isojax.analysis import record_breaking_points, record_points
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeRun:
+  """Just what record_points reads: points(metric, unit) -> (compute, value)."""
+
+  name: str
+  compute: list
+  reward: list
+
+  def points(self, metric, unit):
+    del metric, unit
+    return np.asarray(self.compute, float), np.asarray(self.reward, float)
 
 
 def test_increasing_distinct_bins_are_all_records():
@@ -74,3 +90,15 @@ def test_empty_and_bad_inputs():
     record_breaking_points([1, 2], [0.1, 0.2, 0.3])
   with pytest.raises(ValueError, match="bin_width"):
     record_breaking_points([1], [0.1], bin_width=0)
+
+
+def test_record_points_are_taken_per_run_then_united():
+  # Run a records 0.1, 0.3; run b records 0.2 (then stays below a's 0.3). Pooling
+  # first would keep only the running maximum across both: 0.1 (a), 0.2 (b), 0.3 (a).
+  runs = [FakeRun("a", [10, 20, 30], [0.1, 0.3, 0.25]),
+          FakeRun("b", [15, 25, 35], [0.2, 0.15, 0.29])]
+  c, r = record_points(runs, "val/avg@4")
+  assert list(zip(c, r)) == [(10, 0.1), (15, 0.2), (20, 0.3), (35, 0.29)]
+  # A run drawn twice (the bootstrap) contributes its records twice.
+  c2, _ = record_points([runs[0], runs[0]], "val/avg@4")
+  assert list(c2) == [10, 10, 20, 20]
