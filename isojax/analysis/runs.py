@@ -4,8 +4,9 @@ A run directory holds `config.json` (the resolved config; Bp, n, M either at top
 or under "budget") and `metrics.jsonl` (one JSON object per line: "step", "rollouts",
 "tokens", "train/reward", and at evaluation steps "val/avg@k", "val/best@k",
 "val/worst@k"). Sweeps copied from a cluster contain runs that crashed, are still
-running (a truncated last line) or diverged (NaN rewards); none of that may stop the
-analysis, but every such thing is reported.
+running (a truncated last line) or diverged (NaN rewards), and sometimes the same run
+twice (a directory copied next to its original); none of that may stop the analysis,
+but every such thing is reported.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class LoadProblem:
   """One thing found wrong while loading: where, what kind, and the details."""
 
   path: str
-  kind: str  # no_metrics, no_config, bad_config, empty, corrupt_lines, non_finite, ...
+  kind: str  # no_metrics, no_config, bad_config, empty, corrupt_lines, non_finite,
+  # duplicate_steps, duplicate_run, no_eval, no_runs
   detail: str
 
   def __str__(self) -> str:
@@ -239,11 +241,33 @@ def _run_dirs(root: str) -> list[str]:
   return sorted(found)
 
 
+def _drop_copies(runs: list[Run], problems: list[LoadProblem]) -> list[Run]:
+  """One run per (whole config, seed included): two directories with the same
+  config.json are two copies of one run, and counting both would weigh it twice.
+  The copy that got furthest (most metric rows; then the first by name) is kept."""
+  by_config: dict[str, list[Run]] = {}
+  for r in runs:
+    by_config.setdefault(json.dumps(r.config, sort_keys=True), []).append(r)
+  keep = []
+  for copies in by_config.values():
+    kept = min(copies, key=lambda r: (-len(r.rows), r.name))
+    keep.append(kept)
+    for r in copies:
+      if r is not kept:
+        problems.append(LoadProblem(
+            r.path, "duplicate_run",
+            f"same config and seed ({r.get('seed')}) as {kept.name}: a copy of one run, "
+            f"left out so it is not counted twice (kept {kept.name}, {len(kept.rows)} "
+            f"metric rows; this copy has {len(r.rows)})"))
+  return keep
+
+
 def read_runs(root: str | os.PathLike) -> LoadResult:
   """Loads every run under `root` and returns them with the problems found.
 
   Runs are sorted by their path relative to `root`, so results never depend on the
-  order the filesystem lists them.
+  order the filesystem lists them. Copies of one run (the same config.json, seed
+  included) are reported and counted once.
 
   Raises:
     ValueError: if `root` is not a directory.
@@ -253,6 +277,7 @@ def read_runs(root: str | os.PathLike) -> LoadResult:
     raise ValueError(f"runs directory {root!r} does not exist or is not a directory")
   problems: list[LoadProblem] = []
   runs = [r for p in _run_dirs(root) if (r := _load_one(root, p, problems)) is not None]
+  runs = _drop_copies(runs, problems)
   if not runs:
     problems.append(LoadProblem(root, "no_runs", "no loadable run directory found"))
   runs.sort(key=lambda r: r.name)

@@ -142,3 +142,52 @@ def test_pass1_histogram_reads_both_layouts():
   np.testing.assert_allclose(pass1_histogram(flat), [0.4, 0.6])
   assert pass1_histogram({"step": 1}) is None
   assert pass1_histogram({"train/pass1_hist": [0, 0]}) is None
+
+
+def test_copies_of_one_run_are_flagged_and_counted_once(tmp_path):
+  """The same run (same config, seed included) found twice under the root, e.g. a
+  directory copied next to its original: counted once, the copy named."""
+  configs = fake_runs.bp8_configs()
+  fake_runs.make_sweep(tmp_path / "sweep", configs=configs, budget=8 * 64 * 500,
+                       noise=0.01, n_evals=30)
+  # An exact copy: the first by name is kept.
+  shutil.copytree(tmp_path / "sweep" / "mix_bp8_n16_s0", tmp_path / "zz_backup" / "n16")
+  # A copy that stopped earlier: the longer one is kept whatever the names say.
+  shutil.copytree(tmp_path / "sweep" / "mix_bp8_n32_s0", tmp_path / "a_partial")
+  metrics = tmp_path / "a_partial" / "metrics.jsonl"
+  metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:10]))
+  result = read_runs(tmp_path)
+  names = sorted(r.name for r in result.runs)
+  assert names == sorted(f"sweep/mix_bp8_n{n}_s0" for _, n in configs)
+  dups = {os.path.relpath(p.path, tmp_path): p.detail for p in result.problems
+          if p.kind == "duplicate_run"}
+  assert set(dups) == {"zz_backup/n16", "a_partial"}
+  assert "kept sweep/mix_bp8_n16_s0" in dups["zz_backup/n16"]
+  assert "this copy has 10" in dups["a_partial"]
+  # Counted once: the fits equal those without the copies.
+  alone = fit_curves(read_runs(tmp_path / "sweep").runs, metric="val/avg@4")
+  both = fit_curves(result.runs, metric="val/avg@4")
+  assert both.fits == alone.fits and both.n_runs == alone.n_runs
+  # Different seeds are different runs, not copies.
+  fake_runs.make_sweep(tmp_path / "seed1", configs=configs[:1], budget=8 * 64 * 500,
+                       seeds=(1,), noise=0.01, n_evals=30)
+  assert len(read_runs(tmp_path).runs) == len(configs) + 1
+
+
+def test_run_directories_of_older_layouts_still_load_and_analyse(tmp_path):
+  """Budget fields nested under "budget" or at top level; no seed, no data section, no
+  tokens and no rollouts counter (compute from Bp * n * step): all still analysed."""
+  for n in (4, 8, 16, 32):
+    m = 8 * 64 * 200 // (8 * n)
+    steps = np.unique(np.geomspace(1, m, 25).round().astype(int))
+    rows = [{"step": int(s), "val/avg@4": float(fake_runs.true_reward(8, n, s * 8 * n))}
+            for s in steps]
+    config = {"budget": {"bp": 8, "n": n, "m": m}} if n < 16 else {"bp": 8, "n": n}
+    fake_runs.write_run(tmp_path / f"old_n{n}", config, rows)
+  result = read_runs(tmp_path)
+  assert len(result.runs) == 4 and not [p for p in result.problems if p.kind != "no_eval"]
+  analysis = analyze(list(result.runs), n_boot=0)
+  from isojax.analysis import fits_dict
+  sweep = fits_dict(analysis)["groups"]["all"]["sweeps"][0]
+  assert {"compute", "reward", "n_star"} <= set(sweep["frontier"])
+  assert sweep["n_star_law"] is not None
