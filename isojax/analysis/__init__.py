@@ -3,12 +3,15 @@
 Imports only NumPy, SciPy and Matplotlib (never JAX), so a notebook can analyse run
 directories copied from a cluster:
 
-    from isojax.analysis import load_runs, fit_curves, frontier, fit_n_star, plan
+    from isojax.analysis import load_runs, fit_curves, frontier, fit_law, plan
     runs = load_runs("runs/easy_bp32")
-    curves = fit_curves(runs, metric="val/avg@4")           # sigmoid per n
-    fr = frontier(curves.fits)                               # envelope and n*(C)
-    law = fit_n_star(*fr.n_star_points())                    # log2 n* vs log10 C
-    plan(2e6, law, bp=32)                                    # -> BudgetPoint(bp, n, m)
+    curves = fit_curves(runs, metric="val/avg@4")  # records per run, a sigmoid per n
+    fr = frontier(curves.fits)                      # upper envelope and n*(C)
+    points, law = fit_law(fr)                       # log2 n* vs log10 C (Fig. 7 points)
+    plan(2e6, law, bp=32)                           # -> BudgetPoint(bp, n, m)
+
+`analyze` runs every analysis of the playbook; `python -m isojax.analysis` writes it
+out as figures, fits.json and report.md.
 """
 
 from isojax.analysis.allocation import (FixedBatch, Sensitivity, batch_sizes, fixed_batch,
@@ -18,8 +21,12 @@ from isojax.analysis.fits import NStarFit, SigmoidFit, fit_n_star, fit_sigmoid
 from isojax.analysis.frontier import (CurveSet, ExtrapolationCheck, Frontier,
                                       extrapolation_check, fit_curves, frontier, log_grid,
                                       observed_frontier)
-from isojax.analysis.pipeline import Analysis, GroupAnalysis, Sweep, analyze, analyze_sweep
+from isojax.analysis.law_points import (LawPoints, bin_points, fit_law,
+                                        running_average_points)
+from isojax.analysis.pipeline import (Analysis, FrontierOptions, GroupAnalysis, Sweep,
+                                      analyze, analyze_sweep)
 from isojax.analysis.plan import plan, round_pow2
+from isojax.analysis.prescriptions import LawChoice, Prescription, choose_law, prescribe
 from isojax.analysis.records import pool_points, record_breaking_points, record_points
 from isojax.analysis.report import fits_dict, report_markdown, write_report
 from isojax.analysis.runs import (LoadProblem, LoadResult, Run, RunLoadWarning, eval_metrics,
@@ -27,11 +34,13 @@ from isojax.analysis.runs import (LoadProblem, LoadResult, Run, RunLoadWarning, 
 
 __all__ = [
     "Analysis", "BootstrapResult", "CurveSet", "ExtrapolationCheck", "FixedBatch",
-    "Frontier", "GroupAnalysis", "Interval", "LoadProblem", "LoadResult", "NStarFit",
-    "Run", "RunLoadWarning", "Sensitivity", "SigmoidFit", "Sweep", "analyze",
-    "analyze_sweep", "batch_sizes", "bootstrap", "eval_metrics", "extrapolation_check",
-    "fit_curves", "fit_n_star", "fit_sigmoid", "fits_dict", "fixed_batch", "frontier",
-    "load_runs", "log_grid", "observed_frontier", "plan", "pool_points", "read_runs",
-    "record_breaking_points", "record_points", "report_markdown", "round_pow2",
-    "sensitivity", "write_report",
+    "Frontier", "FrontierOptions", "GroupAnalysis", "Interval", "LawChoice", "LawPoints",
+    "LoadProblem", "LoadResult", "NStarFit", "Prescription", "Run", "RunLoadWarning",
+    "Sensitivity", "SigmoidFit", "Sweep", "analyze", "analyze_sweep", "batch_sizes",
+    "bin_points", "bootstrap", "choose_law", "eval_metrics", "extrapolation_check",
+    "fit_curves", "fit_law", "fit_n_star", "fit_sigmoid", "fits_dict", "fixed_batch",
+    "frontier", "load_runs", "log_grid", "observed_frontier", "plan",
+    "pool_points", "prescribe", "read_runs", "record_breaking_points", "record_points",
+    "report_markdown", "round_pow2", "running_average_points", "sensitivity",
+    "write_report",
 ]

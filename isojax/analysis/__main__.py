@@ -1,17 +1,19 @@
 """isojax-analyze: from a directory of runs to figures, fits.json and report.md.
 
     python -m isojax.analysis RUNS_DIR --out REPORT_DIR [--metric val/avg@4]
-        [--bin-width 0.005] [--n-boot 100] [--seed 0] [--budgets 1e5,1e6] [--bp 32]
+        [--bin-width 0.005] [--tie-tol 0] [--law-points running_average|bins]
+        [--law-window 0.5] [--n-boot 100] [--seed 0] [--budgets 1e5,1e6] [--bp 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import matplotlib
 
-from isojax.analysis import pipeline, report
+from isojax.analysis import law_points, pipeline, report
 from isojax.analysis.runs import read_runs
 
 
@@ -32,7 +34,17 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--metric", default=None,
                  help="validation metric to optimise (default: val/avg@4, else avg@k)")
   p.add_argument("--bin-width", type=float, default=0.005,
-                 help="reward bin of the record-breaking extraction")
+                 help="reward bin of the record-breaking extraction (per run)")
+  p.add_argument("--tie-tol", type=float, default=0.0,
+                 help="curves within this of the best count as tied and the smallest n "
+                 "wins (default 0: the upper envelope, as the paper)")
+  p.add_argument("--law-points", choices=sorted(law_points.METHODS),
+                 default=law_points.DEFAULT_METHOD,
+                 help="frontier points the n*(C) law is fitted to: the running average "
+                 "of n* (Fig. 7, default) or the compute where the frontier enters each "
+                 "higher reward bin (Fig. 15)")
+  p.add_argument("--law-window", type=float, default=law_points.DEFAULT_WINDOW_DECADES,
+                 help="running-average window in decades of compute")
   p.add_argument("--n-boot", type=int, default=100,
                  help="bootstrap resamples of whole runs (0: no intervals)")
   p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
@@ -44,10 +56,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-  """Console entry point; returns the exit status (0 ok, 1 nothing analysable)."""
+  """Console entry point; returns the exit status (0 ok; 1 nothing analysable, a bad
+  option, or an --out that cannot hold the report)."""
   if "matplotlib.pyplot" not in sys.modules:  # never switch a notebook's backend
     matplotlib.use("Agg")  # figures are only written to files here
   args = parse_args(argv)
+  if os.path.exists(args.out) and not os.path.isdir(args.out):
+    print(f"isojax-analyze: --out {args.out!r} is an existing file, not a directory; "
+          f"name a directory for the report", file=sys.stderr)
+    return 1
   try:
     loaded = read_runs(args.runs_dir)
   except ValueError as e:
@@ -58,12 +75,18 @@ def main(argv=None) -> int:
   try:
     analysis = pipeline.analyze(
         list(loaded.runs), root=args.runs_dir, metric=args.metric,
-        bin_width=args.bin_width, n_boot=args.n_boot, seed=args.seed,
+        bin_width=args.bin_width, tie_tol=args.tie_tol, law_points=args.law_points,
+        law_window=args.law_window, n_boot=args.n_boot, seed=args.seed,
         budgets=args.budgets, bp=args.bp, load_problems=loaded.problems)
   except ValueError as e:
     print(f"isojax-analyze: {e}", file=sys.stderr)
     return 1
-  written = report.write_report(analysis, args.out)
+  try:
+    written = report.write_report(analysis, args.out)
+  except OSError as e:  # e.g. a file where a parent directory of --out should be
+    print(f"isojax-analyze: cannot write the report to {args.out!r}: {e}",
+          file=sys.stderr)
+    return 1
   print(f"wrote {args.out}/report.md, fits.json and {len(written['figures'])} figures "
         f"from {len(loaded.runs)} runs ({len(loaded.problems)} loading problems)")
   return 0

@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from isojax.analysis import fits as fits_lib
+from isojax.analysis import law_points as law_points_lib
 from isojax.analysis.frontier import CurveSet, Frontier, fit_curves, frontier, log_grid
 
 
@@ -27,6 +28,7 @@ class FixedBatch:
     frontier: their envelope over a grid of M; `frontier.n_star` is n*(M).
     law: the sigmoid law of log2 n* against log10 M, or None if it could not be fit.
     problem: why `law` is None (empty otherwise).
+    law_points: the frontier points the law was fitted to.
   """
 
   batch: int
@@ -34,6 +36,7 @@ class FixedBatch:
   frontier: Frontier
   law: fits_lib.NStarFit | None
   problem: str = ""
+  law_points: law_points_lib.LawPoints | None = None
 
   @property
   def bp_star(self) -> np.ndarray:
@@ -57,26 +60,32 @@ def batch_sizes(runs) -> list[int]:
 
 
 def fixed_batch(runs, *, batch: int, metric: str, bin_width: float = 0.005,
-                num: int = 200) -> FixedBatch:
+                num: int = 200, tie_tol: float = 0.0,
+                law_points: str = law_points_lib.DEFAULT_METHOD,
+                law_window: float = law_points_lib.DEFAULT_WINDOW_DECADES) -> FixedBatch:
   """n*(M) and Bp*(M) among the runs with Bp * n == batch.
+
+  The frontier and its law are drawn as for compute (`frontier`, `law_points.fit_law`),
+  with M in place of C.
 
   Raises:
     ValueError: if fewer than two values of n with fittable curves share the batch.
   """
   chosen = [r for r in runs if r.batch == batch]
-  curves = fit_curves(chosen, metric=metric, key="n", unit="steps",
-                                   bin_width=bin_width)
+  curves = fit_curves(chosen, metric=metric, key="n", unit="steps", bin_width=bin_width)
   if len(curves.fits) < 2:
     raise ValueError(
         f"fixed_batch: B={batch} has {len(curves.fits)} fittable n value(s) among "
         f"{sorted({r.n for r in chosen})}; need 2 (skipped: {dict(curves.skipped)})")
-  fr = frontier(curves.fits, log_grid(curves.fits, num), tie_tol=bin_width)
-  law, problem = None, ""
+  fr = frontier(curves.fits, log_grid(curves.fits, num), tie_tol=tie_tol)
+  points, law, problem = None, None, ""
   try:
-    law = fits_lib.fit_n_star(*fr.n_star_points(), unit="steps")
+    points, law = law_points_lib.fit_law(fr, unit="steps", method=law_points,
+                                         window_decades=law_window, bin_width=bin_width)
   except ValueError as e:
     problem = str(e)
-  return FixedBatch(batch=batch, curves=curves, frontier=fr, law=law, problem=problem)
+  return FixedBatch(batch=batch, curves=curves, frontier=fr, law=law, problem=problem,
+                    law_points=points)
 
 
 def _value_at(run, metric: str, compute: float, window: int) -> float:

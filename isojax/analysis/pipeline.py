@@ -5,24 +5,32 @@ Bp, the joint (Bp, n) frontier, the n*(C) laws (in rollouts and tokens, for avg@
 best@k and worst@k), the fixed-batch n*(M), the sensitivity comparison, an
 extrapolation check, bootstrap intervals and prescriptions for a few budgets. Anything
 that cannot be computed is recorded as a problem instead of stopping the analysis.
+
+How a frontier is drawn is set by `FrontierOptions`, whose defaults are the paper's
+procedure: records per run at a 0.005 reward bin, the upper envelope of the fitted
+curves (no tie tolerance), and the n*(C) law fitted to the running average of n* along
+the frontier (Fig. 7). Prescriptions come from the law `prescriptions.choose_law`
+picks: the joint (Bp, n, M) study's when the runs hold one (App. C).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 
 import numpy as np
 
 from isojax.analysis import allocation
 from isojax.analysis import fits as fits_lib
+from isojax.analysis import law_points as law_points_lib
+from isojax.analysis import prescriptions as rx
 from isojax.analysis.bootstrap import BootstrapResult, bootstrap
 from isojax.analysis.frontier import (CurveSet, ExtrapolationCheck, Frontier,
                                       extrapolation_check, fit_curves, frontier, key_label,
                                       log_grid)
-from isojax.analysis.plan import plan
-from isojax.analysis.runs import LoadProblem, eval_metrics, pass1_histogram
+from isojax.analysis.runs import METRICS_FILE, LoadProblem, eval_metrics, pass1_histogram
 
 _METRIC_RE = re.compile(r"^val/(avg|best|worst)@(\d+)$")
 SIGMOID_PARAMS = ("a", "b", "c_mid", "r0")
@@ -30,11 +38,47 @@ LAW_PARAMS = ("L", "k", "x0", "b")
 
 
 @dataclasses.dataclass(frozen=True)
+class FrontierOptions:
+  """How frontiers and n*(C) laws are drawn; the defaults are the paper's procedure.
+
+  Attributes:
+    bin_width: reward bin of the record-breaking points of each run (§4.1: 0.005).
+    tie_tol: curves within tie_tol of the envelope count as tied and the smallest n
+      among them wins; 0 (the paper) takes the upper envelope itself.
+    law_points: the frontier points the n*(C) law is fitted to: "running_average"
+      (Fig. 7) or "bins" (Fig. 15); see isojax.analysis.law_points.
+    law_window: the running average's window, in decades of compute.
+  """
+
+  bin_width: float = 0.005
+  tie_tol: float = 0.0
+  law_points: str = law_points_lib.DEFAULT_METHOD
+  law_window: float = law_points_lib.DEFAULT_WINDOW_DECADES
+
+  def __post_init__(self):
+    if not (math.isfinite(self.bin_width) and self.bin_width > 0):
+      raise ValueError(f"bin_width must be > 0, got {self.bin_width!r}")
+    if not (math.isfinite(self.tie_tol) and self.tie_tol >= 0):
+      raise ValueError(f"tie_tol must be >= 0, got {self.tie_tol!r}")
+    if self.law_points not in law_points_lib.METHODS:
+      raise ValueError(f"law_points must be one of {sorted(law_points_lib.METHODS)}, "
+                       f"got {self.law_points!r}")
+    if not (math.isfinite(self.law_window) and self.law_window > 0):
+      raise ValueError(f"law_window must be > 0 decades, got {self.law_window!r}")
+
+  def law_of(self, fr: Frontier, unit: str):
+    """(LawPoints, NStarFit) of a frontier. Raises ValueError when no law fits."""
+    return law_points_lib.fit_law(fr, unit=unit, method=self.law_points,
+                                  window_decades=self.law_window,
+                                  bin_width=self.bin_width)
+
+
+@dataclasses.dataclass(frozen=True)
 class Sweep:
   """One frontier: curves of `metric` vs `unit` compute over configurations.
 
-  `frontier` and `law` are None (with the reason in `problems`) when they could not
-  be computed.
+  `frontier`, `law` and `law_points` are None (with the reason in `problems`) when
+  they could not be computed.
   """
 
   label: str  # "bp=32" or "joint"
@@ -44,45 +88,63 @@ class Sweep:
   frontier: Frontier | None
   law: fits_lib.NStarFit | None
   problems: tuple[str, ...] = ()
+  law_points: law_points_lib.LawPoints | None = None
 
 
 def analyze_sweep(runs, *, metric: str, unit: str = "rollouts", key="n",
-                  bin_width: float = 0.005, label: str = "", num: int = 200) -> Sweep:
-  """Curves per configuration, their frontier, and the n*(C) law fitted along it."""
-  curves = fit_curves(runs, metric=metric, key=key, unit=unit,
-                                   bin_width=bin_width)
-  problems = [f"{label} {metric} vs {unit}: {key_label(k)} not fitted: {why}"
+                  bin_width: float = 0.005, label: str = "", num: int = 200,
+                  options: FrontierOptions | None = None) -> Sweep:
+  """Curves per configuration, their frontier, and the n*(C) law fitted along it.
+
+  `options` sets the tie tolerance and the law's points (default: the paper's
+  procedure at `bin_width`); when given, its own bin width is used.
+  """
+  opts = options or FrontierOptions(bin_width=bin_width)
+  curves = fit_curves(runs, metric=metric, key=key, unit=unit, bin_width=opts.bin_width)
+  where = f"{label} {metric} vs {unit}"
+  problems = [f"{where}: {key_label(k)} not fitted: {why}"
               for k, why in curves.skipped.items()]
   for k, f in curves.fits.items():
     if f.flags:
-      problems.append(f"{label} {metric} vs {unit}: {key_label(k)} "
-                      f"fit flags: {'; '.join(f.flags)}")
+      problems.append(f"{where}: {key_label(k)} fit flags: {'; '.join(f.flags)}")
   if not curves.fits:
     return Sweep(label, metric, unit, curves, None, None, tuple(problems))
-  fr = frontier(curves.fits, log_grid(curves.fits, num), tie_tol=bin_width)
-  law = None
+  fr = frontier(curves.fits, log_grid(curves.fits, num), tie_tol=opts.tie_tol)
+  points = law = None
   try:
-    law = fits_lib.fit_n_star(*fr.n_star_points(), unit=unit)
+    points, law = opts.law_of(fr, unit)
     if law.flags:
-      problems.append(f"{label} {metric} vs {unit}: n* law flags: "
-                      f"{'; '.join(law.flags)}")
+      problems.append(f"{where}: n* law flags: {'; '.join(law.flags)}")
   except ValueError as e:
-    problems.append(f"{label} {metric} vs {unit}: no n* law: {e}")
-  return Sweep(label, metric, unit, curves, fr, law, tuple(problems))
+    problems.append(f"{where}: no n* law: {e}")
+  if law is not None:
+    problems += _law_caveats(where, fr, law, opts)
+  return Sweep(label, metric, unit, curves, fr, law, tuple(problems), points)
 
 
-@dataclasses.dataclass(frozen=True)
-class Prescription:
-  budget: float
-  point: object  # isojax.budget.BudgetPoint, or None when infeasible
-  n_star: float  # the law's unrounded n*
-  extrapolated: bool  # budget beyond the data the law was fitted on
-  note: str = ""
+def _law_caveats(where: str, fr: Frontier, law, opts: FrontierOptions) -> list[str]:
+  """What the law cannot tell: too few values of n*, or an n*(C) that is no sigmoid."""
+  c, n = fr.n_star_points()
+  steps = [0] + [i + 1 for i in np.flatnonzero(np.diff(n))]
+  path = " -> ".join(f"{int(n[i])} (from C={c[i]:.3g})" for i in steps)
+  out, distinct = [], len(set(n.astype(int)))
+  if distinct < 3:
+    out.append(f"{where}: n* takes fewer than 3 values along the frontier ({path}), so "
+               f"the law's steepness k reflects how its points are drawn "
+               f"({opts.law_points}) more than the data")
+  if distinct > 1 and not law.r2 >= 0.8:
+    out.append(f"{where}: the n* law explains R²={law.r2:.2f} of log2 n* along the "
+               f"frontier ({path}): n*(C) is not a sigmoid in this data; read the law "
+               f"as a summary, not a trend")
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupAnalysis:
-  """Everything computed for the runs of one difficulty."""
+  """Everything computed for the runs of one difficulty.
+
+  `law_choice` is the law the prescriptions come from and why (None without a law).
+  """
 
   difficulty: str | None
   run_names: tuple[str, ...]
@@ -92,10 +154,11 @@ class GroupAnalysis:
   fixed_batches: tuple[allocation.FixedBatch, ...]
   sensitivity: allocation.Sensitivity
   extrapolation: ExtrapolationCheck | None
-  prescriptions: tuple[Prescription, ...]
+  prescriptions: tuple[rx.Prescription, ...]
   intervals: BootstrapResult | None
   pass1_runs: tuple  # runs that logged a training pass@1 histogram (for Fig. 11)
   problems: tuple[str, ...]
+  law_choice: rx.LawChoice | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +167,7 @@ class Analysis:
   metric: str
   groups: tuple[GroupAnalysis, ...]
   load_problems: tuple[LoadProblem, ...]
+  options: FrontierOptions = FrontierOptions()
 
 
 def primary_metric(runs, preferred: str | None = None) -> str:
@@ -139,31 +203,6 @@ def _b_max(runs) -> int | None:
   return int(max(vals)) if vals else None
 
 
-def default_budgets(law: fits_lib.NStarFit) -> list[float]:
-  """Four budgets: two inside the law's data, its last point, and 10x beyond."""
-  lo, hi = law.compute_range
-
-  def round_down(c):  # two significant digits, never past the data
-    scale = 10 ** (math.floor(math.log10(c)) - 1)
-    return float(math.floor(c / scale) * scale)
-
-  return [round_down(c) for c in (lo * (hi / lo) ** (1 / 3), lo * (hi / lo) ** (2 / 3),
-                                  hi, 10 * hi)]
-
-
-def prescribe(law: fits_lib.NStarFit, budgets, *, bp: int, b_max=None):
-  out = []
-  for c in budgets:
-    n_pred = float(law.predict(c))
-    extrapolated = c > law.compute_range[1] * (1 + 1e-9)
-    try:
-      point = plan(c, law, bp=bp, b_max=b_max)
-      out.append(Prescription(c, point, n_pred, extrapolated))
-    except ValueError as e:
-      out.append(Prescription(c, None, n_pred, extrapolated, str(e)))
-  return tuple(out)
-
-
 def _sweep_specs(runs, metric: str) -> tuple[list[tuple], list[str]]:
   """Which sweeps to run: (label, bp or None for joint, metric, unit, key)."""
   specs, problems = [], []
@@ -188,18 +227,19 @@ def _sweep_specs(runs, metric: str) -> tuple[list[tuple], list[str]]:
   return specs, problems
 
 
-def _run_sweeps(runs, specs, bin_width: float) -> list[Sweep]:
+def _run_sweeps(runs, specs, opts: FrontierOptions) -> list[Sweep]:
   return [analyze_sweep([r for r in runs if bp is None or r.bp == bp], metric=m, unit=u,
-                        key=key, bin_width=bin_width, label=label)
+                        key=key, label=label, options=opts)
           for label, bp, m, u, key in specs]
 
 
-def _run_fixed(runs, batches, metric, bin_width):
+def _run_fixed(runs, batches, metric, opts: FrontierOptions):
   fixed, problems = [], []
   for batch in batches:
     try:
       fb = allocation.fixed_batch(runs, batch=batch, metric=metric,
-                                  bin_width=bin_width)
+                                  bin_width=opts.bin_width, tie_tol=opts.tie_tol,
+                                  law_points=opts.law_points, law_window=opts.law_window)
       fixed.append(fb)
       if fb.law is None:
         problems.append(f"fixed B={batch}: no n*(M) law: {fb.problem}")
@@ -213,8 +253,9 @@ def sweep_name(sweep: Sweep) -> str:
   return f"{sweep.label}|{sweep.metric}|{sweep.unit}"
 
 
-def _params(sweeps, fixed, primary_name, budgets) -> dict[str, float]:
-  """Every fitted number by a stable name, for the bootstrap."""
+def _params(sweeps, fixed, law_name, budgets) -> dict[str, float]:
+  """Every fitted number by a stable name, for the bootstrap; n* at each budget from
+  the law of the sweep named `law_name` (the one prescriptions come from)."""
   out = {}
   tables = [(sweep_name(s), s.curves.fits, s.law) for s in sweeps]
   tables += [(f"fixed[B={fb.batch}]", fb.curves.fits, fb.law) for fb in fixed]
@@ -225,53 +266,72 @@ def _params(sweeps, fixed, primary_name, budgets) -> dict[str, float]:
     if law is not None:
       for p in LAW_PARAMS:
         out[f"{name}|law.{p}"] = getattr(law, p)
-      if name == primary_name:
+      if name == law_name:
         for c in budgets:
           out[f"n_star@{c:g}"] = float(law.predict(c))
   return out
 
 
-def analyze_group(runs, *, metric: str, difficulty=None, bin_width: float = 0.005,
-                  n_boot: int = 100, seed: int = 0, budgets=None, bp: int | None = None,
-                  c_cut: float | None = None) -> GroupAnalysis:
-  """All analyses for runs of one difficulty (see the module docstring)."""
+def _extrapolation(runs, primary, metric, opts, c_cut):
+  """The primary sweep's extrapolation check, or (None, why not)."""
+  if primary is None or primary.frontier is None:
+    return None, None
+  lo, hi = primary.frontier.compute[[0, -1]]
+  cut = c_cut if c_cut is not None else float(lo * (hi / lo) ** 0.75)
+  bp = int(primary.label.split("=")[1])
+  try:
+    return extrapolation_check([r for r in runs if r.bp == bp], c_cut=cut, metric=metric,
+                               bin_width=opts.bin_width), None
+  except ValueError as e:
+    return None, f"extrapolation check: {e}"
+
+
+def analyze_group(runs, *, metric: str, difficulty=None,
+                  options: FrontierOptions | None = None, n_boot: int = 100,
+                  seed: int = 0, budgets=None, bp: int | None = None,
+                  c_cut: float | None = None,
+                  unstable_runs=frozenset()) -> GroupAnalysis:
+  """All analyses for runs of one difficulty (see the module docstring).
+
+  `unstable_runs` names runs known to be unstable from loading (non-finite values);
+  prescriptions avoid their Bp (see prescriptions.choose_law).
+  """
+  opts = options or FrontierOptions()
   runs = sorted(runs, key=lambda r: r.name)
   primary_bp = _primary_bp(runs)
   specs, problems = _sweep_specs(runs, metric)
-  sweeps = _run_sweeps(runs, specs, bin_width)
+  sweeps = _run_sweeps(runs, specs, opts)
   for s in sweeps:
     problems.extend(s.problems)
   primary = next((s for s, spec in zip(sweeps, specs)
                   if spec[1] == primary_bp and spec[2:4] == (metric, "rollouts")), None)
   batches = allocation.batch_sizes(runs)
-  fixed, fixed_problems = _run_fixed(runs, batches, metric, bin_width)
+  fixed, fixed_problems = _run_fixed(runs, batches, metric, opts)
   problems += fixed_problems
-
-  extrap = None
-  if primary is not None and primary.frontier is not None:
-    lo, hi = primary.frontier.compute[[0, -1]]
-    cut = c_cut if c_cut is not None else float(lo * (hi / lo) ** 0.75)
-    try:
-      extrap = extrapolation_check(
-          [r for r in runs if r.bp == primary_bp], c_cut=cut, metric=metric,
-          bin_width=bin_width)
-    except ValueError as e:
-      problems.append(f"extrapolation check: {e}")
+  extrap, why = _extrapolation(runs, primary, metric, opts, c_cut)
+  problems += [why] if why else []
 
   prescriptions, intervals = (), None
-  law = primary.law if primary is not None else None
-  if law is not None:
-    budgets = list(budgets) if budgets else default_budgets(law)
-    prescriptions = prescribe(law, budgets, bp=bp or primary_bp, b_max=_b_max(runs))
+  choice = rx.choose_law(sweeps, runs, primary=primary, bp=bp, unstable_runs=unstable_runs)
+  if choice is not None:
+    budgets = list(budgets) if budgets else rx.default_budgets(choice.law)
+    law_name = f"{choice.label}|{metric}|rollouts"
     if n_boot > 0:
       def fn(sample):
-        sample_sweeps = _run_sweeps(sample, specs, bin_width)
-        sample_fixed, _ = _run_fixed(sample, batches, metric, bin_width)
-        return _params(sample_sweeps, sample_fixed, sweep_name(primary), budgets)
+        sample_sweeps = _run_sweeps(sample, specs, opts)
+        sample_fixed, _ = _run_fixed(sample, batches, metric, opts)
+        return _params(sample_sweeps, sample_fixed, law_name, budgets)
 
       replicated = len({r.config_key for r in runs}) < len(runs)
       intervals = bootstrap(runs, fn, n_boot=n_boot, seed=seed,
                             strata=(lambda r: r.config_key) if replicated else None)
+    n_star_intervals = {}
+    for c in budgets:
+      iv = intervals.intervals.get(f"n_star@{c:g}") if intervals is not None else None
+      if iv is not None and iv.n_ok > 0:
+        n_star_intervals[c] = (iv.low, iv.high)
+    prescriptions = rx.prescribe(choice, budgets, b_max=_b_max(runs),
+                                 intervals=n_star_intervals)
   elif primary is not None:
     problems.append("no n*(C) law, so no prescriptions")
   else:
@@ -283,30 +343,45 @@ def analyze_group(runs, *, metric: str, difficulty=None, bin_width: float = 0.00
       prescriptions=prescriptions, intervals=intervals,
       pass1_runs=tuple(r for r in runs
                        if any(pass1_histogram(row) is not None for row in r.rows)),
-      problems=tuple(problems))
+      problems=tuple(problems), law_choice=choice)
+
+
+def _unstable_runs(runs, load_problems) -> frozenset:
+  """Names of runs whose metrics.jsonl had non-finite values dropped at loading."""
+  bad = {os.path.normpath(p.path) for p in load_problems if p.kind == "non_finite"}
+  return frozenset(r.name for r in runs
+                   if os.path.normpath(os.path.join(r.path, METRICS_FILE)) in bad)
 
 
 def analyze(runs, *, root: str = "", metric: str | None = None, bin_width: float = 0.005,
-            n_boot: int = 100, seed: int = 0, budgets=None, bp: int | None = None,
+            tie_tol: float = 0.0, law_points: str = law_points_lib.DEFAULT_METHOD,
+            law_window: float = law_points_lib.DEFAULT_WINDOW_DECADES, n_boot: int = 100,
+            seed: int = 0, budgets=None, bp: int | None = None,
             load_problems=()) -> Analysis:
   """`analyze_group` for each difficulty (runs without one form a single group).
 
+  bin_width, tie_tol, law_points and law_window are the `FrontierOptions`.
+
   Raises:
-    ValueError: if there are no runs, or no avg@k metric and none is named.
+    ValueError: if there are no runs, no avg@k metric and none is named, or an
+      option is out of range.
   """
   if not runs:
     raise ValueError(f"analyze: no runs to analyse under {root!r}")
+  opts = FrontierOptions(bin_width=bin_width, tie_tol=tie_tol, law_points=law_points,
+                         law_window=law_window)
   metric = primary_metric(runs, metric)
+  unstable = _unstable_runs(runs, load_problems)
   by_difficulty: dict = {}
   for r in runs:
     by_difficulty.setdefault(r.difficulty, []).append(r)
   groups = tuple(
-      analyze_group(rs, metric=metric, difficulty=d, bin_width=bin_width, n_boot=n_boot,
-                    seed=seed, budgets=budgets, bp=bp)
+      analyze_group(rs, metric=metric, difficulty=d, options=opts, n_boot=n_boot,
+                    seed=seed, budgets=budgets, bp=bp, unstable_runs=unstable)
       for d, rs in sorted(by_difficulty.items(), key=lambda kv: (kv[0] is None,
                                                                  kv[0] or "")))
   return Analysis(root=root, metric=metric, groups=groups,
-                  load_problems=tuple(load_problems))
+                  load_problems=tuple(load_problems), options=opts)
 
 
 def group_name(group: GroupAnalysis) -> str:

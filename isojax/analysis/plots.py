@@ -164,19 +164,23 @@ def _law_text(law, var: str = "C") -> str:
 
 
 def plot_n_star(sweeps, *, title: str = "") -> Figure:
-  """Fig. 7 / 24: frontier n*(C) (coloured by reward) and the fitted sigmoid law.
+  """Fig. 7 / 24: the frontier's n*(C) (grey), the points the law is fitted to
+  (coloured by frontier reward) and the fitted sigmoid law.
 
   One panel per sweep, e.g. compute in rollouts and in tokens side by side."""
   sweeps = [s for s in sweeps if s.frontier is not None]
   fig, axes = _figure(max(1, len(sweeps)), width=5.6, height=4.2)
-  norm = None
   for ax, s in zip(axes.flat, sweeps):
     c, n = s.frontier.n_star_points()
-    rew = s.frontier.reward[s.frontier.defined]
-    norm = colors.Normalize(np.nanmin(rew), np.nanmax(rew))
-    sc = ax.scatter(c, n, c=rew, cmap="plasma", norm=norm, s=14, zorder=3,
-                    label="frontier n*(C)")
+    ax.plot(c, n, color="0.6", lw=1, drawstyle="steps-post", label="frontier n*(C)")
     ns = list(n)
+    pts = s.law_points
+    if pts is not None:
+      norm = colors.Normalize(np.nanmin(pts.reward), np.nanmax(pts.reward))
+      sc = ax.scatter(pts.compute, pts.n_star, c=pts.reward, cmap="plasma", norm=norm,
+                      s=14, zorder=3, label=("running average" if pts.method ==
+                                             "running_average" else "per-bin points"))
+      fig.colorbar(sc, ax=ax, label=f"frontier reward ({s.metric})", shrink=0.85)
     if s.law is not None:
       g = np.geomspace(c.min(), c.max(), 300)
       pred = s.law.predict(g)
@@ -193,7 +197,6 @@ def plot_n_star(sweeps, *, title: str = "") -> Figure:
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title(f"{s.label}: n*({'tokens' if s.unit == 'tokens' else 'C'}), "
                  f"{s.metric}", fontsize=10)
-    fig.colorbar(sc, ax=ax, label=f"frontier reward ({s.metric})", shrink=0.85)
   if title:
     fig.suptitle(title)
   return fig

@@ -13,6 +13,7 @@ from isojax.analysis import plots
 from isojax.analysis.frontier import key_label
 from isojax.analysis.pipeline import (LAW_PARAMS, SIGMOID_PARAMS, Analysis, GroupAnalysis,
                                       finite_or_none, group_name, sweep_name)
+from isojax.analysis.prescriptions import MAX_SPREAD
 
 
 def _jsonable(x):
@@ -60,6 +61,10 @@ def _law_dict(group, prefix, law) -> dict | None:
   return d
 
 
+def _points_dict(points) -> dict | None:
+  return None if points is None else dataclasses.asdict(points)
+
+
 def _sweep_dict(group: GroupAnalysis, sweep) -> dict:
   name = sweep_name(sweep)
   fr = sweep.frontier
@@ -70,6 +75,7 @@ def _sweep_dict(group: GroupAnalysis, sweep) -> dict:
       "curves": _curves_dict(group, name, sweep.curves.fits, sweep.curves.n_runs),
       "skipped": {key_label(k): v for k, v in sweep.curves.skipped.items()},
       "n_star_law": _law_dict(group, name, sweep.law),
+      "law_points": _points_dict(sweep.law_points),
       "frontier": None if fr is None else {
           "compute": fr.compute, "reward": fr.reward, "n_star": fr.n_star,
           "extrapolated": fr.extrapolated},
@@ -84,6 +90,7 @@ def fits_dict(analysis: Analysis) -> dict:
               "curves": _curves_dict(g, f"fixed[B={fb.batch}]", fb.curves.fits,
                                      fb.curves.n_runs),
               "n_star_law": _law_dict(g, f"fixed[B={fb.batch}]", fb.law),
+              "law_points": _points_dict(fb.law_points),
               "frontier": {"steps": fb.frontier.compute, "n_star": fb.frontier.n_star,
                            "bp_star": fb.bp_star}}
              for fb in g.fixed_batches]
@@ -100,8 +107,12 @@ def fits_dict(analysis: Analysis) -> dict:
         "extrapolation": None if ex is None else {
             f.name: getattr(ex, f.name) for f in dataclasses.fields(ex)
             if f.name not in ("predicted", "reference", "observed", "compute")},
-        "prescriptions": [{"budget": p.budget, "n_star": p.n_star,
-                           "extrapolated": p.extrapolated, "note": p.note,
+        "prescription_law": None if g.law_choice is None else {
+            "label": g.law_choice.label, "joint": g.law_choice.joint,
+            "bp": g.law_choice.bp, "reason": g.law_choice.reason},
+        "prescriptions": [{"budget": p.budget, "n_star": p.n_star, "law": p.law,
+                           "extrapolated": p.extrapolated, "refused": p.refused,
+                           "note": p.note,
                            "point": None if p.point is None else p.point.to_dict(),
                            "n_star_interval": _interval(g, f"n_star@{p.budget:g}")}
                           for p in g.prescriptions],
@@ -110,7 +121,12 @@ def fits_dict(analysis: Analysis) -> dict:
             "level": g.intervals.level, "stratified": g.intervals.stratified},
         "problems": list(g.problems),
     }
-  return _jsonable({"metric": analysis.metric, "root": analysis.root, "groups": groups,
+  opts = analysis.options
+  return _jsonable({"metric": analysis.metric, "root": analysis.root,
+                    "options": {"records": "per run", "bin_width": opts.bin_width,
+                                "tie_tol": opts.tie_tol, "law_points": opts.law_points,
+                                "law_window_decades": opts.law_window},
+                    "groups": groups,
                     "load_problems": [str(p) for p in analysis.load_problems]})
 
 
@@ -168,6 +184,26 @@ def _ci(group, name, digits=3):
   return f" [{_g(iv['low'], digits)}, {_g(iv['high'], digits)}]"
 
 
+def _law_md(g: GroupAnalysis, sweep) -> list[str]:
+  law, pts = sweep.law, sweep.law_points
+  if law is None:
+    return []
+  out = [f"### n*(C) law ({sweep.label}, {sweep.metric}, C in {sweep.unit})", "",
+         "log2 n* = L / (1 + exp(-k (log10 C - x0))) + b", "",
+         "| param | value | interval |", "|---|---|---|"]
+  for name in LAW_PARAMS:
+    out.append(f"| {name} | {getattr(law, name):.6g} |"
+               f"{_ci(g, f'{sweep_name(sweep)}|law.{name}', 4)} |")
+  how = ("the running average of log2 n* over "
+         f"{pts.window_decades:g} decades of C (Fig. 7)" if pts.method == "running_average"
+         else "the compute at which the frontier enters each higher reward bin "
+         "(Fig. 15)")
+  return out + ["", f"Fitted to {pts.compute.size} frontier points: {how}. Fit rms "
+                f"{law.rms:.4f} (log2 n units), R² {_g(law.r2)}; C in "
+                f"[{law.compute_range[0]:.3g}, {law.compute_range[1]:.3g}]."
+                + (f" Flags: {'; '.join(law.flags)}." if law.flags else ""), ""]
+
+
 def _group_md(g: GroupAnalysis) -> list[str]:
   out = [f"## {group_name(g)} ({len(g.run_names)} runs)", ""]
   p = g.primary
@@ -179,26 +215,25 @@ def _group_md(g: GroupAnalysis) -> list[str]:
     out += [f"Intervals: {level} bootstrap over whole runs ({g.intervals.n_boot} "
             f"resamples, {g.intervals.n_failed} failed, "
             f"{'within each configuration' if g.intervals.stratified else 'unstratified: one run per configuration, so they reflect which configurations were run, not seed noise'}).", ""]
-  law = p.law
-  if law is not None:
-    out += [f"### n*(C) law ({p.label}, {g.metric}, C in {unit})", "",
-            "log2 n* = L / (1 + exp(-k (log10 C - x0))) + b", "",
-            "| param | value | interval |", "|---|---|---|"]
-    for name in LAW_PARAMS:
-      out.append(f"| {name} | {getattr(law, name):.6g} |"
-                 f"{_ci(g, f'{sweep_name(p)}|law.{name}', 4)} |")
-    out += ["", f"Fit rms {law.rms:.4f} (log2 n units), R² {_g(law.r2)}; "
-            f"fitted on C in [{law.compute_range[0]:.3g}, {law.compute_range[1]:.3g}]."
-            + (f" Flags: {'; '.join(law.flags)}." if law.flags else ""), ""]
+  laws = [p] + [s for s in g.sweeps if g.law_choice is not None and s is not p
+                and s.label == g.law_choice.label and s.metric == g.metric
+                and s.unit == "rollouts"]
+  for sweep in laws:
+    out += _law_md(g, sweep)
   fr = p.frontier
   if fr is not None:
     siblings = [s for s in g.sweeps if s.label == p.label and s is not p
                 and s.frontier is not None and s.unit == unit]
-    header = ["C", f"frontier {g.metric}", "n*"] + [f"n* ({s.metric})" for s in siblings]
+    averaged = p.law_points is not None and p.law_points.method == "running_average"
+    header = (["C", f"frontier {g.metric}", "n*"] + ["n* running avg"] * averaged
+              + [f"n* ({s.metric})" for s in siblings])
     out += [f"### Frontier ({p.label}, {unit})", "",
             "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for i in np.unique(np.linspace(0, fr.compute.size - 1, 9).round().astype(int)):
       cols = [f"{fr.compute[i]:.3g}", f"{fr.reward[i]:.4f}", str(fr.n_star[i])]
+      if averaged:
+        j = np.flatnonzero(p.law_points.compute == fr.compute[i])
+        cols.append(f"{p.law_points.n_star[j[0]]:.3g}" if j.size else "–")
       for s in siblings:
         j = int(np.argmin(np.abs(np.log(s.frontier.compute / fr.compute[i]))))
         cols.append(str(s.frontier.n_star[j]) if s.frontier.defined[j] else "–")
@@ -213,7 +248,7 @@ def _group_md(g: GroupAnalysis) -> list[str]:
                  f"{f.r0:.4f} | {f.rms:.4f} | {_g(f.r2)} | {'; '.join(f.flags)} |")
     out.append("")
   if g.prescriptions:
-    out += ["### Prescriptions", "",
+    out += ["### Prescriptions", "", f"From {g.law_choice.reason}.", "",
             "| budget C | n* (law) | n | Bp | M | C used | note |",
             "|---|---|---|---|---|---|---|"]
     for pr in g.prescriptions:
@@ -225,8 +260,9 @@ def _group_md(g: GroupAnalysis) -> list[str]:
       out.append(f"| {pr.budget:.3g} | {pr.n_star:.3g}"
                  f"{_ci(g, f'n_star@{pr.budget:g}')} | " + " | ".join(cells)
                  + f" | {note} |")
-    out += ["", "n is n* rounded to a power of two (in log2); Bp is the sweep's Bp "
-            "(use the smallest Bp that trains stably); M = floor(C / (Bp·n)).", ""]
+    out += ["", "n is n* rounded to a power of two (in log2); M = floor(C / (Bp·n)). "
+            "An extrapolation whose n* interval spans more than a factor of "
+            f"{MAX_SPREAD:g} is refused.", ""]
   if g.fixed_batches:
     out += ["### Fixed batch B = Bp·n (n*(M), Bp*(M))", ""]
     for fb in g.fixed_batches:
@@ -267,10 +303,23 @@ def _group_md(g: GroupAnalysis) -> list[str]:
   return out
 
 
+def _procedure_md(analysis: Analysis) -> str:
+  o = analysis.options
+  tie = ("the upper envelope of the fitted curves (tie tolerance 0)" if o.tie_tol == 0
+         else f"the fitted curves' envelope with tie tolerance {o.tie_tol:g} (curves "
+         f"within {o.tie_tol:g} of the best count as tied; the smallest n wins)")
+  law = (f"the running average of n* over {o.law_window:g} decades (Fig. 7)"
+         if o.law_points == "running_average" else
+         "the compute where the frontier enters each higher reward bin (Fig. 15)")
+  return (f"Procedure: record-breaking points per run (reward bin {o.bin_width:g}); one "
+          f"sigmoid per configuration on the union of its runs' records; frontier = "
+          f"{tie}; n*(C) law fitted to {law}.")
+
+
 def report_markdown(analysis: Analysis, figures=()) -> str:
   lines = ["# isojax analysis report", "",
            f"Runs: `{analysis.root}`. Metric: `{analysis.metric}`. Compute in rollouts "
-           f"unless stated (C = Bp·n·M).", ""]
+           f"unless stated (C = Bp·n·M).", "", _procedure_md(analysis), ""]
   for g in analysis.groups:
     lines += _group_md(g)
   lines += ["## Problems found while loading", ""]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -31,6 +32,7 @@ def runs_dir(tmp_path_factory):
   fake_runs.write_run(root / "diverged", {"bp": 8, "n": 32, "data": {"difficulty": "easy"}},
                       [{"step": 1, "rollouts": 256, "val/avg@4": 0.1},
                        {"step": 2, "rollouts": 512, "val/avg@4": float("nan")}])
+  shutil.copytree(root / "easy_bp8_n16_s1", root / "zz_copy" / "easy_bp8_n16_s1")
   return root
 
 
@@ -58,7 +60,10 @@ def test_report_lists_law_prescriptions_and_problems(report_dir):
   md = (report_dir / "report.md").read_text()
   for text in ("n*(C) law", "Frontier", "Prescriptions", "| 5e+06 |", "Fixed batch",
                "Sensitivity", "Extrapolation check", "unparseable line", "no metrics.jsonl",
-               "non-finite"):
+               "non-finite", "tie tolerance 0", "record-breaking points per run",
+               "running average of n* over 0.5 decades (Fig. 7)",
+               "From the joint (Bp, n, M) study's n*(C) law (App. C)",
+               "[duplicate_run] same config and seed (1) as easy_bp8_n16_s1"):
     assert text in md, text
 
 
@@ -77,15 +82,27 @@ def test_fits_json_has_full_precision_and_intervals(report_dir, runs_dir):
     assert iv["n_ok"] > 0 and iv["low"] <= iv["high"]
   law = primary["n_star_law"]
   assert set(law["interval"]) == {"L", "k", "x0", "b"}
+  assert fits["options"] == {"records": "per run", "bin_width": 0.005, "tie_tol": 0.0,
+                             "law_points": "running_average", "law_window_decades": 0.5}
+  points = primary["law_points"]
+  assert points["method"] == "running_average" and len(points["compute"]) == 200
+  assert {"compute", "reward", "n_star"} <= set(primary["frontier"])
+  # Bp=8 and Bp=16 were each run at several n: a joint study, so its law prescribes,
+  # at the smallest Bp of the study (4; none of its runs was unstable).
+  assert group["prescription_law"]["label"] == "joint"
+  assert group["prescription_law"]["joint"] is True and group["prescription_law"]["bp"] == 4
   assert [p["budget"] for p in group["prescriptions"]] == [2e4, 5e5, 5e6]
+  assert [p["law"] for p in group["prescriptions"]] == ["joint"] * 3
   assert group["prescriptions"][2]["extrapolated"] is True
+  interval = group["prescriptions"][2]["n_star_interval"]
+  assert group["prescriptions"][2]["refused"] is (interval["high"] / interval["low"] > 8)
   point = group["prescriptions"][1]["point"]
-  assert point["bp"] == 8 and point["compute"] <= 5e5
+  assert point["bp"] == 4 and point["compute"] <= 5e5
   assert any(s["label"] == "joint" for s in group["sweeps"])
   units = {(s["metric"], s["unit"]) for s in group["sweeps"] if s["label"] == "bp=8"}
   assert units == {("val/avg@4", "rollouts"), ("val/avg@4", "tokens"),
                    ("val/best@4", "rollouts"), ("val/worst@4", "rollouts")}
-  assert len(fits["load_problems"]) == 3
+  assert len(fits["load_problems"]) == 4
 
 
 def test_module_entry_point_and_failure_status(tmp_path, runs_dir):
@@ -97,6 +114,28 @@ def test_module_entry_point_and_failure_status(tmp_path, runs_dir):
   empty = tmp_path / "empty"
   os.makedirs(empty)
   assert main([str(empty), "--out", str(tmp_path / "out2")]) == 1
+
+
+def test_out_naming_an_existing_file_is_a_message_not_a_traceback(tmp_path, runs_dir):
+  taken = tmp_path / "report.md"
+  taken.write_text("mine")
+  proc = subprocess.run([sys.executable, "-m", "isojax.analysis", str(runs_dir), "--out",
+                         str(taken), "--n-boot", "0"], capture_output=True, text=True,
+                        env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO, timeout=120)
+  assert proc.returncode == 1
+  assert "is an existing file, not a directory" in proc.stderr
+  assert "Traceback" not in proc.stderr and taken.read_text() == "mine"
+  # A file where a parent directory of --out would go: the same kind of message.
+  assert main([str(runs_dir), "--out", str(taken / "sub"), "--n-boot", "0"]) == 1
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--tie-tol", "-1"], "tie_tol must be >= 0"),
+    (["--law-window", "0"], "law_window must be > 0"),
+])
+def test_bad_frontier_options_are_messages(tmp_path, runs_dir, capsys, argv, match):
+  assert main([str(runs_dir), "--out", str(tmp_path / "o"), "--n-boot", "0", *argv]) == 1
+  assert match in capsys.readouterr().err
 
 
 def test_importing_analysis_does_not_import_jax():

@@ -6,8 +6,9 @@ import random
 import numpy as np
 import pytest
 
-from isojax.analysis import (extrapolation_check, fit_curves, fit_n_star, fit_sigmoid,
-                             frontier, log_grid, read_runs)
+from isojax.analysis import (analyze_sweep, extrapolation_check, fit_curves, fit_n_star,
+                             fit_sigmoid, frontier, log_grid, pool_points, read_runs,
+                             record_breaking_points)
 
 from . import fake_runs
 
@@ -100,7 +101,20 @@ def test_curves_are_not_used_beyond_their_data():
   assert fu.winner[0] == -1 and math.isnan(fu.reward[0]) and fu.n_star[1] == 4
 
 
-def test_tie_tolerance_prefers_the_smaller_n():
+def test_a_lead_of_0_004_makes_n_star_by_default(tmp_path):
+  # n=512 leads n=256 by 0.004 everywhere (less than one 0.005 reward bin). The
+  # frontier is the upper envelope: n=512 is n* wherever both are defined.
+  def curve(bp, n, c):
+    return fake_runs.sigmoid(c, 0.6 + 0.004 * (n == 512), 1.0, 1e4, 0.1)
+
+  fake_runs.make_sweep(tmp_path, configs=[(8, 256), (8, 512)], budget=8 * 512 * 400,
+                       curve=curve, n_evals=60)
+  sweep = analyze_sweep(read_runs(tmp_path).runs, metric=METRIC, label="bp=8")
+  both = np.all(np.isfinite(sweep.frontier.curves), axis=0)
+  assert both.sum() > 100 and np.all(sweep.frontier.n_star[both] == 512)
+
+
+def test_tie_tolerance_is_an_explicit_option():
   c = np.geomspace(10, 1e4, 12)
   fits = {8: fit_sigmoid(c, fake_runs.sigmoid(c, 0.600, 1, 100, 0.1)),
           4: fit_sigmoid(c, fake_runs.sigmoid(c, 0.597, 1, 100, 0.1))}
@@ -109,6 +123,34 @@ def test_tie_tolerance_prefers_the_smaller_n():
   tied = frontier(fits, grid, tie_tol=0.005)
   assert np.all(tied.n_star == 4)
   np.testing.assert_allclose(tied.reward, fits[8].predict(grid))  # value stays the max
+
+
+def test_per_configuration_fit_uses_each_runs_records_not_a_max_over_seeds(tmp_path):
+  """Six seeds, each the true curve plus its own offset and a little noise along the
+  run. Fitted to each run's records united, the curve follows the seeds' mean;
+  records of the seeds pooled into one best-so-far curve follow their maximum."""
+  truth = dict(a=0.6, b=1.2, c_mid=1e4, r0=0.1)
+  budget = 8 * 16 * 4000
+  fake_runs.make_sweep(tmp_path, configs=[(8, 16)], budget=budget,
+                       curve=lambda bp, n, c: fake_runs.sigmoid(c, **truth),
+                       seeds=tuple(range(6)), noise=0.002, run_sigma=0.01, n_evals=50,
+                       rng_seed=1)
+  runs = read_runs(tmp_path).runs
+  offsets = [np.mean(r - fake_runs.sigmoid(c, **truth))
+             for c, r in (run.points(METRIC) for run in runs)]
+  late = np.geomspace(budget / 10, budget, 20)
+  seeds_mean = fake_runs.sigmoid(late, **truth) + np.mean(offsets)
+  per_run = fit_curves(runs, metric=METRIC).fits[16]
+  assert np.max(np.abs(per_run.predict(late) - seeds_mean)) < 0.004
+  pooled = fit_sigmoid(*record_points_of_pooled(runs))
+  assert np.min(pooled.predict(late) - seeds_mean) > 0.008  # what the test guards
+
+
+def record_points_of_pooled(runs):
+  """The procedure the analysis must not use: records of all seeds pooled."""
+  c, r = pool_points(runs, METRIC)
+  idx = record_breaking_points(c, r)
+  return c[idx], r[idx]
 
 
 def test_tokens_law_is_the_rollout_law_shifted(clean_sweep):

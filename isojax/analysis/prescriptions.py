@@ -1,0 +1,203 @@
+"""Prescriptions for new budgets: which n*(C) law, which Bp, and when to refuse.
+
+The playbook's workflow (§4.3, Appendix C) prescribes from the joint (Bp, n, M) study:
+(i) n from the fitted n*(C), (ii) the smallest Bp that trains stably, (iii) the rest of
+the budget to M. Appendix B notes that where n* saturates depends on Bp, so a law
+measured at one fixed Bp is only used at that Bp (or, asked for another Bp, with the
+caveat said).
+
+Which law (`choose_law`):
+  * the runs hold a joint study (at least two Bp values, each run at two or more n):
+    the joint frontier's law, with Bp the smallest of the study none of whose runs
+    was unstable (skipped an update or logged a non-finite value), or the Bp asked;
+  * otherwise the law of the fixed-Bp sweep at the Bp asked (if the runs have one),
+    else the primary sweep's law at its own Bp.
+
+When to refuse (`prescribe`): a budget beyond the law's data is an extrapolation;
+where the bootstrap interval of n* there spans more than `max_spread` (8x) in n, the
+law does not pin n down and no point is prescribed (the reason is the note).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from isojax.analysis import fits as fits_lib
+from isojax.analysis.plan import plan
+
+MAX_SPREAD = 8.0  # refuse to extrapolate where n*'s interval spans more than this
+
+
+@dataclasses.dataclass(frozen=True)
+class LawChoice:
+  """The law prescriptions come from, and the Bp they use.
+
+  Attributes:
+    label: the sweep the law was fitted on ("joint" or "bp=32").
+    law: the n*(C) law (compute in rollouts).
+    bp: problems per batch of every prescription.
+    joint: whether the law is the joint (Bp, n, M) study's (App. C).
+    reason: one sentence: which law and why this Bp.
+  """
+
+  label: str
+  law: fits_lib.NStarFit
+  bp: int
+  joint: bool
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Prescription:
+  """(Bp, n, M) for one budget, or why there is none.
+
+  Attributes:
+    budget: the rollout budget C.
+    point: the isojax.budget.BudgetPoint, or None (infeasible or refused).
+    n_star: the law's unrounded n* at `budget`.
+    extrapolated: the budget lies beyond the data the law was fitted on.
+    note: why `point` is None, or a caveat.
+    law: the label of the law used ("joint", "bp=32").
+    interval: (low, high) bootstrap interval of n* at `budget`, when computed.
+    refused: no point because the extrapolation is not supported by the law.
+  """
+
+  budget: float
+  point: object
+  n_star: float
+  extrapolated: bool
+  note: str = ""
+  law: str = ""
+  interval: tuple[float, float] | None = None
+  refused: bool = False
+
+
+def is_joint_study(runs) -> bool:
+  """At least two Bp values were each run at two or more values of n."""
+  ns: dict[int, set] = {}
+  for r in runs:
+    ns.setdefault(r.bp, set()).add(r.n)
+  return sum(len(v) >= 2 for v in ns.values()) >= 2
+
+
+def unstable_bps(runs, unstable_runs=frozenset()) -> dict[int, list[str]]:
+  """Bp -> names of its runs that skipped an update ("train/skipped" > 0) or are named
+  in `unstable_runs` (e.g. runs whose non-finite values were dropped at loading)."""
+  out: dict[int, list[str]] = {}
+  for r in runs:
+    skipped = any(isinstance(v := row.get("train/skipped"), (int, float)) and v > 0
+                  for row in r.rows)
+    if skipped or r.name in unstable_runs:
+      out.setdefault(r.bp, []).append(r.name)
+  return out
+
+
+def _smallest_stable_bp(runs, unstable_runs) -> tuple[int, str]:
+  bps = sorted({r.bp for r in runs})
+  bad = unstable_bps(runs, unstable_runs)
+  stable = [b for b in bps if b not in bad]
+  if stable:
+    skipped = f" (unstable runs at Bp={sorted(b for b in bad if b < stable[0])})" if any(
+        b < stable[0] for b in bad) else ""
+    return stable[0], (f"Bp={stable[0]}: the smallest Bp of the study with no unstable "
+                       f"run{skipped}")
+  return bps[0], (f"Bp={bps[0]}: the smallest Bp tried; every Bp of the study had an "
+                  f"unstable run ({', '.join(n for b in bps for n in bad[b])}), so "
+                  f"choose Bp by hand (--bp)")
+
+
+def choose_law(sweeps, runs, *, primary, bp: int | None = None,
+               unstable_runs=frozenset()) -> LawChoice | None:
+  """The law and Bp of the prescriptions (see the module docstring); None without one.
+
+  Args:
+    sweeps: the group's sweeps (pipeline.Sweep), with labels "bp=X" and "joint".
+    runs: the group's runs.
+    primary: the primary (fixed-Bp, primary metric, rollouts) sweep, or None.
+    bp: the Bp asked for, or None.
+    unstable_runs: names of runs known to be unstable from loading.
+  """
+  metric = primary.metric if primary is not None else None
+  by_label = {s.label: s for s in sweeps
+              if s.metric == metric and s.unit == "rollouts" and s.law is not None}
+  joint = by_label.get("joint")
+  if joint is not None and is_joint_study(runs):
+    if bp is None:
+      bp, why = _smallest_stable_bp(runs, unstable_runs)
+    else:
+      why = f"Bp={bp} as asked"
+    return LawChoice("joint", joint.law, bp, True,
+                     f"the joint (Bp, n, M) study's n*(C) law (App. C); {why}")
+  own = by_label.get(f"bp={bp}") if bp is not None else None
+  if own is not None and own is not primary:
+    return LawChoice(own.label, own.law, bp, False,
+                     f"the fixed-Bp n*(C) law measured at Bp={bp}, as asked")
+  if primary is None or primary.law is None:
+    return None
+  law_bp = int(primary.label.split("=")[1])
+  if bp is None or bp == law_bp:
+    return LawChoice(primary.label, primary.law, law_bp, False,
+                     f"the fixed-Bp n*(C) law measured at Bp={law_bp} (§4.1), at its "
+                     f"own Bp")
+  return LawChoice(primary.label, primary.law, bp, False,
+                   f"the fixed-Bp n*(C) law measured at Bp={law_bp}, used at Bp={bp} as "
+                   f"asked: no runs measured it there, and where n* saturates depends "
+                   f"on Bp (App. B)")
+
+
+def default_budgets(law: fits_lib.NStarFit) -> list[float]:
+  """Four budgets: two inside the law's data, its last point, and 10x beyond."""
+  lo, hi = law.compute_range
+
+  def round_down(c):  # two significant digits, never past the data
+    scale = 10 ** (math.floor(math.log10(c)) - 1)
+    return float(math.floor(c / scale) * scale)
+
+  return [round_down(c) for c in (lo * (hi / lo) ** (1 / 3), lo * (hi / lo) ** (2 / 3),
+                                  hi, 10 * hi)]
+
+
+def _refusal(interval, max_spread: float) -> str:
+  """Why an extrapolation with this n* interval is refused ("" when it is not)."""
+  if interval is None:
+    return ""
+  low, high = interval
+  if low > 0 and math.isfinite(high) and high / low <= max_spread:
+    return ""
+  return (f"refused: the law's interval of n* here, [{low:.3g}, {high:.3g}], spans more "
+          f"than a factor of {max_spread:g}: beyond its data the law does not pin n "
+          f"down; run larger budgets first")
+
+
+def prescribe(choice: LawChoice, budgets, *, b_max=None, intervals=None,
+              max_spread: float = MAX_SPREAD) -> tuple[Prescription, ...]:
+  """A Prescription per budget from `choice`.
+
+  Args:
+    choice: the law and Bp (`choose_law`).
+    budgets: rollout budgets.
+    b_max: the largest batch Bp * n the hardware takes, if known.
+    intervals: budget -> (low, high) bootstrap interval of n*, when computed.
+    max_spread: refuse an extrapolation whose n* interval spans more than this.
+  """
+  intervals = intervals or {}
+  out = []
+  for c in budgets:
+    n_pred = float(choice.law.predict(c))
+    extrapolated = c > choice.law.compute_range[1] * (1 + 1e-9)
+    interval = intervals.get(c)
+    common = dict(budget=c, n_star=n_pred, extrapolated=extrapolated, law=choice.label,
+                  interval=interval)
+    refusal = _refusal(interval, max_spread) if extrapolated else ""
+    if refusal:
+      out.append(Prescription(point=None, note=refusal, refused=True, **common))
+      continue
+    note = ("no bootstrap interval: the extrapolation is unchecked"
+            if extrapolated and interval is None else "")
+    try:
+      out.append(Prescription(point=plan(c, choice.law, bp=choice.bp, b_max=b_max),
+                              note=note, **common))
+    except ValueError as e:
+      out.append(Prescription(point=None, note=str(e), **common))
+  return tuple(out)

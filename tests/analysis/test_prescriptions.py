@@ -1,0 +1,128 @@
+"""Prescriptions: the joint law when the runs hold a joint study (App. C), the smallest
+stable Bp, the law named everywhere, and no extrapolation from a law that does not pin
+n* down."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from isojax.analysis import (LawChoice, NStarFit, analyze, choose_law, fits_dict, prescribe,
+                             read_runs, report_markdown)
+from isojax.analysis.prescriptions import is_joint_study
+
+from . import fake_runs
+
+GRID = [(bp, n) for bp in (4, 8, 16) for n in (4, 8, 16, 32, 64)]
+
+
+def law(compute_range=(1e3, 1e6), **kw):
+  p = dict(L=4.0, k=2.0, x0=4.5, b=2.0) | kw
+  return NStarFit(rms=0.0, r2=1.0, n_points=50, compute_range=compute_range, **p)
+
+
+def _write_grid(root, configs, unstable=()):
+  """A sweep on `configs`; the runs of (bp, n) in `unstable` skip one update."""
+  rng = np.random.default_rng(0)
+  for bp, n in configs:
+    m = 8 * 64 * 500 // (bp * n)
+    curve = lambda c, bp=bp, n=n: fake_runs.true_reward(bp, n, c)  # noqa: E731
+    rows = fake_runs.run_rows(bp, n, m, curve, rng=rng, n_evals=40)
+    if (bp, n) in unstable:
+      rows[len(rows) // 2]["train/skipped"] = 1.0
+    for row in rows:
+      row.setdefault("train/skipped", 0.0)
+    fake_runs.write_run(os.path.join(root, f"bp{bp}_n{n}"),
+                        {"bp": bp, "n": n, "m": m, "seed": 0}, rows)
+
+
+def test_joint_study_prescribes_from_the_joint_law_at_the_smallest_stable_bp(tmp_path):
+  _write_grid(tmp_path, GRID, unstable={(4, 16)})
+  result = read_runs(tmp_path)
+  analysis = analyze(list(result.runs), n_boot=0, budgets=[2e4, 2e5])
+  g = analysis.groups[0]
+  choice = g.law_choice
+  assert choice.label == "joint" and choice.joint
+  joint = next(s for s in g.sweeps if s.label == "joint")
+  assert choice.law is joint.law
+  assert choice.bp == 8  # Bp=4 had a run that skipped an update
+  assert "App. C" in choice.reason and "Bp=8" in choice.reason and "[4]" in choice.reason
+  for pr in g.prescriptions:
+    assert pr.law == "joint" and pr.point.bp == 8
+    assert pr.point.n == 2 ** round(float(np.log2(joint.law.predict(pr.budget))))
+  # Said in fits.json and report.md too.
+  fits = fits_dict(analysis)["groups"]["all"]
+  assert (fits["prescription_law"]["label"], fits["prescription_law"]["bp"]) == ("joint", 8)
+  assert all(p["law"] == "joint" for p in fits["prescriptions"])
+  assert f"From {choice.reason}." in report_markdown(analysis)
+
+
+def test_bp_asked_for_is_used_with_the_joint_law(tmp_path):
+  _write_grid(tmp_path, GRID)
+  g = analyze(list(read_runs(tmp_path).runs), n_boot=0, bp=16).groups[0]
+  assert g.law_choice.label == "joint" and g.law_choice.bp == 16
+  assert "Bp=16 as asked" in g.law_choice.reason
+
+
+def test_fixed_bp_study_prescribes_at_its_own_bp_and_says_so_elsewhere(tmp_path):
+  # One Bp with all n, plus single runs at other Bp: no joint study.
+  configs = fake_runs.bp8_configs() + [(16, 8), (32, 4)]
+  _write_grid(tmp_path, configs)
+  runs = list(read_runs(tmp_path).runs)
+  assert not is_joint_study(runs)
+  g = analyze(runs, n_boot=0).groups[0]
+  assert (g.law_choice.label, g.law_choice.bp, g.law_choice.joint) == ("bp=8", 8, False)
+  assert all(pr.point.bp == 8 for pr in g.prescriptions if pr.point is not None)
+  other = choose_law(g.sweeps, runs, primary=g.primary, bp=64)
+  assert other.law is g.primary.law and other.bp == 64
+  assert "measured at Bp=8" in other.reason and "App. B" in other.reason
+
+
+def test_extrapolation_with_a_wide_interval_is_refused_with_the_reason():
+  choice = LawChoice("joint", law(), bp=32, joint=True, reason="test")
+  inside, beyond, far = 1e5, 5e6, 1e7
+  out = prescribe(choice, [inside, beyond, far],
+                  intervals={inside: (2.0, 40.0), beyond: (20.0, 150.0), far: (10.0, 90.0)})
+  # Inside the data a wide interval is shown, not refused.
+  assert out[0].point is not None and not out[0].refused
+  # Beyond the data: 150/20 = 7.5 is within a factor of 8; 90/10 = 9 is not.
+  assert out[1].point is not None and out[1].extrapolated and not out[1].refused
+  assert out[2].point is None and out[2].refused
+  assert "[10, 90]" in out[2].note and "factor of 8" in out[2].note
+  assert all(p.law == "joint" for p in out)
+
+
+def test_extrapolation_without_an_interval_says_it_is_unchecked():
+  choice = LawChoice("bp=32", law(), bp=32, joint=False, reason="test")
+  (pr,) = prescribe(choice, [1e7])
+  assert pr.point is not None and "unchecked" in pr.note
+  (unbounded,) = prescribe(choice, [1e7], intervals={1e7: (4.0, float("inf"))})
+  assert unbounded.refused
+
+
+def test_infeasible_point_is_reported_not_raised():
+  choice = LawChoice("bp=32", law(), bp=1024, joint=False, reason="test")
+  (pr,) = prescribe(choice, [1e6], b_max=4096)
+  assert pr.point is None and not pr.refused and "b_max=4096" in pr.note
+
+
+def test_runs_with_non_finite_values_make_their_bp_unstable(tmp_path):
+  _write_grid(tmp_path, GRID)
+  path = tmp_path / "bp4_n8" / "metrics.jsonl"
+  rows = [json.loads(line) for line in path.read_text().splitlines()]
+  rows[3]["train/loss"] = float("nan")
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  result = read_runs(tmp_path)
+  g = analyze(list(result.runs), n_boot=0, load_problems=result.problems).groups[0]
+  assert g.law_choice.bp == 8
+
+
+@pytest.mark.parametrize("configs, joint", [
+    ([(8, 4), (8, 8), (16, 4), (16, 8)], True),
+    ([(8, 4), (8, 8), (16, 4)], False),   # only Bp=8 has two n
+    ([(64, 4), (32, 8), (16, 16)], False),  # a fixed-batch study
+])
+def test_what_counts_as_a_joint_study(tmp_path, configs, joint):
+  _write_grid(tmp_path, configs)
+  assert is_joint_study(read_runs(tmp_path).runs) == joint
