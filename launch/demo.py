@@ -172,11 +172,12 @@ def summary(analysis, runs) -> list[str]:
       out.append(f"fitted frontier ({p.label}, {g.metric}): n* {trend} ({first} -> "
                  f"{last}); " + ", ".join(f"C={c[i]:.3g}: n*={int(n_star[i])}"
                                           for i in idx))
+    if g.law_choice is not None:
+      out.append(f"prescriptions from {g.law_choice.reason}")
     for pr in g.prescriptions:
       pt = pr.point
       where = "beyond the data, extrapolated" if pr.extrapolated else "within the data"
-      what = (f"Bp={pt.bp}, n={pt.n}, M={pt.m}" if pt is not None else
-              f"no feasible point ({pr.note})")
+      what = f"Bp={pt.bp}, n={pt.n}, M={pt.m}" if pt is not None else f"none ({pr.note})"
       name = f"n_star@{pr.budget:g}"
       iv = (g.intervals[name] if g.intervals is not None
             and name in g.intervals.intervals else None)
