@@ -272,16 +272,15 @@ def _params(sweeps, fixed, law_name, budgets) -> dict[str, float]:
   return out
 
 
-def _extrapolation(runs, primary, metric, opts, c_cut):
+def _extrapolation(runs, primary, primary_bp, metric, opts, c_cut):
   """The primary sweep's extrapolation check, or (None, why not)."""
   if primary is None or primary.frontier is None:
     return None, None
   lo, hi = primary.frontier.compute[[0, -1]]
   cut = c_cut if c_cut is not None else float(lo * (hi / lo) ** 0.75)
-  bp = int(primary.label.split("=")[1])
   try:
-    return extrapolation_check([r for r in runs if r.bp == bp], c_cut=cut, metric=metric,
-                               bin_width=opts.bin_width), None
+    return extrapolation_check([r for r in runs if r.bp == primary_bp], c_cut=cut,
+                               metric=metric, bin_width=opts.bin_width), None
   except ValueError as e:
     return None, f"extrapolation check: {e}"
 
@@ -308,11 +307,12 @@ def analyze_group(runs, *, metric: str, difficulty=None,
   batches = allocation.batch_sizes(runs)
   fixed, fixed_problems = _run_fixed(runs, batches, metric, opts)
   problems += fixed_problems
-  extrap, why = _extrapolation(runs, primary, metric, opts, c_cut)
+  extrap, why = _extrapolation(runs, primary, primary_bp, metric, opts, c_cut)
   problems += [why] if why else []
 
   prescriptions, intervals = (), None
-  choice = rx.choose_law(sweeps, runs, primary=primary, bp=bp, unstable_runs=unstable_runs)
+  choice = rx.choose_law(sweeps, runs, primary=primary, primary_bp=primary_bp, bp=bp,
+                         unstable_runs=unstable_runs)
   if choice is not None:
     budgets = list(budgets) if budgets else rx.default_budgets(choice.law)
     law_name = f"{choice.label}|{metric}|rollouts"

@@ -107,43 +107,47 @@ def _smallest_stable_bp(runs, unstable_runs) -> tuple[int, str]:
                   f"choose Bp by hand (--bp)")
 
 
-def choose_law(sweeps, runs, *, primary, bp: int | None = None,
+def choose_law(sweeps, runs, *, primary, primary_bp: int | None, bp: int | None = None,
                unstable_runs=frozenset()) -> LawChoice | None:
   """The law and Bp of the prescriptions (see the module docstring); None without one.
 
   Args:
-    sweeps: the group's sweeps (pipeline.Sweep), with labels "bp=X" and "joint".
+    sweeps: the group's sweeps (pipeline.Sweep), labelled "bp=<Bp>" and "joint".
     runs: the group's runs.
     primary: the primary (fixed-Bp, primary metric, rollouts) sweep, or None.
+    primary_bp: the Bp of the primary sweep.
     bp: the Bp asked for, or None.
     unstable_runs: names of runs known to be unstable from loading.
   """
-  metric = primary.metric if primary is not None else None
-  by_label = {s.label: s for s in sweeps
-              if s.metric == metric and s.unit == "rollouts" and s.law is not None}
+  if primary is None:
+    return None
+  by_label = {s.label: s for s in sweeps if s.metric == primary.metric
+              and s.unit == "rollouts" and s.law is not None}
   joint = by_label.get("joint")
-  if joint is not None and is_joint_study(runs):
-    if bp is None:
-      bp, why = _smallest_stable_bp(runs, unstable_runs)
-    else:
-      why = f"Bp={bp} as asked"
-    return LawChoice("joint", joint.law, bp, True,
-                     f"the joint (Bp, n, M) study's n*(C) law (App. C); {why}")
+  caveat = ""
+  if is_joint_study(runs):
+    if joint is not None:
+      if bp is None:
+        bp, why = _smallest_stable_bp(runs, unstable_runs)
+      else:
+        why = f"Bp={bp} as asked"
+      return LawChoice("joint", joint.law, bp, True,
+                       f"the joint (Bp, n, M) study's n*(C) law (App. C); {why}")
+    caveat = " (the joint study's law could not be fitted)"
   own = by_label.get(f"bp={bp}") if bp is not None else None
   if own is not None and own is not primary:
     return LawChoice(own.label, own.law, bp, False,
-                     f"the fixed-Bp n*(C) law measured at Bp={bp}, as asked")
-  if primary is None or primary.law is None:
+                     f"the fixed-Bp n*(C) law measured at Bp={bp}, as asked{caveat}")
+  if primary.law is None:
     return None
-  law_bp = int(primary.label.split("=")[1])
-  if bp is None or bp == law_bp:
-    return LawChoice(primary.label, primary.law, law_bp, False,
-                     f"the fixed-Bp n*(C) law measured at Bp={law_bp} (§4.1), at its "
-                     f"own Bp")
+  if bp is None or bp == primary_bp:
+    return LawChoice(primary.label, primary.law, primary_bp, False,
+                     f"the fixed-Bp n*(C) law measured at Bp={primary_bp} (§4.1), at "
+                     f"its own Bp{caveat}")
   return LawChoice(primary.label, primary.law, bp, False,
-                   f"the fixed-Bp n*(C) law measured at Bp={law_bp}, used at Bp={bp} as "
-                   f"asked: no runs measured it there, and where n* saturates depends "
-                   f"on Bp (App. B)")
+                   f"the fixed-Bp n*(C) law measured at Bp={primary_bp}, used at Bp={bp} "
+                   f"as asked: no runs measured it there, and where n* saturates "
+                   f"depends on Bp (App. B){caveat}")
 
 
 def default_budgets(law: fits_lib.NStarFit) -> list[float]:

@@ -74,7 +74,7 @@ def test_fixed_bp_study_prescribes_at_its_own_bp_and_says_so_elsewhere(tmp_path)
   g = analyze(runs, n_boot=0).groups[0]
   assert (g.law_choice.label, g.law_choice.bp, g.law_choice.joint) == ("bp=8", 8, False)
   assert all(pr.point.bp == 8 for pr in g.prescriptions if pr.point is not None)
-  other = choose_law(g.sweeps, runs, primary=g.primary, bp=64)
+  other = choose_law(g.sweeps, runs, primary=g.primary, primary_bp=8, bp=64)
   assert other.law is g.primary.law and other.bp == 64
   assert "measured at Bp=8" in other.reason and "App. B" in other.reason
 
