@@ -176,6 +176,7 @@ def plot_n_star(sweeps, *, title: str = "") -> Figure:
     ns = list(n)
     pts = s.law_points
     if pts is not None:
+      ns += list(pts.n_star)
       norm = colors.Normalize(np.nanmin(pts.reward), np.nanmax(pts.reward))
       sc = ax.scatter(pts.compute, pts.n_star, c=pts.reward, cmap="plasma", norm=norm,
                       s=14, zorder=3, label=("running average" if pts.method ==
