@@ -17,7 +17,7 @@ from isojax.analysis.frontier import key_label, key_n
 from isojax.analysis.runs import pass1_histogram
 
 _UNIT_LABEL = {"rollouts": "compute C (rollouts)", "tokens": "compute C (generated tokens)",
-               "steps": "updates M (steps)"}
+               "steps": "updates M (steps)", "device_hours": "compute C (device-hours)"}
 _FRONTIER_LW = 4.0
 
 

@@ -3,7 +3,8 @@
 A run directory holds `config.json` (the resolved config; Bp, n, M either at top level
 or under "budget") and `metrics.jsonl` (one JSON object per line: "step", "rollouts",
 "tokens", "train/reward", and at evaluation steps "val/avg@k", "val/best@k",
-"val/worst@k"). Sweeps copied from a cluster contain runs that crashed, are still
+"val/worst@k"; runs that record it also log "device_hours", the cumulative wall-clock
+seconds x devices / 3600 spent so far). Sweeps copied from a cluster contain runs that crashed, are still
 running (a truncated last line) or diverged (NaN rewards), and sometimes the same run
 twice (a directory copied next to its original); none of that may stop the analysis,
 but every such thing is reported.
@@ -24,8 +25,11 @@ import numpy as np
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 
-# Compute axes a curve can be drawn against. "steps" is M = rollouts / (Bp * n).
-UNITS = ("rollouts", "tokens", "steps")
+# Compute axes a curve can be drawn against: rollouts (the IsoCompute playbook's),
+# generated tokens (its App. E), updates M = rollouts / (Bp * n), and device-hours
+# (ScaleRL's), read from the "device_hours" column of runs that log it.
+UNITS = ("rollouts", "tokens", "steps", "device_hours")
+DEVICE_HOURS = "device_hours"
 
 
 class RunLoadWarning(UserWarning):
@@ -94,11 +98,25 @@ class Run:
     return out
 
   def compute(self, unit: str = "rollouts") -> np.ndarray:
-    """Cumulative compute per row in `unit` ("rollouts", "tokens" or "steps")."""
+    """Cumulative compute per row in `unit` (one of UNITS; NaN where a row lacks it).
+
+    Raises:
+      ValueError: for an unknown unit, or "device_hours" from a run that never
+        logged that column (runs written before it existed).
+    """
     if unit not in UNITS:
       raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
     if unit == "tokens":
       return self.column("tokens")
+    if unit == DEVICE_HOURS:
+      hours = self.column(DEVICE_HOURS)
+      if not np.isfinite(hours).any():
+        raise ValueError(
+            f"run {self.name!r} has no {DEVICE_HOURS!r} column in "
+            f"{os.path.join(self.path, METRICS_FILE)} (cumulative wall-clock seconds x "
+            f"devices / 3600, logged by newer runs); compute in device-hours needs it, "
+            f"use unit 'rollouts' or 'tokens' for this run")
+      return hours
     rollouts = self.column("rollouts")
     # Rows without a ledger count fall back to the budget identity C = Bp*n*step.
     missing = np.isnan(rollouts)

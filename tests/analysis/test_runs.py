@@ -191,3 +191,19 @@ def test_run_directories_of_older_layouts_still_load_and_analyse(tmp_path):
   sweep = fits_dict(analysis)["groups"]["all"]["sweeps"][0]
   assert {"compute", "reward", "n_star"} <= set(sweep["frontier"])
   assert sweep["n_star_law"] is not None
+
+
+def test_device_hours_are_read_from_their_column(tmp_path):
+  rows = _rows(8, 4, [0.1, 0.2, 0.3])
+  rows[1]["device_hours"], rows[2]["device_hours"] = 0.5, 0.75  # none at row 0
+  fake_runs.write_run(tmp_path / "new", {"bp": 8, "n": 4, "seed": 0}, rows)
+  fake_runs.write_run(tmp_path / "old", {"bp": 8, "n": 4, "seed": 1}, _rows(8, 4, [0.1]))
+  runs = {r.name: r for r in read_runs(tmp_path).runs}  # both load
+  np.testing.assert_array_equal(runs["new"].compute("device_hours"), [np.nan, 0.5, 0.75])
+  c, v = runs["new"].points("val/avg@4", "device_hours")
+  np.testing.assert_array_equal(c, [0.5, 0.75])
+  np.testing.assert_array_equal(v, [0.2, 0.3])
+  np.testing.assert_array_equal(runs["old"].compute("rollouts"), [32])
+  with pytest.raises(ValueError, match=r"run 'old' has no 'device_hours' column in "
+                     r".*old.metrics\.jsonl"):
+    runs["old"].compute("device_hours")
