@@ -10,8 +10,10 @@ directories copied from a cluster:
     points, law = fit_law(fr)                       # log2 n* vs log10 C (Fig. 7 points)
     plan(2e6, law, bp=32)                           # -> BudgetPoint(bp, n, m)
 
-`analyze` runs every analysis of the playbook; `python -m isojax.analysis` writes it
-out as figures, fits.json and report.md.
+`compare_recipes(runs, unit="device_hours")` fits one sigmoid per recipe instead
+(ScaleRL's (A, B, C_mid) table and extrapolation test). `analyze` runs every analysis
+of the playbook; `python -m isojax.analysis` writes it out as figures, fits.json and
+report.md (with `--compare-recipes`, the recipe table too).
 """
 
 from isojax.analysis.allocation import (FixedBatch, Sensitivity, batch_sizes, fixed_batch,
@@ -27,6 +29,8 @@ from isojax.analysis.pipeline import (Analysis, FrontierOptions, GroupAnalysis, 
                                       analyze, analyze_sweep)
 from isojax.analysis.plan import plan, round_pow2
 from isojax.analysis.prescriptions import LawChoice, Prescription, choose_law, prescribe
+from isojax.analysis.recipes import (RecipeComparison, RecipeExtrapolation, RecipeFit,
+                                     compare_recipes, group_recipes, recipe_labels)
 from isojax.analysis.records import pool_points, record_breaking_points, record_points
 from isojax.analysis.report import fits_dict, report_markdown, write_report
 from isojax.analysis.runs import (LoadProblem, LoadResult, Run, RunLoadWarning, eval_metrics,
@@ -37,10 +41,12 @@ __all__ = [
     "Frontier", "FrontierOptions", "GroupAnalysis", "Interval", "LawChoice", "LawPoints",
     "LoadProblem", "LoadResult", "NStarFit", "Prescription", "Run", "RunLoadWarning",
     "Sensitivity", "SigmoidFit", "Sweep", "analyze", "analyze_sweep", "batch_sizes",
-    "bin_points", "bootstrap", "choose_law", "eval_metrics", "extrapolation_check",
+    "bin_points", "bootstrap", "choose_law", "compare_recipes", "eval_metrics",
+    "extrapolation_check",
     "fit_curves", "fit_law", "fit_n_star", "fit_sigmoid", "fits_dict", "fixed_batch",
-    "frontier", "load_runs", "log_grid", "observed_frontier", "plan",
-    "pool_points", "prescribe", "read_runs", "record_breaking_points", "record_points",
+    "frontier", "group_recipes", "load_runs", "log_grid", "observed_frontier", "plan",
+    "pool_points", "prescribe", "read_runs", "recipe_labels", "record_breaking_points",
+    "record_points",
     "report_markdown", "round_pow2", "running_average_points", "sensitivity",
     "write_report",
 ]

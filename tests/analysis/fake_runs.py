@@ -117,3 +117,51 @@ def make_sweep(root, *, configs, budget, curve=true_reward, seeds=(0,), noise=0.
 
 def bp8_configs():
   return [(8, n) for n in sorted(TRUE_PARAMS)]
+
+
+# Recipes as ScaleRL compares them: "pipeline" and "ppo_off_policy" reach one asymptote
+# A at different efficiency B (§3.1: PipelineRL vs PPO-off-policy), "bf16_head" has a
+# lower ceiling (§3.2: the LM head's precision moves A). They differ in config fields
+# too, and in throughput: rollouts per device-hour.
+RECIPES = {
+    "pipeline": dict(a=0.61, b=1.6, c_mid=2.0e4, r0=0.10),
+    "ppo_off_policy": dict(a=0.61, b=0.8, c_mid=4.0e4, r0=0.10),
+    "bf16_head": dict(a=0.52, b=1.6, c_mid=2.0e4, r0=0.10),
+}
+RECIPE_CONFIG = {
+    "pipeline": {"rl": {"max_lag": 8, "head_dtype": "float32"}},
+    "ppo_off_policy": {"rl": {"max_lag": 0, "head_dtype": "float32"}},
+    "bf16_head": {"rl": {"max_lag": 8, "head_dtype": "bfloat16"}},
+}
+ROLLOUTS_PER_DEVICE_HOUR = {"pipeline": 4000.0, "ppo_off_policy": 1500.0,
+                            "bf16_head": 4000.0}
+
+
+def make_recipes(root, truths, *, budget, bp=8, n=16, seeds=(0, 1, 2), noise=0.0,
+                 run_sigma=0.0, rho=0.0, n_evals=40, rng_seed=0, device_hours=True,
+                 recipe_field=True):
+  """One run per (recipe, seed), all at one (Bp, n) to `budget` rollouts.
+
+  truths: recipe label -> sigmoid parameters, or a function rollouts -> reward.
+  device_hours: log cumulative device-hours, rollouts / ROLLOUTS_PER_DEVICE_HOUR
+    (2000 rollouts an hour for a recipe it does not list).
+  recipe_field: write the label as config "recipe" (else only RECIPE_CONFIG's fields
+    tell the recipes apart). Returns the run directories written.
+  """
+  rng = np.random.default_rng(rng_seed)
+  paths = []
+  for label, truth in truths.items():
+    curve = truth if callable(truth) else (lambda c, p=truth: sigmoid(c, **p))
+    for seed in seeds:
+      m = budget // (bp * n)
+      config = {"seed": seed, "bp": bp, "n": n, "m": m, "eval_every": 10,
+                **RECIPE_CONFIG.get(label, {})}
+      if recipe_field:
+        config["recipe"] = label
+      rows = run_rows(bp, n, m, curve, rng=rng, noise=noise, run_sigma=run_sigma,
+                      rho=rho, n_evals=n_evals)
+      for row in rows:
+        if device_hours:
+          row["device_hours"] = row["rollouts"] / ROLLOUTS_PER_DEVICE_HOUR.get(label, 2e3)
+      paths.append(write_run(os.path.join(root, f"{label}_s{seed}"), config, rows))
+  return paths
