@@ -3,18 +3,23 @@
     python -m isojax.analysis RUNS_DIR --out REPORT_DIR [--metric val/avg@4]
         [--bin-width 0.005] [--tie-tol 0] [--law-points running_average|bins]
         [--law-window 0.5] [--n-boot 100] [--seed 0] [--budgets 1e5,1e6] [--bp 32]
+    python -m isojax.analysis RUNS_DIR --out REPORT_DIR --compare-recipes
+        [--unit rollouts|tokens|steps|device_hours] [--group-by recipe]
+        [--fit-fraction 0.5] [--tolerance 0.02] [--metric ...] [--n-boot 100]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
+from collections.abc import Callable
 
 import matplotlib
 
-from isojax.analysis import law_points, pipeline, report
-from isojax.analysis.runs import read_runs
+from isojax.analysis import law_points, pipeline, recipes, report
+from isojax.analysis.runs import UNITS, read_runs
 
 
 def _budgets(text: str) -> list[float]:
@@ -52,7 +57,61 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="comma-separated rollout budgets to prescribe for")
   p.add_argument("--bp", type=int, default=None,
                  help="Bp for prescriptions (default: the sweep's Bp)")
-  return p.parse_args(argv)
+  r = p.add_argument_group(
+      "recipe comparison (ScaleRL)",
+      "--compare-recipes writes the recipe comparison instead of the frontier analysis: "
+      "the frontier treats runs that share (difficulty, Bp, n) as seeds of one "
+      "configuration, which runs of different recipes are not")
+  r.add_argument("--compare-recipes", action="store_true",
+                 help="fit one sigmoid per recipe: (A, B, C_mid) with intervals and the "
+                 "extrapolation test, into report.md, fits.json and a figure")
+  r.add_argument("--unit", choices=UNITS, default=None,
+                 help="compute axis of the comparison (default rollouts; device_hours "
+                 "needs runs that log it)")
+  r.add_argument("--group-by", default=None,
+                 help="dotted config field naming each run's recipe (default: "
+                 f"{' or '.join(recipes.NAME_FIELDS)} when every run has it, else the "
+                 "config fields that differ between runs)")
+  r.add_argument("--fit-fraction", type=float, default=0.5,
+                 help="the extrapolation test fits each recipe on this fraction of its "
+                 "compute (0: no test)")
+  r.add_argument("--tolerance", type=float, default=0.02,
+                 help="the test passes when the final reward is predicted within this")
+  args = p.parse_args(argv)
+  given = [f"--{a.replace('_', '-')}" for a in (_RECIPE_ONLY if not args.compare_recipes
+                                                 else _FRONTIER_ONLY)
+           if getattr(args, a) != p.get_default(a)]
+  if given:
+    p.error(f"{', '.join(given)}: " + ("frontier options, not used with --compare-recipes"
+                                       if args.compare_recipes else
+                                       "only used with --compare-recipes"))
+  return args
+
+
+_RECIPE_ONLY = ("unit", "group_by", "fit_fraction", "tolerance")
+_FRONTIER_ONLY = ("tie_tol", "law_points", "law_window", "budgets", "bp")
+
+
+def _analyze(args, loaded) -> Callable[[str], dict]:
+  """Analyses the runs as asked; returns the report's writer (out_dir -> files).
+
+  Raises:
+    ValueError: when nothing can be analysed or an option is out of range.
+  """
+  runs = list(loaded.runs)
+  if args.compare_recipes:
+    comparison = recipes.compare_recipes(
+        runs, metric=args.metric, unit=args.unit or "rollouts", group_by=args.group_by,
+        fit_fraction=args.fit_fraction or None, tolerance=args.tolerance,
+        bin_width=args.bin_width, n_boot=args.n_boot, seed=args.seed)
+    return functools.partial(report.write_recipe_report, comparison,
+                             root=args.runs_dir, load_problems=loaded.problems)
+  analysis = pipeline.analyze(
+      runs, root=args.runs_dir, metric=args.metric, bin_width=args.bin_width,
+      tie_tol=args.tie_tol, law_points=args.law_points, law_window=args.law_window,
+      n_boot=args.n_boot, seed=args.seed, budgets=args.budgets, bp=args.bp,
+      load_problems=loaded.problems)
+  return functools.partial(report.write_report, analysis)
 
 
 def main(argv=None) -> int:
@@ -73,16 +132,12 @@ def main(argv=None) -> int:
   for problem in loaded.problems:
     print(f"warning: {problem}", file=sys.stderr)
   try:
-    analysis = pipeline.analyze(
-        list(loaded.runs), root=args.runs_dir, metric=args.metric,
-        bin_width=args.bin_width, tie_tol=args.tie_tol, law_points=args.law_points,
-        law_window=args.law_window, n_boot=args.n_boot, seed=args.seed,
-        budgets=args.budgets, bp=args.bp, load_problems=loaded.problems)
+    write = _analyze(args, loaded)
   except ValueError as e:
     print(f"isojax-analyze: {e}", file=sys.stderr)
     return 1
   try:
-    written = report.write_report(analysis, args.out)
+    written = write(args.out)
   except OSError as e:  # e.g. a file where a parent directory of --out should be
     print(f"isojax-analyze: cannot write the report to {args.out!r}: {e}",
           file=sys.stderr)

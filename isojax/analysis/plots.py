@@ -1,4 +1,5 @@
-"""Figures of the IsoCompute playbook (Figs. 5, 6, 7, 9, 10, 11, 24) from analysis data.
+"""Figures of the IsoCompute playbook (Figs. 5, 6, 7, 9, 10, 11, 24) and of ScaleRL's
+recipe comparison, from analysis data.
 
 Every function returns a `matplotlib.figure.Figure` built without pyplot: no global
 figure state, nothing to close, rendered by the Agg canvas when saved, and shown inline
@@ -343,4 +344,43 @@ def plot_extrapolation(check, *, metric: str = "", unit: str = "rollouts") -> Fi
   ax.legend(fontsize=8, loc="lower right")
   ax.set_title(f"Extrapolation check: RMSE {check.frontier_rmse:.4f}, "
                f"max error {check.frontier_max_error:.4f}", fontsize=10)
+  return fig
+
+
+def plot_recipes(comparison, *, title: str = "") -> Figure:
+  """Reward vs compute per recipe: evaluations, the fitted sigmoid, and where the
+  extrapolation test ran, its region (shaded), the fit on the first part of the
+  compute (dashed) and the final observed reward with the test's tolerance."""
+  fig, axes = _figure(1, width=7.0, height=4.6)
+  ax = axes[0, 0]
+  palette = colormaps["tab10"]
+  xs = []
+  for i, rf in enumerate(comparison.recipes):
+    col = palette(i % 10)
+    c, r = comparison.curves.points.get(rf.label, (np.zeros(0), np.zeros(0)))
+    xs += list(c)
+    ax.scatter(c, r, s=6, color=col, alpha=0.35, lw=0)
+    fit = rf.fit
+    label = rf.label if fit is None else f"{rf.label}: A={fit.a:.3f}, B={fit.b:.2f}"
+    if fit is not None:
+      g = np.geomspace(*fit.compute_range, 200)
+      ax.plot(g, fit.predict(g), color=col, lw=1.4, label=label)
+    ex = rf.extrapolation
+    if ex is not None and ex.fit is not None:
+      ax.axvspan(ex.c_cut, ex.compute, color=col, alpha=0.07, lw=0)
+      g = np.geomspace(ex.fit.compute_range[0], ex.compute, 200)
+      ax.plot(g, ex.fit.predict(g), "--", color=col, lw=1.2)
+      ax.errorbar([ex.compute], [ex.observed], yerr=ex.tolerance, fmt="o", ms=4,
+                  color=col, capsize=3, zorder=4)
+  if comparison.fit_fraction is not None:
+    ax.plot([], [], "--", color="0.3", label=f"fit on the first "
+            f"{100 * comparison.fit_fraction:g}% (shaded: extrapolated)")
+    ax.errorbar([], [], yerr=[], fmt="o", color="0.3", capsize=3,
+                label=f"final reward ± {comparison.tolerance:g}")
+  _log_x(ax, xs)
+  ax.set_xlabel(_UNIT_LABEL[comparison.unit])
+  ax.set_ylabel(f"validation reward ({comparison.metric})")
+  ax.grid(alpha=0.3, which="both", lw=0.4)
+  ax.legend(fontsize=8, loc="upper left")
+  ax.set_title(title or f"Recipes: {comparison.metric} vs compute")
   return fig

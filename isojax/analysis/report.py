@@ -1,4 +1,8 @@
-"""Writing an Analysis out: figures (PNG), fits.json (full precision) and report.md."""
+"""Writing an analysis out: figures (PNG), fits.json (full precision) and report.md.
+
+`write_report` writes the playbook's analysis (an `Analysis`); `write_recipe_report`
+a recipe comparison (a `RecipeComparison`).
+"""
 
 from __future__ import annotations
 
@@ -333,8 +337,29 @@ def write_report(analysis: Analysis, out_dir: str) -> dict:
   """Writes figures, fits.json and report.md into out_dir (created if needed)."""
   os.makedirs(out_dir, exist_ok=True)
   figures = write_figures(analysis, out_dir)
-  with open(os.path.join(out_dir, "fits.json"), "w") as f:
-    json.dump(fits_dict(analysis), f, indent=1, allow_nan=False)
-  with open(os.path.join(out_dir, "report.md"), "w") as f:
-    f.write(report_markdown(analysis, figures))
+  _write(out_dir, fits_dict(analysis), report_markdown(analysis, figures))
   return {"figures": figures, "fits": "fits.json", "report": "report.md"}
+
+
+def _write(out_dir: str, fits: dict, markdown: str) -> None:
+  with open(os.path.join(out_dir, "fits.json"), "w") as f:
+    json.dump(_jsonable(fits), f, indent=1, allow_nan=False)
+  with open(os.path.join(out_dir, "report.md"), "w") as f:
+    f.write(markdown)
+
+
+def write_recipe_report(comparison, out_dir: str, *, root: str = "",
+                        load_problems=()) -> dict:
+  """Writes a recipe comparison into out_dir (created if needed): its figure,
+  fits.json (every fitted parameter with its interval) and report.md."""
+  os.makedirs(out_dir, exist_ok=True)
+  figure = f"recipes_{comparison.unit}.png"
+  plots.plot_recipes(comparison).savefig(os.path.join(out_dir, figure), dpi=120)
+  problems = [f"- {p}" for p in load_problems] or ["- none"]
+  markdown = "\n".join(
+      ["# isojax recipe comparison", "", f"Runs: `{root}`.", "",
+       comparison.to_markdown(), "## Problems found while loading", "", *problems, "",
+       "## Figures", "", f"![{figure}]({figure})"]) + "\n"
+  _write(out_dir, {"root": root, **comparison.to_dict(),
+                   "load_problems": [str(p) for p in load_problems]}, markdown)
+  return {"figures": [figure], "fits": "fits.json", "report": "report.md"}

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from isojax.analysis import fit_curves, read_runs
+from isojax.analysis import compare_recipes, fit_curves, read_runs
 from isojax.analysis.__main__ import main
 
 from . import fake_runs
@@ -167,3 +167,47 @@ def test_readme_analysis_command_and_snippet(readme, tmp_path):
   point = eval(last.split("#")[0], namespace)  # pylint: disable=eval-used
   # The fake sweep's n* grows with C (4 -> 64), so a budget past its end picks a large n.
   assert point.bp == 32 and point.n >= 16 and point.bp * point.n * point.m <= 2e6
+
+
+def test_compare_recipes_writes_the_table_fits_and_figure(recipe_runs, tmp_path, capsys):
+  out = tmp_path / "report"
+  assert main([str(recipe_runs), "--out", str(out), "--compare-recipes", "--unit",
+               "device_hours", "--n-boot", "20", "--seed", "3"]) == 0
+  assert "from 9 runs" in capsys.readouterr().out
+  assert sorted(os.listdir(out)) == ["fits.json", "recipes_device_hours.png", "report.md"]
+  with open(out / "recipes_device_hours.png", "rb") as fh:
+    assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+  ref = compare_recipes(read_runs(recipe_runs).runs, unit="device_hours", n_boot=20,
+                        seed=3)
+  md = (out / "report.md").read_text()
+  assert ref.to_markdown() in md and "# isojax recipe comparison" in md
+  assert "## Frontier" not in md  # runs of different recipes are not seeds of one n
+  fits = json.loads((out / "fits.json").read_text())
+  assert fits["unit"] == "device_hours" and fits["root"] == str(recipe_runs)
+  for r in ref.recipes:
+    got = fits["recipes"][r.label]
+    assert (got["fit"]["a"], got["fit"]["b"], got["fit"]["c_mid"]) == (
+        r.fit.a, r.fit.b, r.fit.c_mid)
+    assert got["interval"]["a"]["low"] == r.intervals["a"].low
+    assert got["extrapolation"]["passed"] is True
+
+
+def test_compare_recipes_failures_are_messages(recipe_runs, tmp_path, capsys):
+  old = tmp_path / "old"
+  fake_runs.make_recipes(old, {"pipeline": fake_runs.RECIPES["pipeline"]},
+                         budget=8 * 16 * 400, seeds=(0,), device_hours=False)
+  assert main([str(old), "--out", str(tmp_path / "o"), "--compare-recipes", "--unit",
+               "device_hours"]) == 1
+  err = capsys.readouterr().err
+  assert "run 'pipeline_s0' has no 'device_hours' column" in err
+  assert main([str(old), "--out", str(tmp_path / "o"), "--compare-recipes",
+               "--group-by", "rl.nothing", "--n-boot", "0"]) == 1
+  assert "no config field 'rl.nothing'" in capsys.readouterr().err
+  for argv, match in ((["--unit", "tokens"], "--unit: only used with --compare-recipes"),
+                      (["--compare-recipes", "--tie-tol", "0.01", "--bp", "8"],
+                       "--tie-tol, --bp: frontier options, not used with "
+                       "--compare-recipes")):
+    with pytest.raises(SystemExit):
+      main([str(recipe_runs), "--out", str(tmp_path / "o"), *argv])
+    assert match in capsys.readouterr().err
+
