@@ -12,8 +12,10 @@ RUN_BY = {  # the start of a README command -> what runs it
   "python -m isojax.main --config=experiments/tiny.py:":
     "tests/test_main.py::test_readme_one_point_command_trains_and_a_rerun_does_nothing",
   "python launch/sweep.py": "tests/test_sweep.py::test_readme_sweep_command_prints_its_table",
-  "python -m isojax.analysis":
+  "python -m isojax.analysis runs/tiny":
     "tests/analysis/test_cli.py::test_readme_analysis_command_and_snippet",
+  "python -m isojax.analysis runs/scalerl":
+    "tests/analysis/test_cli.py::test_readme_recipe_command_and_snippet",
   "bash launch/setup_vllm_venv.sh": VLLM_BLOCK,
   "python launch/vllm_server.py --model": VLLM_BLOCK,
   "python -m isojax.main --config=experiments/tiny.py --workdir=runs/tiny_vllm": VLLM_BLOCK,

@@ -152,7 +152,7 @@ def test_readme_analysis_command_and_snippet(readme, tmp_path):
   runs = tmp_path / "tiny"
   fake_runs.make_sweep(runs, configs=fake_runs.bp8_configs(), budget=8 * 64 * 1000,
                        seeds=(0,), noise=0.005, n_evals=24, difficulty="easy")
-  argv = readme.argv(readme.command("python -m isojax.analysis"),
+  argv = readme.argv(readme.command("python -m isojax.analysis runs/tiny"),
                      {"runs/tiny": str(runs)})
   proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=600,
                         env=dict(os.environ, PYTHONPATH=REPO))
@@ -211,3 +211,24 @@ def test_compare_recipes_failures_are_messages(recipe_runs, tmp_path, capsys):
       main([str(recipe_runs), "--out", str(tmp_path / "o"), *argv])
     assert match in capsys.readouterr().err
 
+
+def test_readme_recipe_command_and_snippet(readme, tmp_path):
+  """README's "Comparing recipes": its command and its Python, on fake recipes."""
+  runs = tmp_path / "scalerl"
+  fake_runs.make_recipes(runs, fake_runs.RECIPES, budget=8 * 16 * 2000, seeds=(0, 1),
+                         noise=0.005, n_evals=30)
+  argv = readme.argv(readme.command("python -m isojax.analysis runs/scalerl"),
+                     {"runs/scalerl": str(runs)})
+  proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=600,
+                        env=dict(os.environ, PYTHONPATH=REPO))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = (runs / "report" / "report.md").read_text()
+  assert "C_mid (device_hours)" in report and report.count("| pass |") == 3
+
+  snippet = readme.python("compare_recipes(").replace('"runs/scalerl"', repr(str(runs)))
+  assert repr(str(runs)) in snippet
+  *body, last = snippet.strip().splitlines()
+  namespace = {}
+  exec(compile("\n".join(body), "README.md", "exec"), namespace)  # pylint: disable=exec-used
+  passed = eval(last.split("#")[0], namespace)  # pylint: disable=eval-used
+  assert passed == {label: True for label in fake_runs.RECIPES}
