@@ -93,8 +93,9 @@ def value_advantages(rewards_B, values_BxT, mask_BxT, cfg: ValueConfig, *, estim
     std_eps: added to the std when whitening.
 
   Returns:
-    (adv_BxT, returns_BxT), float32, 0 off the mask, without gradient. Call on
-    the whole batch: whitening takes batch-level statistics.
+    (adv_BxT, returns_BxT), float32, 0 off the mask, without gradient (the
+    estimators stop it at the values). Call on the whole batch: whitening takes
+    batch-level statistics.
   """
   if estimator not in VALUE_ESTIMATORS:
     raise ValueError(f"unknown value estimator {estimator!r}; choose from "
@@ -103,7 +104,7 @@ def value_advantages(rewards_B, values_BxT, mask_BxT, cfg: ValueConfig, *, estim
       final_token_rewards(rewards_B, mask_BxT), values_BxT, mask_BxT, cfg)
   if cfg.whiten:
     adv_BxT = whiten(adv_BxT, mask_BxT, std_eps=std_eps)
-  return jax.lax.stop_gradient(adv_BxT), jax.lax.stop_gradient(ret_BxT)
+  return adv_BxT, ret_BxT
 
 
 class ValueWeights(NamedTuple):

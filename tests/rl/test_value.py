@@ -121,6 +121,20 @@ def test_value_advantages_compose_rewards_estimator_and_whitening(whiten_adv):
     np.testing.assert_allclose([on.mean(), on.std(ddof=1)], [0.0, 1.0], atol=1e-5)
 
 
+def test_advantages_and_returns_carry_no_gradient_into_values():
+  # The policy loss reads the advantages and the value loss the returns: neither
+  # may send gradient back into the critic through them.
+  _, _, _, mask = make_inputs(6)
+  rewards = np.linspace(-1, 1, mask.shape[0]).astype(np.float32)
+
+  def both(v):
+    adv, ret = value_advantages(rewards, v, mask, ValueConfig(gamma=0.9, lam=0.7))
+    return jnp.sum(adv * 1.7 + ret * 0.3)
+
+  g = jax.grad(both)(jnp.ones(mask.shape, jnp.float32))
+  assert np.all(np.asarray(g) == 0)
+
+
 def test_value_metrics_explained_variance():
   values, _, returns, mask = make_inputs(4)
   m = value_metrics(values, returns, mask)
