@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from isojax import sharding as shd
 from isojax.rl.gae import final_token_rewards, gae, whiten
 
 
@@ -114,6 +115,21 @@ def test_jit_and_no_gradient_into_values():
                                                gamma=0.9, lam=0.9)[0]))
   g = jax.grad(lambda v: jnp.sum(f(v)[1]))(jnp.asarray(values))
   assert np.all(np.asarray(g) == 0)
+
+
+def test_sharded_batch_on_8_devices_equals_one_device():
+  rewards, values, mask = make_rows(7, lengths=[5, 1, 0, 7, 3, 2, 6, 4],
+                                    prompt_lengths=[2, 4, 3, 1, 4, 2, 2, 3], T=12)
+
+  def f(r, v, m):
+    adv, ret = gae(final_token_rewards(r, m), v, m, gamma=0.95, lam=0.9)
+    return whiten(adv, m), ret
+
+  ref = f(rewards, values, mask)
+  rows = shd.batch_sharding(shd.make_mesh(data=2, fsdp=4))
+  out = jax.jit(f)(*(jax.device_put(x, rows) for x in (rewards, values, mask)))
+  for a, b in zip(out, ref):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
 def test_whiten_over_trained_tokens_of_the_batch():
