@@ -46,8 +46,8 @@ class ValueConfig:
     value_coef: weight of the value loss in the critic's loss. The critic has
       its own parameters and optimiser, so under Adam this acts only through
       gradient-norm clipping and eps.
-    warmup_steps: updates at the start of a run that train the critic only
-      (verl's ``critic_warmup``).
+    critic_warmup: updates at the start of a run that train the critic only,
+      the policy held fixed (verl's name; not the learning-rate warm-up).
   """
 
   gamma: float = 1.0
@@ -55,7 +55,7 @@ class ValueConfig:
   whiten: bool = True
   cliprange_value: float | None = 0.5
   value_coef: float = 1.0
-  warmup_steps: int = 0
+  critic_warmup: int = 0
 
   def __post_init__(self):
     for field in ("gamma", "lam"):
@@ -66,9 +66,9 @@ class ValueConfig:
                        "or None")
     if not self.value_coef > 0:
       raise ValueError(f"ValueConfig.value_coef={self.value_coef} must be > 0")
-    if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) \
-        or self.warmup_steps < 0:
-      raise ValueError(f"ValueConfig.warmup_steps={self.warmup_steps!r} must be an int >= 0")
+    w = self.critic_warmup
+    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+      raise ValueError(f"ValueConfig.critic_warmup={w!r} must be an int >= 0")
 
 
 def _gae(token_rewards_BxT, values_BxT, mask_BxT, cfg):
