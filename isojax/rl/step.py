@@ -19,9 +19,9 @@ Inside the step:
      forward. Ratios are exactly 1 in value, their gradients are the policy
      gradient. Reference log-probs (KL) come from the frozen ``ref_params``,
      which exist only when ``kl_coef > 0``;
-  4. one optimiser update; if the loss or the gradient is not finite the whole
-     state (params, optimiser moments, step) is returned unchanged and
-     ``metrics["skipped"] = 1``.
+  4. one optimiser update; if the loss, the gradient or the updated parameters
+     are not finite the whole state (params, optimiser moments, step) is
+     returned unchanged and ``metrics["skipped"] = 1``.
 
 Micro-batch ``i`` takes rows ``i, i + nm, i + 2 nm, ...`` (nm = number of
 micro-batches): with the batch axis split contiguously over the devices, every
@@ -312,6 +312,10 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    # A finite gradient can still carry the weights to inf (a huge learning rate):
+    # that update is skipped too, so no non-finite weight reaches the sampler.
+    ok = ok & jax.tree.reduce(lambda a, p: a & jnp.all(jnp.isfinite(p)), params,
+                              jnp.bool_(True))
     new = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
     out = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
 

@@ -260,3 +260,16 @@ def test_bad_sizes():
   step = make_train_step(model, LOSS, SGD_LIKE, batch_size=16, group_size=4)
   with pytest.raises(ValueError, match="built for batch_size=16"):
     step(None, make_batch())
+
+
+def test_update_to_non_finite_weights_is_skipped(model):
+  # Finite loss and gradient, but a learning rate that overflows float32: the
+  # update would write inf/NaN into the weights. It must count as skipped.
+  huge = dataclasses.replace(SGD_LIKE, lr_base=1e39, eps=1e-8)
+  step = make_train_step(model, LOSS, huge, batch_size=B, group_size=N,
+                         micro_batch_size=8, donate=False)
+  state = perturbed_state(model)
+  new, metrics = step(state, make_batch())
+  assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+  assert float(metrics["skipped"]) == 1.0 and int(new.step) == 0
+  assert_trees_close(jax.tree.map(np.asarray, new), jax.tree.map(np.asarray, state), atol=0)
