@@ -1,0 +1,83 @@
+"""Creating the files of a run directory or sweep root without following links.
+
+A run directory or sweep root may sit on a shared cluster filesystem, where
+anyone who can write into it could plant a symbolic link at a name isojax is
+about to create (`.sweep.lock`, `config.json.tmp`, `metrics.jsonl`, ...) and have
+the run overwrite a file of the user's elsewhere. Every file and directory isojax
+creates under such a root is therefore opened with `O_NOFOLLOW` (the open fails
+on a link at the last component) or checked not to be a link first, and a link
+is refused with an `UnsafePathError` naming it. Renames onto a name replace a
+link there rather than write through it, so `write_atomic` is safe too.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from isojax.errors import UnsafePathError
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _refuse(path: str | os.PathLike, what: str) -> UnsafePathError:
+  try:
+    target = f" -> {os.readlink(path)}"
+  except OSError:
+    target = ""
+  return UnsafePathError(
+      f"refusing to write through {os.fspath(path)}{target}: {what} (isojax creates "
+      f"this name itself and never follows a link there; remove it)")
+
+
+def check_not_link(path: str | os.PathLike) -> None:
+  """Raises UnsafePathError if `path` exists as a symbolic link."""
+  if os.path.islink(path):
+    raise _refuse(path, "it is a symbolic link")
+
+
+def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+  """`os.open` that refuses a symbolic link (or a non-regular file) at `path`."""
+  try:
+    fd = os.open(path, flags | _NOFOLLOW | _CLOEXEC, mode)
+  except OSError as e:
+    if e.errno == errno.ELOOP or os.path.islink(path):
+      raise _refuse(path, "it is a symbolic link") from None
+    raise
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    raise _refuse(path, "it is not a regular file")
+  return fd
+
+
+def open_append(path: str | os.PathLike, binary: bool = False):
+  """A file object appending to `path` (created if missing), never through a link."""
+  fd = open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+  return os.fdopen(fd, "ab" if binary else "a")
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes, *, fsync: bool = True) -> None:
+  """Writes `data` to `path` via `path.tmp` + rename, never through a link.
+
+  A stale `path.tmp` left by a killed writer is overwritten (it is a regular
+  file of ours); a link there is refused.
+  """
+  path = os.fspath(path)
+  tmp = path + ".tmp"
+  fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  with os.fdopen(fd, "wb") as f:
+    f.write(data.encode() if isinstance(data, str) else data)
+    f.flush()
+    if fsync:
+      os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def make_dir(path: str | os.PathLike) -> None:
+  """`mkdir -p` for a directory isojax names; refuses a link at the last component
+  (the parents are the user's to choose)."""
+  check_not_link(path)
+  os.makedirs(path, exist_ok=True)
+  check_not_link(path)  # lost a race with someone planting a link
