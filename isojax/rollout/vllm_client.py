@@ -34,7 +34,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import requests
+from absl import logging
 
+from isojax.errors import IsojaxError
 from isojax.rollout import weight_sync
 from isojax.rollout.base import FINISH_LENGTH, FINISH_STOP, Rollouts, validate_request
 
@@ -42,7 +44,7 @@ _SEED_STRIDE = 1_000_003
 _SEED_MOD = 2**62
 
 
-class VLLMError(RuntimeError):
+class VLLMError(IsojaxError):
   """The vLLM server was unreachable or answered with an error."""
 
 
@@ -59,8 +61,12 @@ class VLLMSampler:
       it must be readable by the server under the same path (same machine or a
       shared filesystem). Defaults to a fresh temp dir, removed by `close()`.
     max_concurrency: requests in flight at once (the thread-pool size).
-    request_timeout_s: read timeout of one completion request.
+    request_timeout_s: read timeout of one request (a server that accepts
+      connections but never answers fails after this long).
     connect_timeout_s: TCP connect timeout.
+    probe_timeout_s: read timeout of the first contact (`model_info`, which
+      `wait_until_ready` calls); a start against a hung server fails this fast.
+    wait_log_s: while `generate` waits on the server, a log line this often.
     max_retries: retries after a connection error or HTTP 503, with exponential
       backoff `backoff_s * 2**k`; a server that stays down fails after about
       `backoff_s * (2**max_retries - 1)` seconds.
@@ -79,7 +85,8 @@ class VLLMSampler:
                max_concurrency: int = 64, request_timeout_s: float = 600.0,
                connect_timeout_s: float = 5.0, max_retries: int = 4,
                backoff_s: float = 0.5, eos_token_ids: Sequence[int] | None = None,
-               keep_last: int = 2, prompts_per_request: int = 1):
+               keep_last: int = 2, prompts_per_request: int = 1,
+               probe_timeout_s: float = 30.0, wait_log_s: float = 60.0):
     if not base_url.startswith(("http://", "https://")):
       raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
     self.base_url = base_url.rstrip("/").removesuffix("/v1")
@@ -90,6 +97,13 @@ class VLLMSampler:
     self.max_concurrency = int(max_concurrency)
     self.request_timeout_s = float(request_timeout_s)
     self.connect_timeout_s = float(connect_timeout_s)
+    self.probe_timeout_s = float(probe_timeout_s)
+    self.wait_log_s = float(wait_log_s)
+    for name in ("request_timeout_s", "connect_timeout_s", "probe_timeout_s",
+                 "wait_log_s"):
+      value = getattr(self, name)
+      if not 0 < value < math.inf:
+        raise ValueError(f"{name}={value} must be a positive, finite number of seconds")
     self.max_retries = int(max_retries)
     self.backoff_s = float(backoff_s)
     self._eos_token_ids = None if eos_token_ids is None else tuple(map(int, eos_token_ids))
@@ -132,7 +146,8 @@ class VLLMSampler:
         continue
       except requests.Timeout as e:
         raise VLLMError(f"vLLM server at {url} did not answer within "
-                        f"{timeout[1]:.0f} s: {e}") from e
+                        f"{timeout[1]:g} s (it accepts connections but does not "
+                        f"respond: overloaded or hung?): {e}") from e
       if r.status_code == 503 and attempt < self.max_retries:
         time.sleep(self.backoff_s * 2**attempt)
         continue
@@ -151,7 +166,8 @@ class VLLMSampler:
   def model_info(self) -> dict[str, Any]:
     """The served model's id, max_model_len and config.json (fetched once)."""
     if self._model_info is None:
-      body = self.request("GET", "/v1/models", timeout_s=30)
+      body = self.request("GET", "/v1/models",
+                          timeout_s=min(self.probe_timeout_s, self.request_timeout_s))
       data = _field(body, "data", list, f"{self.base_url}/v1/models")
       if not data:
         raise VLLMResponseError(f"{self.base_url}/v1/models lists no model ('data' is empty)")
@@ -163,6 +179,18 @@ class VLLMSampler:
       info["hf_config"] = _read_hf_config(info["root"])
       self._model_info = info
     return self._model_info
+
+  def wait_until_ready(self) -> dict[str, Any]:
+    """First contact, logged: the served model's info, or a VLLMError within about
+    connect + probe timeout (plus the retries' backoff for a refused connection)."""
+    logging.info("contacting the vLLM server at %s (connect timeout %.0f s, first "
+                 "answer within %.0f s, then %.0f s per request)", self.base_url,
+                 self.connect_timeout_s, min(self.probe_timeout_s, self.request_timeout_s),
+                 self.request_timeout_s)
+    info = self.model_info()
+    logging.info("vLLM server at %s serves %r (max_model_len %d)", self.base_url,
+                 info["id"], info["max_model_len"])
+    return info
 
   def eos_token_ids(self) -> tuple[int, ...]:
     if self._eos_token_ids is None:
@@ -206,6 +234,19 @@ class VLLMSampler:
     pool = self._executor()
     futures = [pool.submit(self._complete, b) for b in bodies]
     try:
+      t0 = time.monotonic()
+      pending = set(futures)
+      while pending:
+        _, pending = concurrent.futures.wait(
+            pending, timeout=self.wait_log_s,
+            return_when=concurrent.futures.FIRST_EXCEPTION)
+        failed = [f for f in futures if f.done() and f.exception() is not None]
+        if failed:
+          raise failed[0].exception()
+        if pending:
+          logging.info("waiting for %d/%d requests to %s (%.0f s so far; each fails "
+                       "after %.0f s without an answer)", len(pending), len(futures),
+                       self.base_url, time.monotonic() - t0, self.request_timeout_s)
       per_prompt = [f.result() for f in futures]
     except BaseException:
       for f in futures:

@@ -24,6 +24,7 @@ import re
 import shutil
 import tempfile
 import time
+import weakref
 from typing import Any
 
 _SNAPSHOT = "weights_{:06d}"
@@ -57,6 +58,10 @@ class WeightSync:
     if self._weights_root is None:  # created on first use only
       self._weights_root = tempfile.mkdtemp(prefix="isojax-vllm-weights-")
       self._owns_root = True
+      # Removed at interpreter exit too, on any path that never reaches close()
+      # (a failed start before the run holds the sampler, SystemExit on SIGTERM).
+      self._cleanup = weakref.finalize(self, shutil.rmtree, self._weights_root,
+                                       ignore_errors=True)
     return self._weights_root
 
   def next_dir(self) -> str:
@@ -139,5 +144,5 @@ class WeightSync:
     a given `weights_root` is left alone, pruned to the last `keep_last`.
     """
     if self._owns_root:
-      shutil.rmtree(self._weights_root, ignore_errors=True)
+      self._cleanup()  # rmtree, once
       self._weights_root, self._owns_root, self._written = None, False, []
