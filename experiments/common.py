@@ -120,6 +120,11 @@ def base_config() -> ml_collections.ConfigDict:
   # Where the weight snapshots pushed to the server go; the server must read
   # them under the same path. "" = a temp dir on this host, removed at the end.
   c.sampler.vllm_weights_dir = ""
+  # Bounded waits on the server: TCP connect, the first answer at start-up (a
+  # server that accepts but never answers fails this fast), each later request.
+  c.sampler.vllm_connect_timeout_s = 5.0
+  c.sampler.vllm_probe_timeout_s = 30.0
+  c.sampler.vllm_request_timeout_s = 600.0
 
   # Field names are those of isojax.rl LossConfig / OptimConfig; 0.0 stands for
   # "off" (None) in clip_dual, tis_cap and max_grad_norm, because a None field

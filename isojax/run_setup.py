@@ -121,9 +121,17 @@ def _sampler(config, model, mesh):
   if config.sampler.backend == "jax":
     return rollout.JaxSampler(model, mesh=mesh)
   from isojax.rollout.vllm_client import VLLMSampler
-  sampler = VLLMSampler(config.sampler.vllm_url,
-                        weights_root=config.sampler.vllm_weights_dir or None)
-  sampler.update_weights(model)  # the server may hold other weights
+  s = config.sampler
+  sampler = VLLMSampler(s.vllm_url, weights_root=s.vllm_weights_dir or None,
+                        connect_timeout_s=s.vllm_connect_timeout_s,
+                        probe_timeout_s=s.vllm_probe_timeout_s,
+                        request_timeout_s=s.vllm_request_timeout_s)
+  try:
+    sampler.wait_until_ready()  # before writing a weight snapshot for it
+    sampler.update_weights(model)  # the server may hold other weights
+  except BaseException:
+    sampler.close()  # the run never holds it: remove its snapshots now
+    raise
   return sampler
 
 

@@ -34,7 +34,9 @@ from isojax.analysis.frontier import CurveSet, fit_curves
 # run.n, whichever layout the config uses): the batch is part of a recipe.
 _NOT_RECIPE = ("seed", "budget", "m", "lr", "eval_every", "eval_steps",
                "checkpoint_every", "keep_checkpoints", "max_consecutive_skips",
-               "workdir", "sampler.vllm_url", "sampler.vllm_weights_dir")
+               "workdir", "sampler.vllm_url", "sampler.vllm_weights_dir",
+               "sampler.vllm_connect_timeout_s", "sampler.vllm_probe_timeout_s",
+               "sampler.vllm_request_timeout_s")
 NAME_FIELDS = ("recipe", "name")
 BASE_LABEL = "base"  # the recipe that has every field at its most common value
 PARAMS = ("a", "b", "c_mid", "r0")

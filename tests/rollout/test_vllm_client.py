@@ -340,3 +340,71 @@ def test_greedy_asks_for_one_sample_and_repeats_it(fake):
   bodies = [b for _, p, _, b in fake.calls if p == "/v1/completions"]
   assert [b["n"] for b in bodies] == [1, 1] and all(b["temperature"] == 0 for b in bodies)
   assert r.sequences() == [[0]] * 6 and r.num_rollouts == 6
+
+
+@pytest.fixture
+def silent_server():
+  """Accepts TCP connections (the kernel's backlog) and never answers a byte."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_silent_server_fails_at_first_contact_with_a_log_line(silent_server, caplog):
+  caplog.set_level("INFO")
+  s = _sampler(silent_server, connect_timeout_s=0.5, probe_timeout_s=0.3)
+  t0 = time.monotonic()
+  with pytest.raises(VLLMError, match=rf"{silent_server}/v1/models did not answer "
+                                      r"within 0.3 s"):
+    s.wait_until_ready()
+  assert time.monotonic() - t0 < 5.0
+  assert any(f"contacting the vLLM server at {silent_server}" in r.getMessage()
+             and "connect timeout" in r.getMessage() for r in caplog.records)
+
+
+def test_slow_generate_logs_while_waiting(fake, caplog):
+  def slow(body, q):
+    time.sleep(0.6)
+    return 200, FakeVLLM.complete(body)
+  fake.routes[("POST", "/v1/completions")] = slow
+  caplog.set_level("INFO")
+  r = _sampler(fake.url, wait_log_s=0.1, request_timeout_s=10).generate(
+      [[1]], n=1, max_tokens=2, temperature=1.0)
+  assert r.sequences() == [[0]]
+  waits = [m for m in caplog.messages if m.startswith("waiting for 1/1 requests")]
+  assert waits and "each fails after 10 s without an answer" in waits[0]
+
+
+def test_timeouts_must_be_bounded():
+  with pytest.raises(ValueError, match="request_timeout_s=inf"):
+    VLLMSampler("http://127.0.0.1:9", request_timeout_s=float("inf"))
+
+
+def _vllm_config(url):
+  from experiments import common
+  c = common.base_config()
+  c.sampler.backend = "vllm"
+  c.sampler.vllm_url = url
+  c.sampler.vllm_connect_timeout_s = 0.5
+  c.sampler.vllm_probe_timeout_s = 0.5
+  return c
+
+
+@pytest.mark.parametrize("server", ["down", "silent", "no_weight_sync"])
+def test_failed_start_leaves_no_weight_snapshot(server, fake, silent_server, tiny_model,
+                                                tmp_path, monkeypatch):
+  import tempfile
+  from isojax import run_setup
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+  (tmp_path / "tmp").mkdir()
+  url = {"down": "http://127.0.0.1:9", "silent": silent_server,
+         "no_weight_sync": fake.url}[server]  # the fake has no /pause: HTTP 404
+  monkeypatch.setattr(VLLMSampler.__init__, "__kwdefaults__",
+                      {**VLLMSampler.__init__.__kwdefaults__, "backoff_s": 0.01,
+                       "max_retries": 1})
+  with pytest.raises(VLLMError, match=re.escape(url)):
+    run_setup._sampler(_vllm_config(url), tiny_model, mesh=None)
+  if server == "no_weight_sync":  # a snapshot was written before the push failed
+    assert ("GET", "/v1/models") in fake.paths()
+  assert os.listdir(tmp_path / "tmp") == []
