@@ -17,14 +17,19 @@ from collections.abc import Iterable, Sequence
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """A prompt with a verifiable answer."""
+  """A prompt with a verifiable answer.
+
+  `where` says where it was read ("file.jsonl:12", "file.parquet: row 3"; "" for
+  generated problems), for messages about it; it is not part of its identity.
+  """
 
   id: str
   prompt: str
   answer: str
+  where: str = dataclasses.field(default="", compare=False, repr=False)
 
   def to_dict(self) -> dict:
-    return dataclasses.asdict(self)
+    return {"id": self.id, "prompt": self.prompt, "answer": self.answer}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,23 +83,31 @@ def record_to_problem(record: dict, fields: Fields, *, where: str, index: int) -
                      f"{sorted(record)}") from None
   except TypeError as e:
     raise ValueError(f"{where}: {e}") from None
-  return Problem(id=pid, prompt=prompt, answer=answer)
+  return Problem(id=pid, prompt=prompt, answer=answer, where=where)
 
 
 def load_jsonl(path: str | os.PathLike, fields: Fields = Fields()) -> list[Problem]:
   """Problems from a JSON-lines file (blank lines are skipped).
 
   Raises:
-    ValueError: naming the file and 1-based line number of a malformed line or a
-      record that lacks a field.
+    ValueError: naming the file and 1-based line number of a malformed line (bad
+      JSON or not UTF-8) or a record that lacks a field.
   """
   path = os.fspath(path)
   problems = []
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, start=1):
+  # Bytes, decoded line by line: a text-mode file decodes in chunks, and its
+  # UnicodeDecodeError could not say which line is broken.
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, start=1):
+      where = f"{path}:{lineno}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at "
+                         f"column {e.start + 1}); JSON lines files must be UTF-8"
+                         ) from None
       if not line.strip():
         continue
-      where = f"{path}:{lineno}"
       try:
         record = json.loads(line)
       except json.JSONDecodeError as e:

@@ -130,3 +130,12 @@ def test_encode_prompts_plain_and_chat():
                        prompt_template="{prompt} Put it in \\boxed{}.")
   text = "".join(chr(i) for i in ids[0])
   assert text == "system:sys|user:1+1= Put it in \\boxed{}.|assistant:"
+
+
+def test_non_utf8_line_names_file_and_line(tmp_path):
+  path = tmp_path / "bad.jsonl"
+  path.write_bytes(b'{"prompt": "a", "answer": "1"}\n\n'
+                   b'{"prompt": "caf\xe9", "answer": "2"}\n')
+  with pytest.raises(ValueError, match=rf"{path}:3: not UTF-8 text \(byte 0xe9 at "
+                                       r"column 16\)"):
+    load_jsonl(path)
