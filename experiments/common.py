@@ -109,6 +109,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.split_seed = 0            # fixes val/train split for every run of a sweep
   c.data.chat_template = False     # wrap prompts with the tokenizer's chat template
   c.data.reward = "exact"          # "exact" (synthetic) | "math" (math-verify)
+  # A prompt that leaves no room for max_tokens in the model's context fails the
+  # run at load time (naming it); True leaves such problems out, counted in the log.
+  c.data.drop_too_long = False
 
   c.sampler = ml_collections.ConfigDict()
   c.sampler.backend = "jax"        # "jax" (in-process) | "vllm" (server)

@@ -26,8 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from isojax.errors import IsojaxError
 
-class NonFiniteStateError(RuntimeError):
+
+class NonFiniteStateError(IsojaxError):
   """Raised instead of writing a checkpoint whose state holds NaN or inf."""
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from isojax import files
+
 _TB_ILLEGAL = re.compile(r"[^-/\w\.]")
 
 METRICS_FILE = "metrics.jsonl"
@@ -78,15 +80,10 @@ def truncate_metrics(path: str | pathlib.Path, max_step: int | None) -> int:
   number of lines kept.
   """
   path = pathlib.Path(path)
+  files.check_not_link(path)
   kept = [] if max_step is None else [
       r for r in read_metrics(path) if int(r["step"]) <= max_step]
-  tmp = path.with_name(path.name + ".tmp")
-  with open(tmp, "w") as f:
-    for record in kept:
-      f.write(json.dumps(record) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  files.write_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
   return len(kept)
 
 
@@ -109,11 +106,12 @@ class MetricsWriter:
     if not enabled:
       return
     truncate_metrics(self.path, resume_step)
-    self._file = open(self.path, "a")
+    self._file = files.open_append(self.path)
     if tensorboard:
       from tensorboardX import SummaryWriter  # lazy: heavy import
       # purge_step hides events a killed run wrote after its last checkpoint.
       purge = None if resume_step is None else resume_step + 1
+      files.make_dir(pathlib.Path(workdir) / TENSORBOARD_DIR)
       self._tb = SummaryWriter(str(pathlib.Path(workdir) / TENSORBOARD_DIR),
                                purge_step=purge)
 

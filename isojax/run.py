@@ -35,7 +35,9 @@ from absl import logging
 
 from isojax import budget as budget_lib
 from isojax import checkpoint as ckpt_lib
+from isojax import files
 from isojax import metrics as metrics_lib
+from isojax.errors import IsojaxError, disk_full_as
 from isojax.run_setup import RunParts, build_parts, model_of, nonfinite_step_message
 
 CONFIG_FILE = "config.json"
@@ -46,7 +48,7 @@ CHECKPOINT_DIR = "checkpoints"
 _TRAIN, _VAL, _TRAIN_EVAL = 0, 1, 2
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(IsojaxError):
   """Raised when config.max_consecutive_skips updates in a row were non-finite."""
 
 
@@ -86,6 +88,7 @@ def plan(config) -> RunPlan:
     raise ValueError(f"infeasible budget point: Bp*n = {config.bp}*{config.n} = {batch} "
                      f"exceeds b_max = {config.b_max} (budget C={config.budget:g})")
   point = budget_lib.BudgetPoint.from_budget(config.budget, bp=config.bp, n=config.n)
+  check_min_n(config.n, config.rl.adv_estimator)
   for name in ("eval_every", "checkpoint_every", "keep_checkpoints",
                "max_consecutive_skips"):
     if config[name] < 1:
@@ -116,6 +119,18 @@ def plan(config) -> RunPlan:
                      f"{point.batch}")
   return RunPlan(point=point, loss=loss, optim=optim,
                  lr=learning_rate(optim, point.batch), micro_batch=micro)
+
+
+def check_min_n(n: int, estimator: str) -> None:
+  """Raises ValueError when n rollouts per problem are too few for the estimator."""
+  from isojax.rl.advantages import ESTIMATORS, min_group_size  # lazy: JAX import
+
+  need = min_group_size(estimator)
+  if n < need:
+    fits = sorted(k for k in ESTIMATORS if min_group_size(k) <= n)
+    raise ValueError(f"n={n} rollouts per problem: config.rl.adv_estimator="
+                     f"{estimator!r} needs n >= {need} (its per-problem baseline is "
+                     f"undefined below); raise n or use one of {fits}")
 
 
 def resolved_config(config, run_plan: RunPlan) -> dict:
@@ -156,9 +171,7 @@ def writes_run_files() -> bool:
 
 
 def _write_json(path: pathlib.Path, obj) -> None:
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
-  os.replace(tmp, path)
+  files.write_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
 def _check_same_config(path: pathlib.Path, resolved: dict) -> None:
@@ -215,6 +228,8 @@ def sample_and_update(parts: RunParts, config, state, step: int):
       temperature=config.sampler.temperature, top_p=config.sampler.top_p,
       top_k=config.sampler.top_k or None, stop_token_ids=parts.stop_token_ids,
       seed=derive_seed(config.seed, _TRAIN, step))
+  if not np.all(np.isfinite(rollouts.logprobs_BxT)):
+    raise NonFiniteLossError(nonfinite_policy_message(step, config))
   rewards_B = score_rollouts(rollouts, [p.answer for p in problems], n, parts.tokenizer,
                              parts.reward_fn)
   batch = batching.build_batch(prompt_ids, rollouts, rewards_B, n=n,
@@ -230,6 +245,14 @@ def sample_and_update(parts: RunParts, config, state, step: int):
   # Rollouts a filter drops from the loss were still paid for (the ledger says so).
   dropped = int(zero_var_B.sum()) if config.rl.zero_var_filter == "all" else 0
   return state, {**host, **step_metrics}, rollouts, dropped
+
+
+def nonfinite_policy_message(step: int, config) -> str:
+  return (f"stopping at step {step}: the sampler's log-probs are not finite, i.e. the "
+          f"weights after update {step - 1} give inf/NaN logits although that update "
+          f"was finite (config.rl.lr_base={config.rl.lr_base:g} is far too large?). "
+          f"Lower config.rl.lr_base (or set config.rl.max_grad_norm) and start again in "
+          f"a fresh --workdir: resuming would reload these weights.")
 
 
 def run(config, workdir: str | os.PathLike) -> dict:
@@ -257,14 +280,13 @@ def run(config, workdir: str | os.PathLike) -> dict:
   workdir.mkdir(parents=True, exist_ok=True)
   if (workdir / CONFIG_FILE).exists():
     _check_same_config(workdir / CONFIG_FILE, resolved)
-  elif writes_files:
-    _write_json(workdir / CONFIG_FILE, resolved)
   logging.info("budget point %s: B=%d, C=%d rollouts, lr=%.3g", point.name, point.batch,
                point.compute, run_plan.lr)
 
   t0 = time.time()
   parts = build_parts(config, run_plan)
   state = parts.init_state()
+  files.check_not_link(workdir / CHECKPOINT_DIR)
   ckpt = ckpt_lib.RunCheckpointer(workdir / CHECKPOINT_DIR,
                                   max_to_keep=config.keep_checkpoints)
   ledger, skips, start = budget_lib.Ledger(), 0, ckpt.latest_step()
@@ -277,15 +299,22 @@ def run(config, workdir: str | os.PathLike) -> dict:
     skips = int(host["consecutive_skips"])
     parts.sampler.update_weights(model_of(parts, state))
     logging.info("resumed from the checkpoint at step %d", start)
+  # Only a run that really started (model, data, sampler and state loaded) records
+  # its config: a failed start (a bad model path) must not hold its config against
+  # the corrected command in the same workdir.
+  if writes_files and not (workdir / CONFIG_FILE).exists():
+    with disk_full_as(workdir, CONFIG_FILE):
+      _write_json(workdir / CONFIG_FILE, resolved)
   writer = metrics_lib.MetricsWriter(workdir, resume_step=start, enabled=writes_files)
   last = None
   try:
     if start is None:
       start = 0
       val, counts = evaluate_step(parts, config)
-      last = writer.write(0, {"rollouts": 0, "tokens": 0, "dropped_rollouts": 0, **val})
-      if counts is not None:
-        writer.write_histogram(0, "train/pass@1", counts / config.eval.k)
+      with disk_full_as(writer.path, "the metrics of step 0"):
+        last = writer.write(0, {"rollouts": 0, "tokens": 0, "dropped_rollouts": 0, **val})
+        if counts is not None:
+          writer.write_histogram(0, "train/pass@1", counts / config.eval.k)
     extra_evals = frozenset(config.eval_steps)
     bar = _progress(point.m, start, point.name)
     for step in range(start + 1, point.m + 1):
@@ -302,9 +331,10 @@ def run(config, workdir: str | os.PathLike) -> dict:
       if step % config.eval_every == 0 or step == point.m or step in extra_evals:
         val, counts = evaluate_step(parts, config)
         record.update(val)
-      last = writer.write(step, record)
-      if counts is not None:
-        writer.write_histogram(step, "train/pass@1", counts / config.eval.k)
+      with disk_full_as(writer.path, f"the metrics of step {step}"):
+        last = writer.write(step, record)
+        if counts is not None:
+          writer.write_histogram(step, "train/pass@1", counts / config.eval.k)
       bar.update(1)
       bar.set_postfix(reward=f"{record['train/reward']:.3f}")
       if counts is not None:
@@ -315,22 +345,35 @@ def run(config, workdir: str | os.PathLike) -> dict:
         raise NonFiniteLossError(nonfinite_step_message(
             step, skips, config.max_consecutive_skips, ckpt.latest_step()))
       if step % config.checkpoint_every == 0 or step == point.m:
-        ckpt.save(step, state, {
-            "step": step, "loader": parts.loader.state_dict(),
-            "ledger": ledger.state_dict(), "consecutive_skips": skips,
-            "rng": ckpt_lib.key_to_host(jax.random.key(config.seed))})
+        with disk_full_as(ckpt.directory, f"checkpoint {step}"):
+          ckpt.save(step, state, {
+              "step": step, "loader": parts.loader.state_dict(),
+              "ledger": ledger.state_dict(), "consecutive_skips": skips,
+              "rng": ckpt_lib.key_to_host(jax.random.key(config.seed))})
     bar.close()
   finally:
-    writer.close()
-    ckpt.close()
-    parts.close()
+    _close_all(writer.close, ckpt.close, parts.close)
   if last is None:  # resumed at the last step: nothing was left to do
     last = metrics_lib.read_metrics(workdir / metrics_lib.METRICS_FILE)[-1]
   if writes_files:
-    _write_json(workdir / DONE_FILE, {"step": point.m, "wall_s": time.time() - t0,
-                                      "last": last})
+    with disk_full_as(workdir, DONE_FILE):
+      _write_json(workdir / DONE_FILE, {"step": point.m, "wall_s": time.time() - t0,
+                                        "last": last})
   logging.info("done: %s in %.1f s", point.name, time.time() - t0)
   return last
+
+
+def _close_all(*closes) -> None:
+  """Calls every close; while an error propagates (called from `finally`), a close
+  that fails too (a full disk) is logged, not raised over the error's cause."""
+  failing = sys.exc_info()[0] is not None
+  for close in closes:
+    try:
+      close()
+    except Exception as e:  # pylint: disable=broad-except
+      if not failing:
+        raise
+      logging.warning("while stopping after an error, %s failed: %s", close, e)
 
 
 class _NoBar:

@@ -135,6 +135,32 @@ def _sampler(config, model, mesh):
   return sampler
 
 
+def fit_context(config, tokenizer, context: int, train: list, val: list):
+  """(train, train prompt ids, val) with every prompt + max_tokens within `context`.
+
+  Raises ValueError naming the problems that do not fit, unless
+  config.data.drop_too_long, which leaves them out with a count in the log.
+  """
+  from absl import logging
+  from isojax.data.lengths import fit_prompts
+
+  kw = dict(context=context, max_tokens=config.sampler.max_tokens,
+            drop=config.data.drop_too_long, chat_template=config.data.chat_template)
+  kept_train, ids, out_train = fit_prompts(tokenizer, train, what="training problem", **kw)
+  kept_val, _, out_val = fit_prompts(tokenizer, val, what="validation problem", **kw)
+  for name, out, kept in (("training", out_train, kept_train),
+                          ("validation", out_val, kept_val)):
+    if out:
+      logging.warning("config.data.drop_too_long: left out %d of %d %s problems whose "
+                      "prompt + max_tokens exceed the context of %d tokens (first: %s)",
+                      len(out), len(out) + len(kept), name, context,
+                      out[0].describe(context - config.sampler.max_tokens))
+    if not kept:
+      raise ValueError(f"no {name} problem fits the model's context of {context} tokens "
+                       f"with config.sampler.max_tokens={config.sampler.max_tokens}")
+  return kept_train, ids, kept_val
+
+
 def build_parts(config, run_plan) -> RunParts:
   """Loads model, tokenizer and data; builds sampler, loader and the jitted step."""
   from isojax import batching, data as data_lib, models, rl, sharding
@@ -147,7 +173,8 @@ def build_parts(config, run_plan) -> RunParts:
       remat=config.model.remat)
   tokenizer = models.Tokenizer.from_pretrained(path)
   train, val = load_problem_sets(config)
-  ids = data_lib.encode_prompts(tokenizer, train, chat_template=config.data.chat_template)
+  train, ids, val = fit_context(config, tokenizer, model.cfg.max_position_embeddings,
+                                train, val)
   prompt_ids = {p.id: x for p, x in zip(train, ids)}
   if len(prompt_ids) != len(train):
     raise ValueError("training problems must have distinct ids")

@@ -1,0 +1,126 @@
+"""A run that cannot work fails before any work, naming the input; one that fails
+mid-way says so in one message and leaves files a rerun can resume from.
+
+* n below the advantage estimator's minimum fails in `plan`, before any file;
+* a prompt longer than the context fails when the data is loaded (file:line);
+* a start that fails (bad model path) does not record its config, so the
+  corrected command runs in the same workdir;
+* a link at a name the run creates (config.json.tmp, metrics.jsonl,
+  checkpoints) is refused, and the file it points at is untouched;
+* a full disk while checkpointing is one DiskFullError naming the checkpoint,
+  and the rerun completes;
+* `python -m isojax.main` prints such an error as one line and exits with 2.
+"""
+
+import errno
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from experiments import tiny
+from isojax import checkpoint as ckpt_lib, metrics as metrics_lib, run
+from isojax.errors import DiskFullError, UnsafePathError
+
+# M = 4 updates of B = 8; a small eval so that a whole run takes seconds.
+POINT = "bp=4,n=2,budget=32"
+
+
+def small_config(arg=POINT, **overrides):
+  c = tiny.get_config(arg)
+  c.eval_every, c.checkpoint_every = 4, 2
+  c.data.num_val, c.eval.num_train = 8, 0
+  for key, value in overrides.items():
+    node = c
+    *path, last = key.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = value
+  return c
+
+
+def test_n_below_the_estimators_minimum_fails_before_any_work(tmp_path):
+  with pytest.raises(ValueError, match=r"n=1 rollouts per problem: config.rl.adv_estimator="
+                                       r"'grpo' needs n >= 2 .*\['batch', 'drgrpo'\]"):
+    run.run(small_config("bp=4,n=1,budget=64"), tmp_path / "x1")
+  assert not (tmp_path / "x1").exists()
+  run.plan(small_config("bp=4,n=1,budget=64", **{"rl.adv_estimator": "drgrpo"}))
+
+
+def test_prompt_longer_than_the_context_fails_at_load_naming_the_line(tmp_path):
+  lines = [{"id": f"p{i}", "prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(30)]
+  lines[17]["prompt"] = "12+34=" * 40  # far past the tiny model's context
+  path = tmp_path / "train.jsonl"
+  path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+  config = small_config(**{"data.train": str(path), "data.num_val": 4})
+  workdir = tmp_path / "run"
+  with pytest.raises(ValueError, match=rf"{path}:18: problem '17' has a prompt of \d+ "
+                                       r"tokens > the limit of \d+"):
+    run.run(config, workdir)
+  assert not (workdir / "config.json").exists() and not (workdir / "metrics.jsonl").exists()
+
+
+def test_failed_start_then_fixed_command_links_refused(tmp_path):
+  workdir = tmp_path / "run"
+  with pytest.raises(Exception, match="no-such-model"):
+    run.run(small_config(**{"model.path": str(tmp_path / "no-such-model")}), workdir)
+  assert not (workdir / "config.json").exists()
+
+  victim = tmp_path / "victim.txt"
+  victim.write_text("precious\n")
+  config = small_config()
+  for name in ("checkpoints", "config.json.tmp", "metrics.jsonl"):
+    (workdir / name).symlink_to(victim)
+    with pytest.raises(UnsafePathError, match=rf"{workdir / name} -> {victim}"):
+      run.run(config, workdir)
+    (workdir / name).unlink()
+  assert victim.read_text() == "precious\n"
+
+  last = run.run(config, workdir)  # the corrected command, same workdir
+  assert last["step"] == 4 and (workdir / "DONE").exists()
+  assert json.loads((workdir / "config.json").read_text())["model"]["path"] == ""
+
+
+def test_full_disk_while_checkpointing_is_one_message_and_resumable(tmp_path, monkeypatch):
+  real_save = ckpt_lib.RunCheckpointer.save
+
+  def full_at_4(self, step, state, host):
+    if step == 4:
+      raise OSError(errno.ENOSPC, "No space left on device", str(self.directory / "4"))
+    return real_save(self, step, state, host)
+
+  monkeypatch.setattr(ckpt_lib.RunCheckpointer, "save", full_at_4)
+  workdir = tmp_path / "run"
+  with pytest.raises(DiskFullError) as info:
+    run.run(small_config(), workdir)
+  assert str(info.value) == (
+      f"no space left on {workdir.absolute() / 'checkpoints' / '4'} while writing "
+      f"checkpoint 4; the run can be resumed: free space and rerun the same command")
+  steps = [r["step"] for r in metrics_lib.read_metrics(workdir / "metrics.jsonl")]
+  assert steps == [0, 1, 2, 3, 4] and not (workdir / "DONE").exists()
+
+  monkeypatch.setattr(ckpt_lib.RunCheckpointer, "save", real_save)
+  last = run.run(small_config(), workdir)  # resumes from checkpoint 2
+  assert last["step"] == 4 and (workdir / "DONE").exists()
+  steps = [r["step"] for r in metrics_lib.read_metrics(workdir / "metrics.jsonl")]
+  assert steps == [0, 1, 2, 3, 4]
+
+
+def test_main_prints_one_line_and_exits_2(tmp_path):
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  argv = [sys.executable, "-m", "isojax.main", "--config=experiments/tiny.py:bp=4,n=1,budget=64",
+          f"--workdir={tmp_path / 'x1'}"]
+  env = {**os.environ, "PYTHONPATH": str(repo)}
+  proc = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "isojax.main: error: n=1 rollouts per problem: config.rl.adv_estimator='grpo' needs "
+      "n >= 2 (its per-problem baseline is undefined below); raise n or use one of "
+      "['batch', 'drgrpo'] (--verbose prints the traceback)")
+  assert "Traceback" not in proc.stderr and not (tmp_path / "x1").exists()
+  proc = subprocess.run(argv + ["--verbose"], cwd=repo, env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 2 and "Traceback" in proc.stderr
