@@ -18,7 +18,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from isojax import sweep  # noqa: E402  (needs the repo root on sys.path)
+from isojax import errors, sweep  # noqa: E402  (needs the repo root on sys.path)
 from isojax.sweep import slurm  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", None, "Experiment file, e.g. experiments/tiny.py.")
@@ -48,6 +48,9 @@ _TIME = flags.DEFINE_string("time", None, "SLURM --time, e.g. 24:00:00.")
 _MAX_PARALLEL = flags.DEFINE_integer("max_parallel", None, "SLURM array throttle (%K).")
 _SBATCH_ARG = flags.DEFINE_multi_string("sbatch_arg", [], "Extra #SBATCH option, verbatim.")
 
+_VERBOSE = flags.DEFINE_bool("verbose", False,
+                             "On an error, print the traceback, not just its message.")
+
 _TASK_FILE = flags.DEFINE_string("task_file", None, "SLURM task mode: the points file.")
 _TASK_INDEX = flags.DEFINE_integer("task_index", None, "SLURM task mode: the array index.")
 
@@ -63,6 +66,15 @@ def _numbers(name, values, kind):
 
 
 def main(argv):
+  try:
+    _main(argv)
+  except Exception as e:  # pylint: disable=broad-except
+    if not errors.is_expected(e):
+      raise
+    sys.exit(errors.report(e, "launch/sweep.py", verbose=_VERBOSE.value))
+
+
+def _main(argv):
   if _TASK_FILE.value is not None:
     if _TASK_INDEX.value is None:
       raise app.UsageError("--task_file needs --task_index")
@@ -74,6 +86,9 @@ def main(argv):
       n=_numbers("n", _N.value, float), budgets=_numbers("budget", _BUDGET.value, float),
       b_max=_B_MAX.value, seeds=_numbers("seeds", _SEEDS.value, int),
       runner=_RUNNER.value, extra_args=argv[1:])
+  if plan.dropped:
+    print(f"left out {len(plan.dropped)} infeasible grid point(s):\n  "
+          + "\n  ".join(plan.dropped), file=sys.stderr)
   if _DRY_RUN.value:
     print(sweep.format_points(plan.points, sweep.max_tokens(config)))
     return

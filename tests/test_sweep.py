@@ -217,14 +217,14 @@ def test_failure_is_reported_with_log_tail_and_the_sweep_goes_on(tmp_path, fake_
 def test_two_launchers_never_run_the_same_point(tmp_path, fake_runner):
   root = tmp_path / "two"
   args = [sys.executable, LAUNCHER, f"--config={TINY}", f"--root={root}", "--bp=4",
-          "--n=1,2,4,8", "--budget=64", "--max_concurrent=2", f"--runner={fake_runner}",
+          "--n=2,4,8,16", "--budget=64", "--max_concurrent=2", f"--runner={fake_runner}",
           "--status_every=1"]
   env = _env(FAKE_STEP_S=0.05)
   procs = [subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for _ in range(2)]
   outs = [p.communicate(timeout=120)[0] for p in procs]
   assert [p.returncode for p in procs] == [0, 0], outs
-  names = [sp.name for sp in sweep.expand_points([4], [1, 2, 4, 8], b_max=64,
+  names = [sp.name for sp in sweep.expand_points([4], [2, 4, 8, 16], b_max=64,
                                                  budgets=[64])]
   for name in names:
     run_dir = root / name
@@ -488,3 +488,45 @@ def test_slurm_submit_calls_sbatch(tmp_path, monkeypatch):
   monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
   with pytest.raises(ValueError, match="sbatch not found"):
     slurm.submit(str(root / "slurm" / "sweep.sbatch"))
+
+
+# ------------------------------------------------------------ hostile grids and roots
+
+def test_dry_run_lists_the_points_it_leaves_out(tmp_path):
+  proc = _launch(f"--config={TINY}", f"--root={tmp_path}/x", "--bp=4,64", "--n=1,2",
+                 "--budget=64", "--b_max=128", "--dry_run")
+  names = [line.split()[0] for line in proc.stdout.strip().splitlines()[1:-1]]
+  assert names == ["bp4_n2_m8_s0"]  # n=1: grpo needs 2; Bp=64, n=2: B=128 > C=64
+  assert proc.stderr.splitlines()[-4:] == [
+      "left out 3 infeasible grid point(s):",
+      "  Bp=4 n=1 C=64: n < 2, the fewest the grpo estimator is defined for",
+      "  Bp=64 n=1 C=64: n < 2, the fewest the grpo estimator is defined for",
+      "  Bp=64 n=2 C=64: Bp*n = 128 exceeds the budget (M = 0)"]
+
+
+def test_grid_of_only_infeasible_n_fails_in_one_line(tmp_path):
+  proc = _launch(f"--config={TINY}", f"--root={tmp_path}/x", "--bp=4", "--n=1",
+                 "--budget=64", "--dry_run", check=False)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "launch/sweep.py: error: no feasible budget point: every n in [1.0] is below the 2 "
+      "rollouts per problem the grpo estimator needs (--verbose prints the traceback)")
+  proc = _launch(f"--config={TINY}", f"--root={tmp_path}/x", "--bp=4", "--n=1",
+                 "--budget=64", "--dry_run", "--", "--config.rl.adv_estimator=drgrpo")
+  assert proc.stdout.splitlines()[1].split()[0] == "bp4_n1_m16_s0"
+
+
+@pytest.mark.parametrize("name", [sweep.LOCK_FILE, sweep.LOG_FILE, sweep.ATTEMPTS_FILE])
+def test_launcher_never_writes_through_a_link_in_the_root(tmp_path, fake_runner, name):
+  victim = tmp_path / "victim.txt"
+  victim.write_text("precious\n")
+  root = tmp_path / "root"
+  (root / "bp4_n2_m8_s0").mkdir(parents=True)
+  (root / "bp4_n2_m8_s0" / name).symlink_to(victim)
+  proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=4", "--n=2,4", "--budget=64",
+                 f"--runner={fake_runner}", "--max_concurrent=1", check=False)
+  assert proc.returncode == 1
+  assert f"FAILED bp4_n2_m8_s0: refusing to write through {root}/bp4_n2_m8_s0/{name} -> " \
+         f"{victim}" in proc.stdout
+  assert victim.read_text() == "precious\n"
+  assert (root / "bp4_n4_m4_s0" / "DONE").exists()  # the other point still ran

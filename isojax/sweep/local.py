@@ -16,8 +16,10 @@ import subprocess
 import time
 from collections.abc import Callable
 
+from isojax import files
+from isojax.errors import IsojaxError
 from isojax.sweep.points import Sweep, SweepPoint
-from isojax.sweep.rundir import (DONE_MARKER, LOG_FILE, is_done, lock_holder, log_tail,
+from isojax.sweep.rundir import (ATTEMPTS_FILE, DONE_MARKER, LOG_FILE, is_done, lock_holder, log_tail,
                                  read_progress, record_attempt, try_lock)
 
 
@@ -143,7 +145,12 @@ def run_local(sweep: Sweep, *, max_concurrent: int, env: dict | None = None,
       report.skipped.append(sp.name)
       print_fn(f"skip   {sp.name}: already finished ({DONE_MARKER} present)")
       return
-    fd = try_lock(run_dir)
+    try:
+      fd = try_lock(run_dir)
+    except IsojaxError as e:  # a link at the run dir or its lock file: never followed
+      report.failed[sp.name] = str(e)
+      print_fn(f"FAILED {sp.name}: {e}")
+      return
     if fd is None:
       waiting.append(sp)
       if sp.name not in announced:
@@ -156,7 +163,14 @@ def run_local(sweep: Sweep, *, max_concurrent: int, env: dict | None = None,
       print_fn(f"skip   {sp.name}: finished by another launcher")
       return
     cmd = sweep.command(sp)
-    log = open(os.path.join(run_dir, LOG_FILE), "ab")
+    try:
+      files.check_not_link(os.path.join(run_dir, ATTEMPTS_FILE))
+      log = files.open_append(os.path.join(run_dir, LOG_FILE), binary=True)
+    except IsojaxError as e:
+      os.close(fd)
+      report.failed[sp.name] = str(e)
+      print_fn(f"FAILED {sp.name}: {e}")
+      return
     log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launcher "
               f"{os.getpid()}: {' '.join(cmd)}\n".encode())
     log.flush()

@@ -34,17 +34,50 @@ class SweepPoint:
 
 
 def expand_points(bp_values: Iterable, n_values: Iterable, *, b_max, budgets,
-                  seeds: Iterable[int] = (0,)) -> list[SweepPoint]:
+                  seeds: Iterable[int] = (0,), min_n: int = 1,
+                  estimator: str = "") -> list[SweepPoint]:
   """All feasible (Bp, n, M) points of the grid (via `budget.sweep_grid`) x seeds.
 
+  Args:
+    min_n: the fewest rollouts per problem the run's advantage estimator (named
+      `estimator`, for messages) is defined for; smaller n are infeasible.
+
   Raises:
-    ValueError: for an empty seed list, or (from sweep_grid) when no point fits.
+    ValueError: for an empty seed list, or when no point fits (naming the numbers).
   """
   seeds = [int(s) for s in seeds]
   if not seeds or len(set(seeds)) != len(seeds):
     raise ValueError(f"seeds must be a non-empty list of distinct ints, got {seeds}")
+  n_values = list(n_values)
+  if n_values and all(float(n) < min_n for n in n_values):
+    raise ValueError(f"no feasible budget point: every n in {n_values} is below the "
+                     f"{min_n} rollouts per problem the {estimator or 'advantage'} "
+                     f"estimator needs")
   grid = budget_lib.sweep_grid(bp_values, n_values, b_max=b_max, budget=budgets)
-  return [SweepPoint(p, s) for p in grid for s in seeds]
+  return [SweepPoint(p, s) for p in grid if p.n >= min_n for s in seeds]
+
+
+def dropped_points(bp_values: Iterable, n_values: Iterable, *, b_max, budgets,
+                   min_n: int = 1, estimator: str = "") -> list[str]:
+  """Why each (Bp, n, C) of the grid that `expand_points` leaves out is infeasible,
+  one line each, e.g. 'Bp=64 n=8 C=256: Bp*n = 512 exceeds b_max = 256'."""
+  budgets = list(budgets) if isinstance(budgets, Sequence) and not isinstance(
+      budgets, str) else [budgets]
+  out = []
+  for c in sorted({float(x) for x in budgets}):
+    for bp in sorted({int(x) for x in bp_values}):
+      for n in sorted({int(x) for x in n_values}):
+        why = []
+        if bp * n > b_max:
+          why.append(f"Bp*n = {bp * n} exceeds b_max = {b_max}")
+        if bp * n > c:
+          why.append(f"Bp*n = {bp * n} exceeds the budget (M = 0)")
+        if n < min_n:
+          why.append(f"n < {min_n}, the fewest the {estimator or 'advantage'} "
+                     f"estimator is defined for")
+        if why:
+          out.append(f"Bp={bp} n={n} C={c:g}: {'; '.join(why)}")
+  return out
 
 
 def load_experiment(config_path: str, arg: str = ""):
@@ -139,6 +172,7 @@ class Sweep:
   runner: tuple[str, ...] = DEFAULT_RUNNER
   extra_args: tuple[str, ...] = ()
   python: str = sys.executable
+  dropped: tuple[str, ...] = ()  # grid points left out, with the reason (`dropped_points`)
 
   def __post_init__(self):
     names = [sp.name for sp in self.points]
@@ -186,10 +220,24 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
     if not value:
       raise ValueError(f"no {name} values: pass --{name} or set them in "
                        f"{config_path} (config.sweep / config.b_max)")
-  points = expand_points(bp, n, b_max=b_max, budgets=budgets, seeds=seeds)
+  estimator = (config.get("rl") or {}).get("adv_estimator", "")
+  min_n = _min_n(estimator)
+  points = expand_points(bp, n, b_max=b_max, budgets=budgets, seeds=seeds, min_n=min_n,
+                         estimator=estimator)
+  dropped = dropped_points(bp, n, b_max=b_max, budgets=budgets, min_n=min_n,
+                           estimator=estimator)
   run = (runner,) if runner.endswith(".py") else ("-m", runner)
   return Sweep(config=config_path, root=root, points=tuple(points), runner=run,
-               extra_args=tuple(extra_args), python=python), config
+               extra_args=tuple(extra_args), python=python,
+               dropped=tuple(dropped)), config
+
+
+def _min_n(estimator: str) -> int:
+  """The run's own rule (isojax.rl.advantages.min_group_size); 1 without an estimator."""
+  if not estimator:
+    return 1
+  from isojax.rl.advantages import min_group_size  # lazy: imports JAX
+  return min_group_size(estimator)
 
 
 def max_tokens(config) -> int | None:

@@ -13,6 +13,8 @@ import json
 import os
 import time
 
+from isojax import files
+
 # Written by the run (isojax/run.py, DONE_FILE) when its last update, eval and
 # checkpoint are done.
 DONE_MARKER = "DONE"
@@ -32,8 +34,8 @@ def try_lock(run_dir: str) -> int | None:
   The fd is inherited by the run (so the lock outlives a killed launcher for exactly
   as long as its run lives); the kernel releases it when every holder has exited.
   """
-  os.makedirs(run_dir, exist_ok=True)
-  fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+  files.make_dir(run_dir)
+  fd = files.open_nofollow(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT)
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
@@ -85,5 +87,5 @@ def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
 def record_attempt(run_dir: str, **event) -> None:
   """Appends one event (start / end of an attempt) to the run's attempts file."""
   event = {"time": time.time(), "launcher_pid": os.getpid(), **event}
-  with open(os.path.join(run_dir, ATTEMPTS_FILE), "a") as f:
+  with files.open_append(os.path.join(run_dir, ATTEMPTS_FILE)) as f:
     f.write(json.dumps(event) + "\n")

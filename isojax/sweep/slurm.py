@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 
+from isojax import files
 from isojax.sweep import rundir
 from isojax.sweep.points import Sweep
 
@@ -97,7 +98,8 @@ def write_array(sweep: Sweep, options: SlurmOptions, *,
         "use --nodes=1 for configs that sample with vLLM")
   workdir = os.getcwd()
   out_dir = os.path.join(sweep.root, "slurm")
-  os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
+  files.make_dir(out_dir)
+  files.make_dir(os.path.join(out_dir, "logs"))
   points_path = os.path.join(out_dir, POINTS_FILE)
   script_path = os.path.join(out_dir, SCRIPT_FILE)
   entries = [{"index": i, "name": sp.name, "run_dir": sweep.run_dir(sp),
@@ -226,6 +228,7 @@ def run_task(points_path: str, index: int, *, print_fn=print) -> int:
 
 def _write_atomic(path: str, text: str) -> None:
   tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
+  fd = files.open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  with os.fdopen(fd, "w") as f:
     f.write(text)
   os.replace(tmp, path)
