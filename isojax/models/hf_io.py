@@ -83,18 +83,67 @@ def _hf_shape(param_shape: tuple, path: tuple, transposed: bool) -> tuple:
 # ----------------------------------------------------------------------------- reading
 
 
+# The safetensors format caps the JSON header at 100 MB; a larger length field is
+# a corrupt or foreign file, and must not be allocated.
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
 def _read_header(file: Path) -> tuple[dict, int]:
+  """(tensor entries, data start) of a safetensors file, checked against its size.
+
+  Raises:
+    ValueError: naming the file and what is wrong with it (too short, a header
+      length past the end of the file, a header that is not a JSON object, or a
+      tensor whose shape, dtype or byte range does not fit the file).
+  """
+  size = file.stat().st_size
   with open(file, "rb") as f:
     raw = f.read(8)
     if len(raw) != 8:
-      raise ValueError(f"{file}: not a safetensors file (too short)")
+      raise ValueError(f"{file}: not a safetensors file ({size} bytes, shorter than "
+                       f"the 8-byte header length)")
     (n,) = struct.unpack("<Q", raw)
+    if n > min(size - 8, _MAX_HEADER_BYTES):
+      raise ValueError(f"{file}: not a safetensors file or truncated: its header "
+                       f"length field says {n} bytes but the file has {size - 8} after "
+                       f"it (the format allows at most {_MAX_HEADER_BYTES})")
     try:
       header = json.loads(f.read(n))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise ValueError(f"{file}: unreadable safetensors header ({e})") from None
+  if not isinstance(header, dict):
+    raise ValueError(f"{file}: safetensors header is a JSON {type(header).__name__}, "
+                     f"not an object")
   header.pop("__metadata__", None)
+  data_bytes = size - 8 - n
+  for name, info in header.items():
+    _check_entry(file, name, info, data_bytes)
   return header, 8 + n
+
+
+def _check_entry(file: Path, name: str, info, data_bytes: int) -> None:
+  def bad(what):
+    return ValueError(f"{file}: tensor {name!r} {what}")
+
+  if not isinstance(info, dict):
+    raise bad(f"has a header entry {info!r:.80} instead of an object")
+  shape, offsets = info.get("shape"), info.get("data_offsets")
+  if not isinstance(shape, list) or not all(
+      isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+    raise bad(f"has shape {shape!r:.80}, not a list of non-negative integers")
+  if not (isinstance(offsets, list) and len(offsets) == 2 and all(
+      isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+    raise bad(f"has data_offsets {offsets!r:.80}, not [start, end]")
+  start, end = offsets
+  if not 0 <= start <= end <= data_bytes:
+    raise bad(f"has bytes [{start}, {end}) but the file holds {data_bytes} bytes of "
+              f"data (truncated?)")
+  dtype = _ST_DTYPES.get(info.get("dtype"))
+  if dtype is not None:
+    need = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if end - start != need:
+      raise bad(f"of shape {shape} and dtype {info['dtype']} needs {need} bytes but "
+                f"has {end - start}")
 
 
 def _tensor_index(path: Path) -> dict[str, tuple[Path, dict, int]]:

@@ -3,6 +3,7 @@ and the errors bad checkpoints must raise."""
 
 import json
 import os
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -150,4 +151,37 @@ def test_missing_wrong_shape_and_extra_tensors(hf_dir, tmp_path):
     load_pretrained(bad)
   write({**good, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8)})
   with pytest.warns(UserWarning, match="inv_freq"):
+    load_pretrained(bad)
+
+
+def test_corrupt_safetensors_file_is_named_with_what_is_wrong(hf_dir, tmp_path):
+  bad = _copy(hf_dir("qwen2")[1], tmp_path)
+  st = bad / "model.safetensors"
+  data = st.read_bytes()
+  (n,) = struct.unpack("<Q", data[:8])
+  header = json.loads(data[8:8 + n])
+
+  st.write_bytes(data[:-100])  # truncated download
+  with pytest.raises(ValueError, match=rf"{st}: tensor '.*' has bytes \[\d+, \d+\) but "
+                                       rf"the file holds {len(data) - 108 - n} bytes of "
+                                       r"data \(truncated\?\)"):
+    load_pretrained(bad)
+  st.write_bytes(np.random.default_rng(0).bytes(4096))  # random bytes
+  with pytest.raises(ValueError, match=rf"{st}: not a safetensors file or truncated: its "
+                                       r"header length field says \d+ bytes but the file "
+                                       r"has 4088 after it"):
+    load_pretrained(bad)
+  st.write_bytes(struct.pack("<Q", 2**62) + data[8:])  # huge header length
+  with pytest.raises(ValueError, match=rf"{st}: not a safetensors file or truncated"):
+    load_pretrained(bad)
+  st.write_bytes(b"\x01\x00")
+  with pytest.raises(ValueError, match=rf"{st}: not a safetensors file \(2 bytes"):
+    load_pretrained(bad)
+  name = next(k for k in header if k != "__metadata__")
+  start, end = header[name]["data_offsets"]
+  header[name]["data_offsets"] = [start, end - 4]  # a byte range that lies
+  raw = json.dumps(header).encode()
+  st.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+  with pytest.raises(ValueError, match=rf"{st}: tensor '{name}' of shape .* needs "
+                                       rf"{end - start} bytes but has {end - start - 4}"):
     load_pretrained(bad)
