@@ -12,6 +12,7 @@ mid-way says so in one message and leaves files a rerun can resume from.
 * `python -m isojax.main` prints such an error as one line and exits with 2.
 """
 
+import dataclasses
 import errno
 import json
 import os
@@ -19,6 +20,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from experiments import tiny
@@ -124,3 +126,25 @@ def test_main_prints_one_line_and_exits_2(tmp_path):
   proc = subprocess.run(argv + ["--verbose"], cwd=repo, env=env, capture_output=True,
                         text=True, timeout=300)
   assert proc.returncode == 2 and "Traceback" in proc.stderr
+
+
+def test_weights_that_sample_non_finite_logprobs_stop_with_advice(tmp_path, monkeypatch):
+  # What a far too large learning rate does: an update with finite loss, gradient
+  # and weights after which the policy's log-probs overflow. The run stops at the
+  # next step naming the learning rate, instead of a Batch validation error.
+  from isojax.rollout.jax_sampler import JaxSampler
+  real_generate, calls = JaxSampler.generate, []
+
+  def overflowing(self, prompt_ids, *, n, **kw):
+    out = real_generate(self, prompt_ids, n=n, **kw)
+    if n == 2:  # training samples (evals draw k = 4)
+      calls.append(1)
+      if len(calls) == 2:
+        out = dataclasses.replace(out, logprobs_BxT=np.full_like(out.logprobs_BxT, -np.inf))
+    return out
+
+  monkeypatch.setattr(JaxSampler, "generate", overflowing)
+  with pytest.raises(run.NonFiniteLossError,
+                     match=r"stopping at step 2: the sampler's log-probs are not finite.*"
+                           r"config.rl.lr_base=2e-05.*Lower config.rl.lr_base"):
+    run.run(small_config(), tmp_path / "run")
