@@ -530,3 +530,19 @@ def test_launcher_never_writes_through_a_link_in_the_root(tmp_path, fake_runner,
          f"{victim}" in proc.stdout
   assert victim.read_text() == "precious\n"
   assert (root / "bp4_n4_m4_s0" / "DONE").exists()  # the other point still ran
+
+
+def test_sweep_fixed_after_a_typo_runs_in_the_same_root(tmp_path):
+  # A typo'd value fails every point at start-up; it must not leave a config.json
+  # that locks the points against the corrected command.
+  root = tmp_path / "typo"
+  grid = [f"--config={TINY}", f"--root={root}", "--bp=4", "--n=2", "--budget=16",
+          "--max_concurrent=1"]
+  proc = _launch(*grid, *E2E_RUN_ARGS, f"--config.model.path={tmp_path}/no-such-model",
+                 check=False, timeout=300)
+  run_dir = root / "bp4_n2_m2_s0"
+  assert proc.returncode == 1 and "FAILED bp4_n2_m2_s0" in proc.stdout
+  assert "no-such-model" in proc.stdout and not (run_dir / "config.json").exists()
+  _launch(*grid, *E2E_RUN_ARGS, timeout=300)
+  assert (run_dir / "DONE").exists()
+  assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2]
