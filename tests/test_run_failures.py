@@ -74,7 +74,10 @@ def test_failed_start_then_fixed_command_links_refused(tmp_path):
   victim = tmp_path / "victim.txt"
   victim.write_text("precious\n")
   config = small_config()
-  for name in ("checkpoints", "config.json.tmp", "metrics.jsonl"):
+  # Every name the run creates in its directory, in the order it creates them;
+  # DONE.tmp is the last write of a run that trained to the end.
+  for name in ("checkpoints", "config.json.tmp", "metrics.jsonl.tmp", "metrics.jsonl",
+               "tensorboard", "DONE.tmp"):
     (workdir / name).symlink_to(victim)
     with pytest.raises(UnsafePathError, match=rf"{workdir / name} -> {victim}"):
       run.run(config, workdir)
@@ -84,6 +87,9 @@ def test_failed_start_then_fixed_command_links_refused(tmp_path):
   last = run.run(config, workdir)  # the corrected command, same workdir
   assert last["step"] == 4 and (workdir / "DONE").exists()
   assert json.loads((workdir / "config.json").read_text())["model"]["path"] == ""
+  # Nothing else was created: the names above are all there is to guard.
+  assert sorted(os.listdir(workdir)) == ["DONE", "checkpoints", "config.json",
+                                         "metrics.jsonl", "tensorboard"]
 
 
 def test_full_disk_while_checkpointing_is_one_message_and_resumable(tmp_path, monkeypatch):
