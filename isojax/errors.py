@@ -65,12 +65,34 @@ def disk_full_as(path: str | os.PathLike, what: str) -> Iterator[None]:
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except
-    os_err = find_oserror(e)
-    if os_err is None:
+    full = find_disk_full(e)
+    if full is None:
       raise
+    where = getattr(full, "filename", None) or os.fspath(path)
     raise DiskFullError(
-        f"no space left on {os_err.filename or os.fspath(path)} while writing {what}; "
+        f"no space left on {where} while writing {what}; "
         f"the run can be resumed: free space and rerun the same command") from e
+
+
+# How a full disk reads when a storage library (tensorstore under orbax) reports it
+# as its own error type rather than an OSError: strerror(ENOSPC / EDQUOT), or the
+# errno in tensorstore's status text.
+_DISK_FULL_TEXT = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT),
+                   f"os_error_code='{errno.ENOSPC}'", f"os_error_code='{errno.EDQUOT}'")
+
+
+def find_disk_full(exc: BaseException) -> BaseException | None:
+  """The error in `exc`'s chain that says the disk (or quota) is full, or None."""
+  found = find_oserror(exc)
+  if found is not None:
+    return found
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    if any(text in str(exc) for text in _DISK_FULL_TEXT):
+      return exc
+    exc = exc.__cause__ or exc.__context__
+  return None
 
 
 def is_expected(exc: BaseException) -> bool:

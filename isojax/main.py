@@ -11,6 +11,7 @@ A bad config, data file, model or server ends the run with one line naming the
 input and exit status 2 (`--verbose`: with the traceback).
 """
 
+import os
 import signal
 import sys
 
@@ -46,7 +47,15 @@ def main(argv):
   except Exception as e:  # pylint: disable=broad-except
     if not errors.is_expected(e):
       raise
-    sys.exit(errors.report(e, "isojax.main", verbose=_VERBOSE.value))
+    code = errors.report(e, "isojax.main", verbose=_VERBOSE.value)
+    if isinstance(e, errors.DiskFullError):
+      # The run's own clean-up has run; what is left of interpreter shutdown is the
+      # storage library's threads printing a traceback per write the full disk
+      # refused, which would bury the message above.
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(code)  # pylint: disable=protected-access
+    sys.exit(code)
 
 
 if __name__ == "__main__":

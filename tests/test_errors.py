@@ -48,3 +48,16 @@ def test_which_errors_are_expected(tmp_path):
   assert errors.message(read_only) == f"Read-only file system on {tmp_path}"
   assert not errors.is_expected(KeyError("a bug"))
   assert not errors.is_expected(OSError(errno.EIO, "I/O error"))
+
+
+def test_disk_full_reported_as_text_by_a_storage_library(tmp_path):
+  # tensorstore (under orbax) reports ENOSPC as a ValueError with the errno in text.
+  text = ("RESOURCE_EXHAUSTED: Error writing \"x\" in OCDBT database: Failed to write "
+          "965154 bytes to file 21: No space left on device [os_error_code='28']")
+  with pytest.raises(errors.DiskFullError,
+                     match=rf"^no space left on {tmp_path} while writing checkpoint 2; "):
+    with errors.disk_full_as(tmp_path, "checkpoint 2"):
+      raise ValueError(text)
+  with pytest.raises(ValueError, match="RESOURCE_EXHAUSTED: out of memory"):
+    with errors.disk_full_as(tmp_path, "checkpoint 2"):
+      raise ValueError("RESOURCE_EXHAUSTED: out of memory")
