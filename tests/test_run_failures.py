@@ -154,3 +154,26 @@ def test_weights_that_sample_non_finite_logprobs_stop_with_advice(tmp_path, monk
                      match=r"stopping at step 2: the sampler's log-probs are not finite.*"
                            r"config.rl.lr_base=2e-05.*Lower config.rl.lr_base"):
     run.run(small_config(), tmp_path / "run")
+
+
+def test_drop_too_long_leaves_problems_out_with_a_count_in_the_log(caplog):
+  from isojax import run_setup
+  from isojax.data import Problem
+  from isojax.models import Tokenizer
+  tokenizer = Tokenizer.from_pretrained(run_setup.BASE_MODEL_DIR)
+  train = [Problem(f"t{i}", f"{i}+1=", str(i + 1)) for i in range(5)]
+  train[3] = Problem("t3", "12+34=" * 20, "1")
+  val = [Problem("v0", "2+2=", "4"), Problem("v1", "1+1=" * 40, "2")]
+  config = small_config(**{"data.drop_too_long": True})
+  caplog.set_level("WARNING")
+  kept, ids, kept_val = run_setup.fit_context(config, tokenizer, 64, train, val)
+  assert [p.id for p in kept] == ["t0", "t1", "t2", "t4"] and [p.id for p in kept_val] == ["v0"]
+  assert len(ids) == 4
+  assert any("left out 1 of 5 training problems" in m for m in caplog.messages)
+  assert any("left out 1 of 2 validation problems" in m for m in caplog.messages)
+  with pytest.raises(ValueError, match="no validation problem fits the model's context"):
+    run_setup.fit_context(config, tokenizer, 64, train, val[1:])
+  config.data.drop_too_long = False
+  with pytest.raises(ValueError, match=r"problem 't3' has a prompt of \d+ tokens > the "
+                                       r"limit of 56"):
+    run_setup.fit_context(config, tokenizer, 64, train, val)
