@@ -35,7 +35,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ESTIMATORS", "compute_advantages", "zero_variance_groups"]
+__all__ = ["ESTIMATORS", "compute_advantages", "min_group_size", "zero_variance_groups"]
 
 
 def _centred(r_BpxN, base_BpxM):
@@ -85,6 +85,17 @@ ESTIMATORS: dict[str, tuple[Callable, int]] = {
     "batch": (_batch, 1),
     "rloo": (_rloo, 2),
 }
+
+
+def min_group_size(estimator: str) -> int:
+  """The fewest rollouts per prompt `estimator` is defined for (its baseline set):
+  2 for "grpo" (a std over one sample is undefined) and "rloo" (leave-one-out needs
+  another rollout), 1 otherwise. Checked by the run and the sweep planner before
+  any work, so an n = 1 point never reaches the jitted step."""
+  if estimator not in ESTIMATORS:
+    raise ValueError(f"unknown advantage estimator {estimator!r}; "
+                     f"choose from {sorted(ESTIMATORS)}")
+  return ESTIMATORS[estimator][1]
 
 
 def _grouped(rewards_B, group_size, baseline_rewards_B):
