@@ -6,9 +6,6 @@ Any config field is overridable (`--config.rl.kl_coef=0`). Rerunning the same
 command resumes from the last checkpoint; a finished run is not rerun. Set
 JAX_COMPILATION_CACHE_DIR to share compiled steps between the runs of a sweep
 (points with the same batch shape compile once).
-
-A bad config, data file, model or server ends the run with one line naming the
-input and exit status 2 (`--verbose`: with the traceback).
 """
 
 import os
@@ -24,9 +21,21 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment file and its argument, e.g. experiments/tiny.py:bp=8",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created if missing).")
-_VERBOSE = flags.DEFINE_bool("verbose", False,
-                             "On an error, print the traceback, not just its message.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.INFO)
+  from isojax import run  # after flag parsing: keeps `--help` fast
+  run.run(_CONFIG.value, _WORKDIR.value)
+
+
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False, "On an error isojax raises on purpose (bad config, data, budget, "
+    "model, server, full disk), print the traceback too; without it, one line naming "
+    "the input, and exit status 2.")
 
 
 def _exit_on_sigterm(signum, frame):
@@ -36,14 +45,11 @@ def _exit_on_sigterm(signum, frame):
   sys.exit(128 + signum)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.INFO)
+def main_reporting_errors(argv):
+  """`main`, with an expected error printed as one line and exit status 2."""
   signal.signal(signal.SIGTERM, _exit_on_sigterm)
   try:
-    from isojax import run  # after flag parsing: keeps `--help` fast
-    run.run(_CONFIG.value, _WORKDIR.value)
+    main(argv)
   except Exception as e:  # pylint: disable=broad-except
     if not errors.is_expected(e):
       raise
@@ -59,4 +65,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main_reporting_errors)
