@@ -136,30 +136,29 @@ def _sampler(config, model, mesh):
   return sampler
 
 
-def fit_context(config, tokenizer, context: int, train: list, val: list):
-  """(train, train prompt ids, val) with every prompt + max_tokens within `context`.
+def fit_context(config, tokenizer, context: int, problems: list, what: str):
+  """(problems, their prompt ids) with every prompt + max_tokens within `context`.
 
   Raises ValueError naming the problems that do not fit, unless
   config.data.drop_too_long, which leaves them out with a count in the log.
+  `what` names the set in messages ("training", "validation").
   """
   from absl import logging
   from isojax.data.lengths import fit_prompts
 
-  kw = dict(context=context, max_tokens=config.sampler.max_tokens,
-            drop=config.data.drop_too_long, chat_template=config.data.chat_template)
-  kept_train, ids, out_train = fit_prompts(tokenizer, train, what="training problem", **kw)
-  kept_val, _, out_val = fit_prompts(tokenizer, val, what="validation problem", **kw)
-  for name, out, kept in (("training", out_train, kept_train),
-                          ("validation", out_val, kept_val)):
-    if out:
-      logging.warning("config.data.drop_too_long: left out %d of %d %s problems whose "
-                      "prompt + max_tokens exceed the context of %d tokens (first: %s)",
-                      len(out), len(out) + len(kept), name, context,
-                      out[0].describe(context - config.sampler.max_tokens))
-    if not kept:
-      raise ValueError(f"no {name} problem fits the model's context of {context} tokens "
-                       f"with config.sampler.max_tokens={config.sampler.max_tokens}")
-  return kept_train, ids, kept_val
+  max_tokens = config.sampler.max_tokens
+  kept, ids, out = fit_prompts(tokenizer, problems, context=context, max_tokens=max_tokens,
+                               drop=config.data.drop_too_long, what=f"{what} problem",
+                               chat_template=config.data.chat_template)
+  if out:
+    logging.warning("config.data.drop_too_long: left out %d of %d %s problems whose "
+                    "prompt + max_tokens exceed the context of %d tokens (first: %s)",
+                    len(out), len(problems), what, context,
+                    out[0].describe(context - max_tokens))
+  if not kept:
+    raise ValueError(f"no {what} problem fits the model's context of {context} tokens "
+                     f"with config.sampler.max_tokens={max_tokens}")
+  return kept, ids
 
 
 def build_parts(config, run_plan) -> RunParts:
@@ -174,8 +173,9 @@ def build_parts(config, run_plan) -> RunParts:
       remat=config.model.remat)
   tokenizer = models.Tokenizer.from_pretrained(path)
   train, val = load_problem_sets(config)
-  train, ids, val = fit_context(config, tokenizer, model.cfg.max_position_embeddings,
-                                train, val)
+  context = model.cfg.max_position_embeddings
+  train, ids = fit_context(config, tokenizer, context, train, "training")
+  val, _ = fit_context(config, tokenizer, context, val, "validation")
   prompt_ids = {p.id: x for p, x in zip(train, ids)}
   if len(prompt_ids) != len(train):
     raise ValueError("training problems must have distinct ids")

@@ -166,14 +166,15 @@ def test_drop_too_long_leaves_problems_out_with_a_count_in_the_log(caplog):
   val = [Problem("v0", "2+2=", "4"), Problem("v1", "1+1=" * 40, "2")]
   config = small_config(**{"data.drop_too_long": True})
   caplog.set_level("WARNING")
-  kept, ids, kept_val = run_setup.fit_context(config, tokenizer, 64, train, val)
+  kept, ids = run_setup.fit_context(config, tokenizer, 64, train, "training")
+  kept_val, _ = run_setup.fit_context(config, tokenizer, 64, val, "validation")
   assert [p.id for p in kept] == ["t0", "t1", "t2", "t4"] and [p.id for p in kept_val] == ["v0"]
   assert len(ids) == 4
   assert any("left out 1 of 5 training problems" in m for m in caplog.messages)
   assert any("left out 1 of 2 validation problems" in m for m in caplog.messages)
   with pytest.raises(ValueError, match="no validation problem fits the model's context"):
-    run_setup.fit_context(config, tokenizer, 64, train, val[1:])
+    run_setup.fit_context(config, tokenizer, 64, val[1:], "validation")
   config.data.drop_too_long = False
   with pytest.raises(ValueError, match=r"problem 't3' has a prompt of \d+ tokens > the "
                                        r"limit of 56"):
-    run_setup.fit_context(config, tokenizer, 64, train, val)
+    run_setup.fit_context(config, tokenizer, 64, train, "training")
