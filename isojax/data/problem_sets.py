@@ -199,10 +199,16 @@ def _training_source(d, split_dir, hold_out: bool
 
 def _mixture(d, split_dir, exclude: set[str]) -> list[Problem]:
   weights = _mix_weights(d.train)
-  pools, flat = {}, []
+  pools, flat, owner = {}, [], {}
   for name in sorted(weights):
     probs = [p for p in _load_split(split_dir, name, "config.data.train", d.train)
              if p.prompt not in exclude]
+    shared = [p.prompt for p in probs if p.prompt in owner]
+    if shared:
+      raise ValueError(f"config.data.train={d.train!r}: splits {owner[shared[0]]!r} and "
+                       f"{name!r} share {len(shared)} problems (e.g. {shared[0]!r}); a "
+                       f"mixture's weights need disjoint splits")
+    owner.update((p.prompt, name) for p in probs)
     pools[name] = np.arange(len(flat), len(flat) + len(probs))
     flat += probs
   try:

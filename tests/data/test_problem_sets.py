@@ -124,6 +124,12 @@ def test_tri_mixture_has_its_weights_and_no_val_problem(split_dir):
   kinds = [p.prompt.rstrip("=0123456789") for p in train]
   assert (kinds.count("hard"), kinds.count("easy"), kinds.count("very_easy")) == (20, 10, 10)
   assert not {p.prompt for v in sets.values() for p in v} & {p.prompt for p in train}
+  # Overlapping splits make no mixture with the stated weights.
+  write_jsonl(_problems("easy", 3), split_dir / "easy_too.jsonl")
+  d.train, d.num_train = "mix:easy:0.5,easy_too:0.5", 4
+  with pytest.raises(ValueError, match=r"splits 'easy' and 'easy_too' share [123] problems"):
+    load_problem_sets(d, split_dir)
+  d.train = "mix:hard:0.5,easy:0.25,very_easy:0.25"
   # 40 hard minus 5 for validation cannot give 0.5 * 80 = 40.
   d.num_train = 80
   with pytest.raises(ValueError, match=r"num_train=80 .*'hard'.*has 35"):

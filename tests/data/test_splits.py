@@ -30,6 +30,8 @@ def test_extremely_hard_and_very_easy_need_128_samples():
   # 5 (11/16 = 0.69, 77/128 = 0.602) and 6 (15/16 > 0.9, 116/128 = 0.906) are in
   # and out on the 128-sample rate alone.
   assert s["very_easy"].tolist() == [5]
+  # Fig. 14's Easy, pass@128 in [0.3, 0.6]: 76/128 = 0.594 only.
+  assert s["easy_pass128"].tolist() == [4]
   with pytest.raises(ValueError, match="128"):
     split_indices(counts16, 16, extreme_counts_P=counts16, extreme_n=16)
 
@@ -137,6 +139,7 @@ def test_driver_on_the_base_model(tmp_path):
     assert r["avg@16"] == 0 and r["pass@128"] == 0.0 and r["avg@128"] == 0.0
   for r in rows["very_easy"]:
     assert 0.6 <= r["avg@128"] <= 0.9
+  assert len(rows["very_easy"]) == summary["splits"]["very_easy"]
   # Every problem has its 128-sample rate, at least its 16-sample successes.
   for r in rows["easy"] + rows["hard"]:
     assert r["avg@128"] * 128 >= r["avg@16"] * 16
