@@ -133,6 +133,7 @@ def test_num_train_subsample(tmp_path, captured):
       p.prompt for p in parts.val_problems}
   config = json.loads((workdir / "config.json").read_text())
   assert config["data"]["num_train"] == 24 and config["data"]["split_seed"] == 0
+  assert [r["rollouts"] for r in _records(workdir)] == [0, 16, 32, 48]
   # Three batches of 4 from a set of 24: the loader is half way through epoch 0.
   assert parts.loader.state_dict() == {"epoch": 0, "index": 12, "num_items": 24,
                                        "seed": 0}
