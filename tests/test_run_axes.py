@@ -202,3 +202,35 @@ def test_difficulty_mixture_run(tmp_path, captured):
   assert [sum(p in splits[s] for p in prompts) for s in splits] == [20, 10, 10]
   records = _records(tmp_path / "tri")
   assert [r["rollouts"] for r in records] == [0, 16, 32, 48]
+
+
+def test_decoupled_run_with_two_val_sets_resumes_exactly(tmp_path, ood_file, monkeypatch):
+  # A run stopped after its step-2 checkpoint and restarted redoes step 3 as the
+  # uninterrupted run did: the n-of-n_est picks and the extra set's eval seed
+  # depend on (seed, step) alone.
+  overrides = {"rl.n_est": 8, "data.val": f"in_domain=heldout,ood={ood_file}",
+               "checkpoint_every": 2}
+  run.run(_config("bp=4,n=4,budget=96", **overrides), tmp_path / "whole")
+  build = run.build_parts
+
+  def build_and_stop(config, run_plan):
+    parts = build(config, run_plan)
+    step, calls = parts.train_step, []
+
+    def stop_at_third(state, batch):
+      calls.append(1)
+      if len(calls) == 3:
+        raise KeyboardInterrupt("stopped after the step-2 checkpoint")
+      return step(state, batch)
+
+    parts.train_step = stop_at_third
+    return parts
+
+  monkeypatch.setattr(run, "build_parts", build_and_stop)
+  with pytest.raises(KeyboardInterrupt):
+    run.run(_config("bp=4,n=4,budget=96", **overrides), tmp_path / "cut")
+  monkeypatch.setattr(run, "build_parts", build)
+  run.run(_config("bp=4,n=4,budget=96", **overrides), tmp_path / "cut")
+  whole = (tmp_path / "whole" / "metrics.jsonl").read_text()
+  assert (tmp_path / "cut" / "metrics.jsonl").read_text() == whole
+  assert "val/ood/avg@4" in whole
