@@ -154,6 +154,11 @@ def test_decoupled_baseline(tmp_path, captured):
   records = _records(workdir)
   assert [r["rollouts"] for r in records] == [0, 32, 64, 96]
   assert last["rollouts"] == config["budget"]["compute"]
+  # The analysis reads the run: n is the trained n, compute the sampled rollouts.
+  from isojax.analysis import read_runs
+  (loaded,) = read_runs(tmp_path).runs
+  assert (loaded.bp, loaded.n, loaded.m) == (4, 4, 3)
+  assert loaded.compute("rollouts").tolist() == [0, 32, 64, 96]
   batches = captured["batches"]
   assert len(batches) == 3
   for b in batches:
