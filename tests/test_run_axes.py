@@ -159,6 +159,7 @@ def test_decoupled_baseline(tmp_path, captured):
   (loaded,) = read_runs(tmp_path).runs
   assert (loaded.bp, loaded.n, loaded.m) == (4, 4, 3)
   assert loaded.compute("rollouts").tolist() == [0, 32, 64, 96]
+  assert loaded.compute("steps").tolist() == [0, 1, 2, 3]  # an update samples Bp * n_est
   batches = captured["batches"]
   assert len(batches) == 3
   for b in batches:
