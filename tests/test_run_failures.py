@@ -50,6 +50,8 @@ def test_n_below_the_estimators_minimum_fails_before_any_work(tmp_path):
     run.run(small_config("bp=4,n=1,budget=64"), tmp_path / "x1")
   assert not (tmp_path / "x1").exists()
   run.plan(small_config("bp=4,n=1,budget=64", **{"rl.adv_estimator": "drgrpo"}))
+  # A decoupled baseline: grpo's std is taken over the n_est = 4 sampled rollouts.
+  run.plan(small_config("bp=4,n=1,budget=64", **{"rl.n_est": 4}))
 
 
 def test_prompt_longer_than_the_context_fails_at_load_naming_the_line(tmp_path):
@@ -166,15 +168,15 @@ def test_drop_too_long_leaves_problems_out_with_a_count_in_the_log(caplog):
   val = [Problem("v0", "2+2=", "4"), Problem("v1", "1+1=" * 40, "2")]
   config = small_config(**{"data.drop_too_long": True})
   caplog.set_level("WARNING")
-  kept, ids = run_setup.fit_context(config, tokenizer, 64, train, "training")
-  kept_val, _ = run_setup.fit_context(config, tokenizer, 64, val, "validation")
+  kept, ids = run_setup.fit_context(config, tokenizer, 64, 8, train, "training")
+  kept_val, _ = run_setup.fit_context(config, tokenizer, 64, 8, val, "validation")
   assert [p.id for p in kept] == ["t0", "t1", "t2", "t4"] and [p.id for p in kept_val] == ["v0"]
   assert len(ids) == 4
   assert any("left out 1 of 5 training problems" in m for m in caplog.messages)
   assert any("left out 1 of 2 validation problems" in m for m in caplog.messages)
   with pytest.raises(ValueError, match="no validation problem fits the model's context"):
-    run_setup.fit_context(config, tokenizer, 64, val[1:], "validation")
+    run_setup.fit_context(config, tokenizer, 64, 8, val[1:], "validation")
   config.data.drop_too_long = False
   with pytest.raises(ValueError, match=r"problem 't3' has a prompt of \d+ tokens > the "
                                        r"limit of 56"):
-    run_setup.fit_context(config, tokenizer, 64, train, "training")
+    run_setup.fit_context(config, tokenizer, 64, 8, train, "training")

@@ -220,8 +220,11 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
     if not value:
       raise ValueError(f"no {name} values: pass --{name} or set them in "
                        f"{config_path} (config.sweep / config.b_max)")
-  estimator = (config.get("rl") or {}).get("adv_estimator", "")
-  min_n = _min_n(estimator)
+  rl = config.get("rl") or {}
+  estimator = rl.get("adv_estimator", "")
+  # With a decoupled baseline (rl.n_est) the estimator sees n_est rollouts per
+  # problem whatever n is; the run checks n_est itself.
+  min_n = 1 if rl.get("n_est") else _min_n(estimator)
   points = expand_points(bp, n, b_max=b_max, budgets=budgets, seeds=seeds, min_n=min_n,
                          estimator=estimator)
   dropped = dropped_points(bp, n, b_max=b_max, budgets=budgets, min_n=min_n,
