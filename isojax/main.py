@@ -64,5 +64,24 @@ def main_reporting_errors(argv):
     sys.exit(code)
 
 
+def _parse_flags(argv):
+  """absl's flag parsing, with a bad experiment argument or an override naming no
+  config field reported in one line (exit 2) instead of a chained traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    # ml_collections embeds the experiment file's traceback in the message: keep
+    # its first line (which flag) and last line (what was wrong).
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    what = lines[0] if len(lines) < 2 else f"{lines[0]} {lines[-1]}"
+  except (AttributeError, KeyError) as e:  # ml_collections: --config.NO_SUCH_FIELD=...
+    # Its message is a repr of a repr: "'\\'max_tokes\\'\\nDid you mean ...".
+    text = str(e.args[0] if e.args else e)
+    text = " ".join(text.replace("\\n", "\n").replace("\\'", "").replace("'", "").split())
+    what = f"a --config.* override names no config field: {text}"
+  print(f"isojax.main: error: {what}", file=sys.stderr, flush=True)
+  sys.exit(errors.EXIT_USER_ERROR)
+
+
 if __name__ == "__main__":
-  app.run(main_reporting_errors)
+  app.run(main_reporting_errors, flags_parser=_parse_flags)

@@ -180,3 +180,19 @@ def test_drop_too_long_leaves_problems_out_with_a_count_in_the_log(caplog):
   with pytest.raises(ValueError, match=r"problem 't3' has a prompt of \d+ tokens > the "
                                        r"limit of 56"):
     run_setup.fit_context(config, tokenizer, 64, 8, train, "training")
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--config=experiments/tiny.py", "--config.sampler.max_tokes=3"],
+     'isojax.main: error: a --config.* override names no config field: max_tokes Did you '
+     'mean "max_tokens" instead of "max_tokes"?'),
+    (["--config=experiments/tiny.py:bp=abc"],
+     "isojax.main: error: flag --config=experiments/tiny.py:bp=abc: Error whilst parsing "
+     "config file: ValueError: config argument bp='abc': expected int, got str"),
+])
+def test_main_config_typos_are_one_line(tmp_path, args, expect):
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  proc = subprocess.run([sys.executable, "-m", "isojax.main", *args,
+                         f"--workdir={tmp_path / 'x'}"], cwd=repo, capture_output=True,
+                        text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(repo)})
+  assert proc.returncode == 2 and proc.stderr.strip() == expect, proc.stderr
