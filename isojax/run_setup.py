@@ -111,31 +111,6 @@ def _sampler(config, model, mesh):
   return sampler
 
 
-def fit_context(config, tokenizer, context: int, max_tokens: int, problems: list,
-                what: str):
-  """(problems, their prompt ids) with every prompt + max_tokens within `context`.
-
-  Raises ValueError naming the problems that do not fit, unless
-  config.data.drop_too_long, which leaves them out with a count in the log.
-  `what` names the set in messages ("training", "validation (NAME)").
-  """
-  from absl import logging
-  from isojax.data.lengths import fit_prompts
-
-  kept, ids, out = fit_prompts(tokenizer, problems, context=context, max_tokens=max_tokens,
-                               drop=config.data.drop_too_long, what=f"{what} problem",
-                               chat_template=config.data.chat_template)
-  if out:
-    logging.warning("config.data.drop_too_long: left out %d of %d %s problems whose "
-                    "prompt + max_tokens exceed the context of %d tokens (first: %s)",
-                    len(out), len(problems), what, context,
-                    out[0].describe(context - max_tokens))
-  if not kept:
-    raise ValueError(f"no {what} problem fits the model's context of {context} tokens "
-                     f"with max_tokens={max_tokens} (config.sampler.max_tokens)")
-  return kept, ids
-
-
 def build_parts(config, run_plan) -> RunParts:
   """Loads model, tokenizer and data; builds sampler, loader and the jitted step."""
   from isojax import batching, data as data_lib, models, rl, sharding
@@ -181,3 +156,28 @@ def build_parts(config, run_plan) -> RunParts:
       train_step=step,
       init_state=lambda: rl.init_train_state(model, run_plan.loss, run_plan.optim,
                                              **kwargs))
+
+
+def fit_context(config, tokenizer, context: int, max_tokens: int, problems: list,
+                what: str):
+  """(problems, their prompt ids) with every prompt + max_tokens within `context`.
+
+  Raises ValueError naming the problems that do not fit, unless
+  config.data.drop_too_long, which leaves them out with a count in the log.
+  `what` names the set in messages ("training", "validation (NAME)").
+  """
+  from absl import logging
+  from isojax.data.lengths import fit_prompts
+
+  kept, ids, out = fit_prompts(tokenizer, problems, context=context, max_tokens=max_tokens,
+                               drop=config.data.drop_too_long, what=f"{what} problem",
+                               chat_template=config.data.chat_template)
+  if out:
+    logging.warning("config.data.drop_too_long: left out %d of %d %s problems whose "
+                    "prompt + max_tokens exceed the context of %d tokens (first: %s)",
+                    len(out), len(problems), what, context,
+                    out[0].describe(context - max_tokens))
+  if not kept:
+    raise ValueError(f"no {what} problem fits the model's context of {context} tokens "
+                     f"with max_tokens={max_tokens} (config.sampler.max_tokens)")
+  return kept, ids
