@@ -136,7 +136,7 @@ def build_parts(config, run_plan) -> RunParts:
   model, _ = models.load_pretrained(
       path, dtype=jnp.dtype(config.model.param_dtype), mesh=mesh,
       rules=sharding.DEFAULT_RULES, compute_dtype=jnp.dtype(config.model.dtype),
-      remat=config.model.remat)
+      remat=config.model.remat, attention=config.model.attention)
   tokenizer = models.Tokenizer.from_pretrained(path)
   train, val = load_problem_sets(config)
   ids = data_lib.encode_prompts(tokenizer, train, chat_template=config.data.chat_template)

@@ -150,8 +150,23 @@ class DecoderLayer(nnx.Module):
     return h + self.mlp(self.post_attn_norm(h)), cache
 
 
-def _layer_forward(layer: DecoderLayer, x, cos, sin, attend):
-  return layer(x, cos, sin, attend)[0]
+# What a rematerialised layer keeps for the backward pass besides its input.
+# "dots" saves the dense projections' outputs (2-D matmuls, no batch dims); the
+# attention einsums have batch dims and are recomputed, as is all elementwise work.
+_REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _rematted_layer(graphdef: nnx.GraphDef, policy: str):
+  """A layer as a pure function of (its state, activations) under jax.checkpoint.
+
+  The module is rebuilt from its state inside the checkpointed function, so no
+  Variable crosses a trace level (nnx.remat over a module captured from the
+  outside fails inside a jitted, scanned value_and_grad).
+  """
+  def forward(state, x, cos, sin, attend):
+    return nnx.merge(graphdef, state)(x, cos, sin, attend)[0]
+  return jax.checkpoint(forward, policy=_REMAT_POLICIES[policy])
 
 
 class Decoder(nnx.Module):
@@ -186,9 +201,12 @@ class Decoder(nnx.Module):
     causal_TxT = jnp.tril(jnp.ones((T, T), bool))
     attend_BxTxT = causal_TxT[None] & mask_BxT[:, None, :]
     x, cos, sin = self._embed_and_rope(input_ids_BxT, pos_BxT)
-    forward = nnx.remat(_layer_forward) if self.cfg.remat else _layer_forward
     for layer in self.layers:
-      x = forward(layer, x, cos, sin, attend_BxTxT)
+      if self.cfg.remat == "none":
+        x = layer(x, cos, sin, attend_BxTxT)[0]
+      else:
+        graphdef, state = nnx.split(layer)
+        x = _rematted_layer(graphdef, self.cfg.remat)(state, x, cos, sin, attend_BxTxT)
     return self.norm(x)
 
   def lm_head(self, h_BxTxD: jax.Array) -> jax.Array:
