@@ -209,6 +209,20 @@ class Decoder(nnx.Module):
         x = _rematted_layer(graphdef, self.cfg.remat)(state, x, cos, sin, attend_BxTxT)
     return self.norm(x)
 
+  def lm_head_weight(self) -> tuple[jax.Array, int, object]:
+    """(weight, its vocab axis, head dtype): what `lm_head` multiplies by.
+
+    The weight is the stored parameter: the tied embedding [V, D] (vocab axis 0)
+    or the unembedding [D, V] (vocab axis 1); the head computes in float32 when
+    cfg.lm_head_fp32, else the compute dtype. For callers that recompute logits
+    chunk by chunk (`isojax.rl.logprobs`).
+    """
+    cfg = self.cfg
+    dt = jnp.float32 if cfg.lm_head_fp32 else cfg.dtype
+    if cfg.tie_word_embeddings:
+      return self.embed[...], 0, dt
+    return self.unembed[...], 1, dt
+
   def lm_head(self, h_BxTxD: jax.Array) -> jax.Array:
     """Logits [..., V]; float32 when cfg.lm_head_fp32, else the compute dtype."""
     cfg = self.cfg
