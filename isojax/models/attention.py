@@ -231,7 +231,7 @@ def _fused_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, valid_BxT, scale, implemen
 
 
 def attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, *, q_offset=0,
-              implementation="xla", cached=False, block=BLOCK):
+              implementation="xla", cached=False, block=None):
   """Causal grouped-query attention [B, T, N, H] (query head n uses kv head n // (N/K)).
 
   Args:
@@ -240,8 +240,10 @@ def attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, *, q_offset=0,
     q_offset: slot of query 0 (int or traced scalar; 0 without a cache).
     implementation: "xla" | "cudnn" | "auto" (see the module docstring).
     cached: keys are cache slots (S may differ from T): the "xla" path is used.
-    block: query length above which "xla" runs blocked, and its block size.
+    block: query length above which "xla" runs blocked, and its block size
+      (default `BLOCK`).
   """
+  block = BLOCK if block is None else block
   scale = q_BxTxNxH.shape[-1] ** -0.5
   impl = resolve_implementation(implementation, q_BxTxNxH.dtype)
   if impl not in ("xla", "cudnn"):
