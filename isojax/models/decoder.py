@@ -156,6 +156,29 @@ def _rematted_layer(graphdef: nnx.GraphDef, policy: str):
   return jax.checkpoint(forward, policy=_REMAT_POLICIES[policy])
 
 
+def _scan_rematted_layers(layers, policy, dtype, x, cos, sin, kv_valid):
+  """All layers under one lax.scan over their stacked states, each rematerialised.
+
+  jax.checkpoint alone says what to keep, not when to recompute: in an unrolled
+  loop XLA may schedule every layer's recomputation early in the backward pass,
+  so all layers' activations are alive at once again (on XLA:CPU remat "full"
+  then used more memory than "none"). Inside a scan the backward is a loop
+  that recomputes one layer per iteration. The states are stacked at trace
+  time (the parameters stay one module per layer, as in the checkpoints), cast
+  to the compute dtype first: every layer parameter is used in that dtype, and
+  the stacked copy is half the size for bf16.
+  """
+  graphdef = nnx.graphdef(layers[0])
+  states = [nnx.state(layer) for layer in layers]
+  stacked = jax.tree.map(lambda *ps: jnp.stack([p.astype(dtype) for p in ps]), *states)
+  layer = _rematted_layer(graphdef, policy)
+
+  def body(x, state):
+    return layer(state, x, cos, sin, kv_valid), None
+
+  return jax.lax.scan(body, x, stacked)[0]
+
+
 class Decoder(nnx.Module):
   """Decoder-only LM. See `isojax.models` for the call API.
 
@@ -187,12 +210,12 @@ class Decoder(nnx.Module):
     pos_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=1, dtype=jnp.int32) - 1, 0)
     x, cos, sin = self._embed_and_rope(input_ids_BxT, pos_BxT)
     # Causal over padded rows = causal by column among the mask's real tokens.
-    for layer in self.layers:
-      if self.cfg.remat == "none":
+    if self.cfg.remat == "none":
+      for layer in self.layers:
         x = layer(x, cos, sin, mask_BxT)[0]
-      else:
-        graphdef, state = nnx.split(layer)
-        x = _rematted_layer(graphdef, self.cfg.remat)(state, x, cos, sin, mask_BxT)
+    else:
+      x = _scan_rematted_layers(list(self.layers), self.cfg.remat, self.cfg.dtype, x, cos,
+                                sin, mask_BxT)
     return self.norm(x)
 
   def lm_head_weight(self) -> tuple[jax.Array, int, object]:
