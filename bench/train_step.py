@@ -17,8 +17,10 @@ Prints
     printed so the comparison is checked to compute the same thing.
 
 A benchmark, not a test: nothing is asserted. Timings are the best of a few
-runs (JAX after its compiling first call); on a shared machine they are only as
-good as the machine is idle, so the load average is printed too.
+runs (JAX after its compiling first call), taken in rounds that time the matmul,
+isojax and transformers back to back, so on a shared machine the three see similar
+load; they are still only as good as the machine is idle, so the load average is
+printed too.
 """
 
 import argparse
@@ -45,13 +47,13 @@ def timed(fn, repeats):
   return min(times), times, out
 
 
-def matmul_flops_per_s(n=2048, repeats=5):
+def matmul_fn(n=2048):
+  """A compiled fp32 n^3 matmul, ready to time (2 n^3 FLOPs a call)."""
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
   b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
   f = jax.jit(jnp.matmul)
   f(a, b).block_until_ready()
-  best = timed(lambda: f(a, b).block_until_ready(), repeats)[0]
-  return 2 * n ** 3 / best
+  return lambda: f(a, b).block_until_ready()
 
 
 def model_flops(cfg: ModelConfig, B, T):
@@ -128,7 +130,9 @@ def main():
   ap.add_argument("--tokens", type=int, default=256)
   ap.add_argument("--micro", type=int, default=64, help="micro-batch rows")
   ap.add_argument("--group", type=int, default=8, help="rollouts per prompt")
-  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--repeats", type=int, default=3, help="timed rounds")
+  ap.add_argument("--logits-chunk", type=int, default=None,
+                  help="lm-head positions per chunk (make_train_step's logits_chunk)")
   ap.add_argument("--no-torch", action="store_true")
   args = ap.parse_args()
   if args.small:
@@ -145,13 +149,10 @@ def main():
   print(f"model: {cfg.num_layers} layers, d={D}, ff={4 * D}, heads={cfg.num_heads}, "
         f"vocab={cfg.vocab_size}; batch {B} x {T} tokens, micro-batch {args.micro}")
 
-  peak = matmul_flops_per_s()
-  print(f"fp32 matmul 2048^3: {peak / 1e9:.1f} GFLOP/s")
-
   model = Decoder(cfg, rngs=nnx.Rngs(0))
   loss_cfg, optim_cfg = LossConfig(), OptimConfig()
   step = make_train_step(model, loss_cfg, optim_cfg, batch_size=B, group_size=args.group,
-                         micro_batch_size=args.micro)
+                         micro_batch_size=args.micro, logits_chunk=args.logits_chunk)
   batch = make_batch(B, T, T // 4, cfg.vocab_size)
   state = init_train_state(model, loss_cfg, optim_cfg, batch_size=B)
   holder = {"state": state}
@@ -161,26 +162,45 @@ def main():
     jax.block_until_ready(holder["state"])
     return float(metrics["loss"])
 
+  matmul = matmul_fn()
   t = time.perf_counter()
   first_loss = jax_step()  # from the initial weights
   print(f"first call (compile + run): {time.perf_counter() - t:.1f} s")
-  jax_s, jax_times, _ = timed(jax_step, args.repeats)
+  torch_step = None
+  tmp = tempfile.TemporaryDirectory()
+  if not args.no_torch:
+    save_pretrained(Decoder(cfg, rngs=nnx.Rngs(0)), cfg, tmp.name)  # the initial weights
+    torch_step = torch_step_fn(tmp.name, batch, args.group, args.micro, loss_cfg.clip_low,
+                               loss_cfg.clip_high)
+
+  # Rounds of (matmul, isojax, transformers): on a shared machine the three see the
+  # same load in each round, and the best of each is compared. No torch compile to
+  # warm up: every torch run is timed (the first one too).
+  times = {"matmul": [], "isojax": [], "transformers": []}
+  torch_loss = None
+  for _ in range(args.repeats):
+    times["matmul"].append(timed(matmul, 3)[0])
+    times["isojax"].append(timed(jax_step, 1)[0])
+    if torch_step is not None:
+      t = time.perf_counter()
+      torch_loss = torch_step()
+      times["transformers"].append(time.perf_counter() - t)
+  tmp.cleanup()
+  peak = 2 * 2048 ** 3 / min(times["matmul"])
+  jax_s = min(times["isojax"])
+  print(f"fp32 matmul 2048^3: {peak / 1e9:.1f} GFLOP/s   load avg now: "
+        f"{os.getloadavg()[0]:.1f}")
   flops = model_flops(cfg, B, T)
-  print(f"isojax step: {jax_s:.3f} s (runs {', '.join(f'{x:.3f}' for x in jax_times)})  "
-        f"{B * T / jax_s:,.0f} tokens/s")
+  print(f"isojax step: {jax_s:.3f} s (runs {', '.join(f'{x:.3f}' for x in times['isojax'])})"
+        f"  {B * T / jax_s:,.0f} tokens/s")
   print(f"  model FLOPs {flops / 1e12:.3f} T -> {flops / jax_s / 1e9:.1f} GFLOP/s = "
         f"{flops / jax_s / peak:.2f} x matmul peak (goal >= 0.5)")
-
-  if args.no_torch:
+  if torch_step is None:
     return
-  with tempfile.TemporaryDirectory() as tmp:
-    save_pretrained(Decoder(cfg, rngs=nnx.Rngs(0)), cfg, tmp)  # the initial weights
-    torch_step = torch_step_fn(tmp, batch, args.group, args.micro, loss_cfg.clip_low,
-                               loss_cfg.clip_high)
-    # No compile to warm up: every torch run is timed (the first one too).
-    torch_s, torch_times, torch_loss = timed(torch_step, args.repeats)
+  torch_s = min(times["transformers"])
   print(f"transformers fwd+bwd: {torch_s:.3f} s (runs "
-        f"{', '.join(f'{x:.3f}' for x in torch_times)})  {B * T / torch_s:,.0f} tokens/s")
+        f"{', '.join(f'{x:.3f}' for x in times['transformers'])})  "
+        f"{B * T / torch_s:,.0f} tokens/s")
   print(f"  same loss: isojax {first_loss:.6e}  transformers {torch_loss:.6e}")
   print(f"isojax / transformers speed: {torch_s / jax_s:.2f}x (goal >= 1.5)")
 

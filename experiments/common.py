@@ -103,7 +103,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.path = ""       # HF directory; "" = the committed tiny base model
   c.model.dtype = "float32"        # activations
   c.model.param_dtype = "float32"  # master weights
-  c.model.remat = False
+  c.model.remat = "none"   # per-layer remat: "none" | "full" | "dots" (True/False too)
+  c.model.attention = "auto"  # "auto" (cudnn on GPU, else xla) | "xla" | "cudnn"
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1

@@ -25,6 +25,26 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
+# Per-layer rematerialisation: "none" keeps every activation for the backward
+# pass; "full" keeps only each layer's input and recomputes the rest; "dots" also
+# keeps the outputs of the dense (weight) matmuls, recomputing only cheap ops.
+REMAT_POLICIES = ("none", "full", "dots")
+# "xla": portable (blocked above a length, see isojax.models.attention);
+# "cudnn": cuDNN's fused flash attention (GPU); "auto": cudnn on GPU, else xla.
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+
+
+def as_remat(remat: Any) -> str:
+  """"none" | "full" | "dots"; True/False (and "true"/"false" from flags) = full/none."""
+  if isinstance(remat, (bool, np.bool_)):
+    return "full" if remat else "none"
+  if isinstance(remat, str):
+    name = {"true": "full", "false": "none"}.get(remat.lower(), remat.lower())
+    if name in REMAT_POLICIES:
+      return name
+  raise ValueError(f"ModelConfig.remat={remat!r}: expected one of {REMAT_POLICIES} "
+                   "(or True/False for full/none)")
+
 
 def as_dtype(dtype: Any) -> Any:
   """'bfloat16' | jnp.bfloat16 | np.dtype -> the jnp scalar type (hashable)."""
@@ -46,7 +66,9 @@ class ModelConfig:
 
   `dtype` is the compute dtype of activations, `param_dtype` the storage dtype of
   parameters; `lm_head_fp32` computes the final projection and logits in float32
-  (the ScaleRL precision fix for bf16 training); `remat` checkpoints each layer.
+  (the ScaleRL precision fix for bf16 training); `remat` is the per-layer
+  rematerialisation policy (`REMAT_POLICIES`; True/False mean "full"/"none");
+  `attention` picks the attention implementation (`ATTENTION_IMPLEMENTATIONS`).
   """
 
   architecture: str
@@ -72,7 +94,8 @@ class ModelConfig:
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   lm_head_fp32: bool = True
-  remat: bool = False
+  remat: str = "none"
+  attention: str = "auto"
   # The config.json this came from, as JSON text (immutable, kept out of eq/hash).
   hf_config_json: str = dataclasses.field(default="", compare=False, repr=False)
 
@@ -87,6 +110,10 @@ class ModelConfig:
     if self.rope_type not in SUPPORTED_ROPE_TYPES:
       raise ValueError(f"unsupported rope_type {self.rope_type!r}; "
                        f"supported: {SUPPORTED_ROPE_TYPES}")
+    if self.attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"ModelConfig.attention={self.attention!r}: expected one of "
+                       f"{ATTENTION_IMPLEMENTATIONS}")
+    object.__setattr__(self, "remat", as_remat(self.remat))
     object.__setattr__(self, "dtype", as_dtype(self.dtype))
     object.__setattr__(self, "param_dtype", as_dtype(self.param_dtype))
 
@@ -99,7 +126,8 @@ class ModelConfig:
 
   @classmethod
   def from_hf_dict(cls, hf: dict, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                   lm_head_fp32: bool = True, remat: bool = False) -> ModelConfig:
+                   lm_head_fp32: bool = True, remat: str | bool = "none",
+                   attention: str = "auto") -> ModelConfig:
     """Parse a transformers `config.json` dict (old and new rope formats).
 
     Raises ValueError on an unsupported `architectures` entry or on features
@@ -141,7 +169,7 @@ class ModelConfig:
         qk_norm=qk_norm,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype=dtype, param_dtype=param_dtype, lm_head_fp32=lm_head_fp32, remat=remat,
-        hf_config_json=json.dumps(hf, sort_keys=True),
+        attention=attention, hf_config_json=json.dumps(hf, sort_keys=True),
         **rope)
 
   def to_hf_dict(self, dtype=None) -> dict:

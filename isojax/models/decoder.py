@@ -16,12 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from isojax.models.attention import attention
 from isojax.models.config import ModelConfig, rope_inv_freq
 from isojax.models.kv_cache import KVCache
 
-# Masked attention scores. Finite so a row with nothing to attend to (a left-pad
-# query) softmaxes to uniform instead of NaN, which would poison gradients.
-_MASKED = float(jnp.finfo(jnp.float32).min)
 _INIT_STD = 0.02
 
 
@@ -65,19 +63,6 @@ def _rotate(x_BxTxNxH: jax.Array, cos_BxTxH: jax.Array, sin_BxTxH: jax.Array) ->
   return x_BxTxNxH * cos_BxTxH[:, :, None] + rotated * sin_BxTxH[:, :, None]
 
 
-def _attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, attend_BxTxS, scale) -> jax.Array:
-  """Grouped-query softmax attention; query head n uses kv head n // (N/K)."""
-  B, T, N, H = q_BxTxNxH.shape
-  K = k_BxSxKxH.shape[2]
-  q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
-  s = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
-                 preferred_element_type=jnp.float32) * scale
-  s = jnp.where(attend_BxTxS[:, None, None], s, _MASKED)
-  p = jax.nn.softmax(s, axis=-1).astype(v_BxSxKxH.dtype)
-  o = jnp.einsum("bkgts,bskh->btkgh", p, v_BxSxKxH)
-  return o.reshape(B * T, N * H)
-
-
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -94,8 +79,9 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(H, cfg)
       self.k_norm = RMSNorm(H, cfg)
 
-  def __call__(self, x_BxTxD, cos_BxTxH, sin_BxTxH, attend_BxTxS, cache=None, layer=0,
+  def __call__(self, x_BxTxD, cos_BxTxH, sin_BxTxH, kv_valid_BxS, cache=None, layer=0,
                index=None):
+    """Self-attention; with a cache, keys are its slots and queries start at `index`."""
     cfg, dt = self.cfg, self.cfg.dtype
     B, T, D = x_BxTxD.shape
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -112,8 +98,9 @@ class Attention(nnx.Module):
     q, k = _rotate(q, cos_BxTxH, sin_BxTxH), _rotate(k, cos_BxTxH, sin_BxTxH)
     if cache is not None:
       cache, k, v = cache.write(layer, k, v, index)
-    o_NxNH = _attend(q, k, v, attend_BxTxS, H ** -0.5)
-    out = _dense(o_NxNH, self.o_kernel, 2, dt)
+    o = attention(q, k, v, kv_valid_BxS, q_offset=0 if cache is None else index,
+                  implementation=cfg.attention, cached=cache is not None)
+    out = _dense(o.reshape(B * T, N * H), self.o_kernel, 2, dt)
     return out.reshape(B, T, D), cache
 
 
@@ -143,15 +130,53 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BxTxD, cos, sin, attend_BxTxS, cache=None, layer=0, index=None):
-    a, cache = self.attn(self.input_norm(x_BxTxD), cos, sin, attend_BxTxS, cache, layer,
+  def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, cache=None, layer=0, index=None):
+    a, cache = self.attn(self.input_norm(x_BxTxD), cos, sin, kv_valid_BxS, cache, layer,
                          index)
     h = x_BxTxD + a
     return h + self.mlp(self.post_attn_norm(h)), cache
 
 
-def _layer_forward(layer: DecoderLayer, x, cos, sin, attend):
-  return layer(x, cos, sin, attend)[0]
+# What a rematerialised layer keeps for the backward pass besides its input.
+# "dots" saves the dense projections' outputs (2-D matmuls, no batch dims); the
+# attention einsums have batch dims and are recomputed, as is all elementwise work.
+_REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _rematted_layer(graphdef: nnx.GraphDef, policy: str):
+  """A layer as a pure function of (its state, activations) under jax.checkpoint.
+
+  The module is rebuilt from its state inside the checkpointed function, so no
+  Variable crosses a trace level (nnx.remat over a module captured from the
+  outside fails inside a jitted, scanned value_and_grad).
+  """
+  def forward(state, x, cos, sin, kv_valid):
+    return nnx.merge(graphdef, state)(x, cos, sin, kv_valid)[0]
+  return jax.checkpoint(forward, policy=_REMAT_POLICIES[policy])
+
+
+def _scan_rematted_layers(layers, policy, dtype, x, cos, sin, kv_valid):
+  """All layers under one lax.scan over their stacked states, each rematerialised.
+
+  jax.checkpoint alone says what to keep, not when to recompute: in an unrolled
+  loop XLA may schedule every layer's recomputation early in the backward pass,
+  so all layers' activations are alive at once again (on XLA:CPU remat "full"
+  then used more memory than "none"). Inside a scan the backward is a loop
+  that recomputes one layer per iteration. The states are stacked at trace
+  time (the parameters stay one module per layer, as in the checkpoints), cast
+  to the compute dtype first: every layer parameter is used in that dtype, and
+  the stacked copy is half the size for bf16.
+  """
+  graphdef = nnx.graphdef(layers[0])
+  states = [nnx.state(layer) for layer in layers]
+  stacked = jax.tree.map(lambda *ps: jnp.stack([p.astype(dtype) for p in ps]), *states)
+  layer = _rematted_layer(graphdef, policy)
+
+  def body(x, state):
+    return layer(state, x, cos, sin, kv_valid), None
+
+  return jax.lax.scan(body, x, stacked)[0]
 
 
 class Decoder(nnx.Module):
@@ -183,13 +208,29 @@ class Decoder(nnx.Module):
     mask_BxT = (jnp.ones((B, T), bool) if attention_mask is None
                 else attention_mask.astype(bool))
     pos_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=1, dtype=jnp.int32) - 1, 0)
-    causal_TxT = jnp.tril(jnp.ones((T, T), bool))
-    attend_BxTxT = causal_TxT[None] & mask_BxT[:, None, :]
     x, cos, sin = self._embed_and_rope(input_ids_BxT, pos_BxT)
-    forward = nnx.remat(_layer_forward) if self.cfg.remat else _layer_forward
-    for layer in self.layers:
-      x = forward(layer, x, cos, sin, attend_BxTxT)
+    # Causal over padded rows = causal by column among the mask's real tokens.
+    if self.cfg.remat == "none":
+      for layer in self.layers:
+        x = layer(x, cos, sin, mask_BxT)[0]
+    else:
+      x = _scan_rematted_layers(list(self.layers), self.cfg.remat, self.cfg.dtype, x, cos,
+                                sin, mask_BxT)
     return self.norm(x)
+
+  def lm_head_weight(self) -> tuple[jax.Array, int, object]:
+    """(weight, its vocab axis, head dtype): what `lm_head` multiplies by.
+
+    The weight is the stored parameter: the tied embedding [V, D] (vocab axis 0)
+    or the unembedding [D, V] (vocab axis 1); the head computes in float32 when
+    cfg.lm_head_fp32, else the compute dtype. For callers that recompute logits
+    chunk by chunk (`isojax.rl.logprobs`).
+    """
+    cfg = self.cfg
+    dt = jnp.float32 if cfg.lm_head_fp32 else cfg.dtype
+    if cfg.tie_word_embeddings:
+      return self.embed[...], 0, dt
+    return self.unembed[...], 1, dt
 
   def lm_head(self, h_BxTxD: jax.Array) -> jax.Array:
     """Logits [..., V]; float32 when cfg.lm_head_fp32, else the compute dtype."""
@@ -215,11 +256,11 @@ class Decoder(nnx.Module):
 
   def _cached_hidden(self, ids_BxT, mask_BxT, cache: KVCache):
     T = ids_BxT.shape[1]
-    cache, pos_BxT, attend_BxTxS = cache.start(mask_BxT)
+    cache, pos_BxT, _ = cache.start(mask_BxT)  # its [B, T, S] mask is left unused
     index = cache.index - T
     x, cos, sin = self._embed_and_rope(ids_BxT, pos_BxT)
     for i, layer in enumerate(self.layers):
-      x, cache = layer(x, cos, sin, attend_BxTxS, cache, i, index)
+      x, cache = layer(x, cos, sin, cache.valid_BxS, cache, i, index)
     return self.norm(x), cache
 
   def prefill(self, input_ids_BxT: jax.Array, attention_mask_BxT: jax.Array,

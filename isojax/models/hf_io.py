@@ -177,7 +177,8 @@ def _memmap(file: Path, info: dict, base: int) -> np.ndarray:
 
 
 def load_pretrained(path, *, dtype=jnp.float32, mesh=None, rules=None, compute_dtype=None,
-                    lm_head_fp32: bool = True, remat: bool = False):
+                    lm_head_fp32: bool = True, remat: str | bool = "none",
+                    attention: str = "auto"):
   """Load a Llama/Qwen2/Qwen3 HF directory into a Decoder.
 
   Args:
@@ -187,7 +188,7 @@ def load_pretrained(path, *, dtype=jnp.float32, mesh=None, rules=None, compute_d
     mesh: if given, every parameter is created already sharded on it.
     rules: logical -> mesh axis rules (default `isojax.sharding.DEFAULT_RULES`).
     compute_dtype: activation dtype (default: `dtype`).
-    lm_head_fp32, remat: see ModelConfig.
+    lm_head_fp32, remat, attention: see ModelConfig.
 
   Returns:
     (model, cfg). Raises ValueError for a missing directory/config.json, an
@@ -207,7 +208,8 @@ def load_pretrained(path, *, dtype=jnp.float32, mesh=None, rules=None, compute_d
   except json.JSONDecodeError as e:
     raise ValueError(f"{config_file}: invalid JSON ({e})") from None
   cfg = ModelConfig.from_hf_dict(hf, dtype=dtype if compute_dtype is None else compute_dtype,
-                                 param_dtype=dtype, lm_head_fp32=lm_head_fp32, remat=remat)
+                                 param_dtype=dtype, lm_head_fp32=lm_head_fp32, remat=remat,
+                                 attention=attention)
   tensors = _tensor_index(path)
   table = hf_param_table(cfg)
   missing = [n for n, _, _ in table if n not in tensors]

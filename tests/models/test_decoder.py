@@ -72,11 +72,12 @@ def test_bf16_compute_with_fp32_head_is_close_to_fp32(hf_dir, torch_logits):
   assert _forward(model, ids, None).dtype == jnp.bfloat16
 
 
-def test_remat_gives_identical_logits_and_gradients(hf_dir):
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_gives_identical_logits_and_gradients(hf_dir, remat):
   _, path = hf_dir("llama3")
   plain, _ = load_pretrained(path)
-  rematted, cfg = load_pretrained(path, remat=True)
-  assert cfg.remat
+  rematted, cfg = load_pretrained(path, remat=remat)
+  assert cfg.remat == remat
   ids = jnp.asarray(np.random.RandomState(5).randint(0, 128, (2, 16)))
   mask = jnp.ones_like(ids).at[0, :4].set(0)
 

@@ -45,44 +45,83 @@ def test_gradients_are_softmax_formulas():
 
 
 class StandIn:
-  """hidden_states = embedding lookup; lm_head = projection (fp32)."""
+  """hidden_states = embedding lookup; lm_head = projection (fp32) by a weight stored
+  [D, V] (vocab_axis 1, an unembedding) or [V, D] (vocab_axis 0, tied)."""
 
-  def __init__(self, emb, proj):
-    self.emb, self.proj = emb, proj
+  def __init__(self, emb, proj, vocab_axis=1):
+    self.emb, self.proj, self.vocab_axis = emb, proj, vocab_axis
 
   def hidden_states(self, ids, attention_mask=None):
     return self.emb[ids] * attention_mask[..., None]
 
   def lm_head(self, h):
-    return h @ self.proj
+    return h @ (self.proj if self.vocab_axis == 1 else self.proj.T)
+
+  def lm_head_weight(self):
+    return self.proj, self.vocab_axis, jnp.float32
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 4, 16])
-def test_chunked_equals_unchunked_values_and_gradients(chunk):
+@pytest.mark.parametrize("chunk, vocab_axis, temperature", [
+    (1, 1, 1.0), (3, 0, 1.0), (4, 1, 0.7), (16, 0, 1.3), (2, 0, 0.7)])
+def test_chunked_equals_unchunked_values_and_gradients(chunk, vocab_axis, temperature):
   rng = np.random.default_rng(2)
   B, T, D, V = 3, 9, 5, 13
   ids = jnp.asarray(rng.integers(0, V, (B, T)))
-  attn = jnp.ones((B, T), jnp.int32)
+  attn = jnp.ones((B, T), jnp.int32).at[0, :2].set(0)
   mask = np.zeros((B, T), np.float32)
   mask[:, 6:] = 1  # chunks over the prompt region are skipped
-  emb, proj = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((V, D), (D, V)))
+  mask[2, 8:] = 0
+  emb = jnp.asarray(rng.normal(size=(V, D)), jnp.float32)
+  proj = jnp.asarray(rng.normal(size=(D, V) if vocab_axis else (V, D)), jnp.float32)
+  # Distinct per-token weights on both outputs: the entropy's gradient matters
+  # (entropy_coef > 0) and a mix-up of tokens or of the two outputs shows.
+  w_lp = jnp.asarray(rng.uniform(0.5, 1.5, (B, T)) * mask, jnp.float32)
+  w_ent = jnp.asarray(rng.uniform(-1.0, 1.0, (B, T)) * mask, jnp.float32)
 
-  def loss(proj, chunk):
-    lp, ent = token_logp_entropy(StandIn(emb, proj), ids, attn, jnp.asarray(mask),
-                                 chunk=chunk)
-    return jnp.sum((lp + 0.1 * ent) * mask), (lp, ent)
+  def loss(emb, proj, chunk):
+    lp, ent = token_logp_entropy(StandIn(emb, proj, vocab_axis), ids, attn,
+                                 jnp.asarray(mask), chunk=chunk, temperature=temperature)
+    return jnp.sum(lp * w_lp + ent * w_ent), (lp, ent)
 
-  (v0, (lp0, ent0)), g0 = jax.value_and_grad(loss, has_aux=True)(proj, None)
-  (v1, (lp1, ent1)), g1 = jax.value_and_grad(loss, has_aux=True)(proj, chunk)
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True),
+                 static_argnums=2)
+  (v0, (lp0, ent0)), g0 = grad(emb, proj, None)
+  (v1, (lp1, ent1)), g1 = grad(emb, proj, chunk)
   np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
   on = mask > 0
-  np.testing.assert_allclose(np.asarray(lp1)[on], np.asarray(lp0)[on], rtol=1e-6)
-  np.testing.assert_allclose(np.asarray(ent1)[on], np.asarray(ent0)[on], rtol=1e-6)
-  np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(lp1)[on], np.asarray(lp0)[on], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(ent1)[on], np.asarray(ent0)[on], rtol=1e-6,
+                             atol=1e-6)
+  for a, b in zip(g1, g0):  # w.r.t. the hidden states (via emb) and the head weight
+    assert np.abs(np.asarray(b)).max() > 1e-2
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
   # column 0 has no prediction; position t's log-prob comes from logits at t - 1
   assert np.all(np.asarray(lp0)[:, 0] == 0)
-  rlp, _ = np_logp_entropy(np.asarray(emb[ids[:, 3]] @ proj), np.asarray(ids[:, 4]))
-  np.testing.assert_allclose(np.asarray(lp0)[:, 4], rlp, rtol=1e-5)
+  head = np.asarray(proj) if vocab_axis else np.asarray(proj).T
+  rlp, _ = np_logp_entropy(np.asarray(emb[ids[:, 6]]) @ head / temperature,
+                           np.asarray(ids[:, 7]))
+  np.testing.assert_allclose(np.asarray(lp1)[:, 7], rlp, rtol=1e-5)
+
+
+def test_chunked_head_lowers_compiled_temporaries():
+  """The custom backward keeps one chunk of [tokens, V] logits alive, not all."""
+  B, T, D, V = 2, 1024, 64, 8192
+  ids = jnp.zeros((B, T), jnp.int32)
+  ones = jnp.ones((B, T), jnp.float32)
+  emb = jax.ShapeDtypeStruct((V, D), jnp.float32)
+  proj = jax.ShapeDtypeStruct((D, V), jnp.float32)
+
+  def temp_bytes(chunk):
+    def loss(emb, proj):
+      lp, ent = token_logp_entropy(StandIn(emb, proj), ids, ones.astype(jnp.int32), ones,
+                                   chunk=chunk)
+      return jnp.sum(lp) + 0.01 * jnp.sum(ent)
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(emb, proj).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  full, chunked = temp_bytes(None), temp_bytes(128)
+  assert full > B * T * V * 4  # at least the [tokens, V] float32 logits
+  assert chunked < 0.5 * full, (chunked, full)
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.3])
