@@ -46,8 +46,8 @@ from isojax.rl.losses import MAX_METRICS, LossConfig, token_weights, weighted_po
 from isojax.rl.losses import zero_variance_from_advantages
 from isojax.rl.optim import OptimConfig, lr_schedule, make_optimizer
 
-__all__ = ["Batch", "TrainState", "TrainStep", "init_train_state", "make_train_step",
-           "validate_batch"]
+__all__ = ["Batch", "TrainState", "TrainStep", "abstract_batch", "abstract_train_state",
+           "init_train_state", "make_train_step", "validate_batch"]
 
 
 @flax.struct.dataclass
@@ -175,13 +175,56 @@ def init_train_state(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCo
   return jax.device_put(_opt_and_ref(params, tx, with_ref), shardings, may_alias=False)
 
 
+def abstract_train_state(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimConfig, *,
+                         batch_size: int, mesh: Mesh | None = None,
+                         rules=shd.DEFAULT_RULES) -> TrainState:
+  """``init_train_state``'s result as ``jax.ShapeDtypeStruct`` leaves with shardings.
+
+  No array is created, so ``model`` may come from ``nnx.eval_shape`` (a 7B
+  model costs nothing); the result feeds ``TrainStep.lower``.
+  """
+  mesh = _default_mesh(mesh)
+  tx = make_optimizer(optim_cfg, batch_size=batch_size)
+  with_ref = loss_cfg.kl_coef > 0
+  shardings = _state_shardings(model, tx, with_ref, mesh, rules)
+  shapes = jax.eval_shape(lambda p: _opt_and_ref(p, tx, with_ref),
+                          nnx.state(model, nnx.Param))
+  leaves, treedef = jax.tree.flatten(shapes)
+  sh_leaves = jax.tree.leaves(shardings)
+  if len(sh_leaves) != len(leaves):  # the two trees come from the same state
+    raise AssertionError(f"{len(sh_leaves)} shardings for {len(leaves)} state leaves")
+  return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+                                      for x, sh in zip(leaves, sh_leaves)])
+
+
+def abstract_batch(batch_size: int, seq_len: int, *, mesh: Mesh | None = None,
+                   baseline_size: int | None = None) -> Batch:
+  """A ``Batch`` of ``jax.ShapeDtypeStruct`` [batch_size, seq_len] placed like the step's.
+
+  ``baseline_size``: length of ``baseline_rewards_B`` (Bp * n_est), if any.
+  """
+  sh = shd.batch_sharding(_default_mesh(mesh))
+
+  def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+  bxt = (batch_size, seq_len)
+  return Batch(input_ids_BxT=spec(bxt, jnp.int32), attention_mask_BxT=spec(bxt, jnp.int32),
+               loss_mask_BxT=spec(bxt, jnp.float32), sampler_logp_BxT=spec(bxt, jnp.float32),
+               rewards_B=spec((batch_size,), jnp.float32),
+               baseline_rewards_B=None if baseline_size is None
+               else spec((baseline_size,), jnp.float32))
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
   """The built step. Call it as ``state, metrics = train_step(state, batch)``.
 
   ``__call__`` runs ``validate_batch`` on the host, then ``jitted`` (the
-  ``jax.jit`` object: use ``jitted.lower(state, batch).compile()`` for memory
-  figures). The state argument is donated: its arrays are invalid afterwards.
+  ``jax.jit`` object). ``lower`` compiles ahead of time from shapes alone
+  (``abstract_train_state`` / ``abstract_batch``): ``lower(...).compile()
+  .memory_analysis()`` gives the step's memory before any array exists. The
+  state argument is donated: its arrays are invalid afterwards.
   """
 
   jitted: Callable
@@ -196,6 +239,10 @@ class TrainStep:
     validate_batch(batch, group_size=self.group_size, batch_size=self.batch_size,
                    micro_batch_size=self.micro_batch_size, batch_shards=self.batch_shards)
     return self.jitted(state, batch)
+
+  def lower(self, state: TrainState, batch: Batch):
+    """``jax.jit(...).lower`` of the step; arrays or ``jax.ShapeDtypeStruct`` leaves."""
+    return self.jitted.lower(state, batch)
 
 
 def _combine(acc, new):

@@ -1,0 +1,142 @@
+"""Compiled memory of the update step, read before any array exists.
+
+The step is lowered from shapes alone (an ``nnx.eval_shape`` model,
+``abstract_train_state``, ``abstract_batch``) and compiled; XLA's
+``memory_analysis`` then says what one device needs. ``dry_run`` does this for
+an experiment config: ``python -m isojax.main ... --dry_run`` prints it and
+exits, so a 7B run's fit is known before a GPU hour is spent on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import jax
+import numpy as np
+
+GIB = 1024 ** 3
+
+__all__ = ["StepMemory", "abstract_decoder", "dry_run", "per_device_bytes", "step_memory"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+  """Bytes per device of one compiled update step.
+
+  Attributes:
+    state: the train state (params, optimiser moments, ref params), this
+      device's shards.
+    batch: this device's rows of the batch.
+    temporaries: XLA's temporary buffers (activations, gradients, logits, ...).
+    output_not_aliased: outputs that do not reuse a donated input (metrics).
+    code: the compiled program itself.
+  """
+
+  state: int
+  batch: int
+  temporaries: int
+  output_not_aliased: int
+  code: int
+
+  @property
+  def total(self) -> int:
+    """What the device must hold while the step runs."""
+    return self.state + self.batch + self.temporaries + self.output_not_aliased + self.code
+
+  def fits(self, device_memory_gib: float) -> bool:
+    return self.total <= device_memory_gib * GIB
+
+  def report(self, device_memory_gib: float | None = None) -> str:
+    rows = [("state (params + optimiser)", self.state), ("batch", self.batch),
+            ("temporaries", self.temporaries), ("outputs (not aliased)",
+                                                self.output_not_aliased),
+            ("code", self.code), ("total", self.total)]
+    lines = ["compiled update step, bytes per device:"]
+    lines += [f"  {name:<28s}{b / GIB:10.3f} GiB" for name, b in rows]
+    if device_memory_gib is not None:
+      verdict = "fits" if self.fits(device_memory_gib) else "does NOT fit"
+      lines.append(f"  {verdict} in {device_memory_gib:g} GiB per device "
+                   f"({100 * self.total / (device_memory_gib * GIB):.1f} % used)")
+    return "\n".join(lines)
+
+
+def per_device_bytes(tree) -> int:
+  """Bytes one device holds of a pytree of sharded arrays or ShapeDtypeStructs.
+
+  Uses the largest shard (``NamedSharding.shard_shape``); a leaf without a
+  sharding counts whole.
+  """
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = tuple(leaf.shape)
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is not None:
+      shape = sharding.shard_shape(shape)
+    total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def step_memory(train_step, state, batch) -> StepMemory:
+  """Lowers and compiles ``train_step`` on ``state``/``batch`` (arrays or shapes).
+
+  Raises ValueError if the backend reports no memory analysis.
+  """
+  compiled = train_step.lower(state, batch).compile()
+  ma = compiled.memory_analysis()
+  if ma is None:
+    raise ValueError(f"the {jax.default_backend()} backend gives no memory_analysis")
+  return StepMemory(state=per_device_bytes(state), batch=per_device_bytes(batch),
+                    temporaries=int(ma.temp_size_in_bytes),
+                    output_not_aliased=max(0, int(ma.output_size_in_bytes)
+                                           - int(ma.alias_size_in_bytes)),
+                    code=int(ma.generated_code_size_in_bytes))
+
+
+def abstract_decoder(cfg):
+  """An ``isojax.models.Decoder`` of ``cfg`` with shapes only (no parameter memory)."""
+  from flax import nnx
+
+  from isojax.models import Decoder
+
+  return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+
+
+def dry_run(config) -> tuple[StepMemory, dict]:
+  """The memory of the update step ``isojax.main`` would build for ``config``.
+
+  Reads the model's config.json (no weights), the training prompts (for the
+  batch width, as the run does) and compiles the step from shapes.
+
+  Returns:
+    (StepMemory, a dict describing what was compiled: B, T, micro-batch, mesh).
+  """
+  import jax.numpy as jnp
+
+  from isojax import batching, data as data_lib, models, rl, run, run_setup
+
+  run_plan = run.plan(config)
+  path = run_setup.model_path(config)
+  config_file = path / "config.json"
+  if not config_file.exists():
+    raise ValueError(f"{config_file} not found: config.model.path={str(path)!r} is not a "
+                     f"Hugging Face model directory")
+  cfg = models.ModelConfig.from_hf_dict(
+      json.loads(config_file.read_text()), dtype=jnp.dtype(config.model.dtype),
+      param_dtype=jnp.dtype(config.model.param_dtype), remat=config.model.remat)
+  model = abstract_decoder(cfg)
+  mesh = run_setup._mesh(config)
+  tokenizer = models.Tokenizer.from_pretrained(path)
+  train, _ = run_setup.load_problem_sets(config)
+  ids = data_lib.encode_prompts(tokenizer, train, chat_template=config.data.chat_template)
+  width = batching.prompt_bucket(max(len(x) for x in ids)) + config.sampler.max_tokens
+  point = run_plan.point
+  step = run_setup.make_step(config, run_plan, model, mesh)
+  state = rl.abstract_train_state(model, run_plan.loss, run_plan.optim,
+                                  batch_size=point.batch, mesh=mesh)
+  batch = rl.abstract_batch(point.batch, width, mesh=mesh)
+  what = {"batch": point.batch, "seq_len": width, "micro_batch": run_plan.micro_batch,
+          "mesh": dict(mesh.shape), "params": sum(
+              math.prod(x.shape) for x in jax.tree.leaves(state.params))}
+  return step_memory(step, state, batch), what
