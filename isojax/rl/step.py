@@ -29,7 +29,7 @@ micro-batch is then spread evenly over all of them without communication.
 """
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import flax.struct
 import jax
@@ -40,6 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from isojax import sharding as shd
+from isojax.rl import layout
 from isojax.rl.advantages import compute_advantages
 from isojax.rl.logprobs import token_logp_entropy
 from isojax.rl.losses import MAX_METRICS, LossConfig, token_weights, weighted_policy_loss
@@ -254,6 +255,7 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
                     batch_size: int, group_size: int, micro_batch_size: int | None = None,
                     mesh: Mesh | None = None, rules=shd.DEFAULT_RULES,
                     logits_chunk: int | None = None, temperature: float = 1.0,
+                    length_buckets: int | Sequence[int] = layout.DEFAULT_BUCKETS,
                     donate: bool = True) -> TrainStep:
   """Build the jitted, sharded update step.
 
@@ -269,14 +271,19 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
     logits_chunk: lm-head positions per chunk (see ``isojax.rl.logprobs``).
     temperature: the sampler's temperature; logits are divided by it so the
       trainer's log-probs are those of the distribution the rollouts came from.
+    length_buckets: static lengths micro-batches are trimmed to (see
+      ``isojax.rl.layout``): a count (lengths multiples of 128) or explicit
+      lengths; with one bucket (T <= 128 for a count, or 1) the batch layout
+      is used as given.
     donate: donate the state's buffers to the step.
 
   Returns:
     A ``TrainStep``: ``(state, batch) -> (state, metrics)`` with scalar
     metrics: the loss metrics of ``isojax.rl.losses`` (old-policy ratios are
     exactly 1 on-policy, so clip fractions and approx_kl_old are 0), plus
-    zero_var_frac, reward_mean, adv_abs_mean, tokens, grad_norm (before
-    clipping), update_norm, lr and skipped.
+    zero_var_frac, reward_mean, adv_abs_mean, tokens, pad_fraction (of the
+    positions the model ran on), grad_norm (before clipping), update_norm, lr
+    and skipped.
   """
   mesh = _default_mesh(mesh)
   mb = batch_size if micro_batch_size is None else micro_batch_size
@@ -291,6 +298,7 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
   if not temperature > 0:
     raise ValueError(f"temperature={temperature}: the trainer scores rollouts under "
                      "softmax(logits / temperature); greedy (0) rollouts cannot be trained on")
+  layout.bucket_lengths(1, length_buckets)  # a bad value fails here, not at trace time
   n_micro = batch_size // mb
   tx = make_optimizer(optim_cfg, batch_size=batch_size)
   schedule = lr_schedule(optim_cfg, batch_size)
@@ -331,10 +339,23 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
     data = {"ids": batch.input_ids_BxT, "attn": batch.attention_mask_BxT, "mask": mask,
             "sampler": batch.sampler_logp_BxT.astype(jnp.float32), "adv": adv_B,
             "weights": token_weights(mask, adv_B, loss_cfg, group_size=group_size)}
-    # [B, ...] -> [n_micro, mb, ...]; micro-batch i = rows i, i + n_micro, ...
-    micro = jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(
-            x.reshape(mb, n_micro, *x.shape[1:]).swapaxes(0, 1), micro_sh), data)
+    T = batch.input_ids_BxT.shape[1]
+    lengths = layout.bucket_lengths(T, length_buckets)
+    if len(lengths) == 1:
+      # [B, ...] -> [n_micro, mb, ...]; micro-batch i = rows i, i + n_micro, ...
+      micro = jax.tree.map(
+          lambda x: jax.lax.with_sharding_constraint(
+              x.reshape(mb, n_micro, *x.shape[1:]).swapaxes(0, 1), micro_sh), data)
+      bucket_M = jnp.zeros((n_micro,), jnp.int32)
+    else:
+      # Rows sorted by real length; micro-batch i = sorted rows [i mb, (i+1) mb).
+      data, length_B = layout.left_align(data, batch.attention_mask_BxT)
+      data, length_B = layout.sort_by_length(data, length_B)
+      micro = jax.tree.map(
+          lambda x: jax.lax.with_sharding_constraint(
+              x.reshape(n_micro, mb, *x.shape[1:]), micro_sh), data)
+      bucket_M = jnp.searchsorted(jnp.asarray(lengths), length_B.reshape(n_micro, mb)[:, -1])
+    positions = mb * jnp.sum(jnp.asarray(lengths)[bucket_M])
 
     zeros = jax.lax.with_sharding_constraint(
         jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params),
@@ -344,13 +365,25 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
                            jax.tree.map(lambda x: x[0], micro))[1])
     metric0 = {k: jnp.zeros(s.shape, s.dtype) for k, s in metric_shapes.items()}
 
-    def accumulate(carry, mb_):
+    def trimmed(length):
+      def grad_at(mb_):
+        mb_ = jax.tree.map(lambda x: x[:, :length] if x.ndim == 2 else x, mb_)
+        return grad_fn(state.params, state.ref_params, mb_)
+      return grad_at
+
+    branches = [trimmed(n) for n in lengths]
+
+    def accumulate(carry, xs):
       grads, metrics = carry
-      (_, m), g = grad_fn(state.params, state.ref_params, mb_)
+      mb_, bucket = xs
+      if len(branches) == 1:
+        (_, m), g = branches[0](mb_)
+      else:
+        (_, m), g = jax.lax.switch(bucket, branches, mb_)
       grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
       return (grads, _combine(metrics, m)), None
 
-    (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, metric0), micro)
+    (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, metric0), (micro, bucket_M))
     # Back to the parameter dtype so the optimiser state keeps its dtypes
     # (a bf16 state must not silently turn float32 and force a retrace).
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
@@ -368,6 +401,7 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
         reward_mean=jnp.mean(batch.rewards_B.astype(jnp.float32)),
         adv_abs_mean=jnp.mean(jnp.abs(adv_B)),
         tokens=jnp.sum(mask),
+        pad_fraction=1.0 - jnp.sum(batch.attention_mask_BxT > 0) / positions,
         grad_norm=grad_norm,
         update_norm=jnp.where(ok, optax.tree.norm(updates), 0.0),
         lr=jnp.asarray(schedule(state.step), jnp.float32),
