@@ -18,7 +18,8 @@ import numpy as np
 
 GIB = 1024 ** 3
 
-__all__ = ["StepMemory", "abstract_decoder", "dry_run", "per_device_bytes", "step_memory"]
+__all__ = ["MODEL_SHAPES", "StepMemory", "abstract_decoder", "dry_run", "extrapolated_step_memory",
+           "model_shape", "per_device_bytes", "step_memory"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,3 +141,65 @@ def dry_run(config) -> tuple[StepMemory, dict]:
           "mesh": dict(mesh.shape), "params": sum(
               math.prod(x.shape) for x in jax.tree.leaves(state.params))}
   return step_memory(step, state, batch), what
+
+
+# Architecture numbers of the paper's model families (Hugging Face config.json),
+# for compile-only memory checks and benchmarks with random weights.
+MODEL_SHAPES = {
+    "qwen2.5-0.5b": dict(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896,
+                         intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+                         head_dim=64, tie_word_embeddings=True, attention_bias=True,
+                         rope_theta=1e6),
+    "qwen2.5-1.5b": dict(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=1536,
+                         intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
+                         head_dim=128, tie_word_embeddings=True, attention_bias=True,
+                         rope_theta=1e6),
+    "qwen2.5-7b": dict(architecture="Qwen2ForCausalLM", vocab_size=152064, hidden_size=3584,
+                       intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
+                       head_dim=128, tie_word_embeddings=False, attention_bias=True,
+                       rope_theta=1e6),
+    "qwen3-4b": dict(architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=2560,
+                     intermediate_size=9728, num_layers=36, num_heads=32, num_kv_heads=8,
+                     head_dim=128, tie_word_embeddings=True, qk_norm=True, rope_theta=1e6),
+}
+
+
+def model_shape(name: str, **overrides):
+  """The ``ModelConfig`` of a ``MODEL_SHAPES`` entry, with field overrides."""
+  from isojax.models import ModelConfig
+
+  if name not in MODEL_SHAPES:
+    raise ValueError(f"unknown model shape {name!r}; known: {sorted(MODEL_SHAPES)}")
+  return ModelConfig(**{**MODEL_SHAPES[name], **overrides})
+
+
+def extrapolated_step_memory(cfg, loss_cfg, optim_cfg, *, batch_size: int, seq_len: int,
+                             group_size: int, mesh=None, probe_layers=(1, 2),
+                             **step_kwargs) -> StepMemory:
+  """Step memory of ``cfg`` from compiles of ``probe_layers`` layers, extrapolated.
+
+  Compiling a 28-layer step on a CPU takes minutes; every layer adds the same
+  parameters, optimiser state and (with per-layer remat) the same saved
+  activations, so each figure is linear in the layer count: two small compiles
+  give the slope and intercept. Exact for state and batch; for temporaries as
+  exact as XLA's buffer assignment is regular across layers.
+  """
+  from isojax import rl
+
+  def measure(layers):
+    model = abstract_decoder(cfg.replace(num_layers=layers))
+    step = rl.make_train_step(model, loss_cfg, optim_cfg, batch_size=batch_size,
+                              group_size=group_size, mesh=mesh, **step_kwargs)
+    state = rl.abstract_train_state(model, loss_cfg, optim_cfg, batch_size=batch_size,
+                                    mesh=mesh)
+    return step_memory(step, state, rl.abstract_batch(batch_size, seq_len, mesh=mesh))
+
+  lo, hi = probe_layers
+  a, b = measure(lo), measure(hi)
+  n = cfg.num_layers
+
+  def line(x, y):
+    return int(round(x + (y - x) * (n - lo) / (hi - lo)))
+
+  return StepMemory(**{f.name: line(getattr(a, f.name), getattr(b, f.name))
+                       for f in dataclasses.fields(StepMemory)})
