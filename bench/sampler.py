@@ -68,7 +68,7 @@ def time_runs(fn, repeats: int) -> tuple[float, float, int]:
 def bench_jax(path, prompts, n, max_tokens, repeats, label="jax"):
   """As the trainer calls it (n samples per prompt: one prefill per prompt)."""
   from isojax.models import load_pretrained  # pylint: disable=g-import-not-at-top
-  from isojax.rollout import JaxSampler  # pylint: disable=g-import-not-at-top
+  from isojax.rollout.jax_sampler import JaxSampler  # pylint: disable=g-import-not-at-top
   model, _ = load_pretrained(path)
   sampler = JaxSampler(model)
 

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from isojax.rollout.jax_sampler import JaxSampler
+
 ASSETS_DIR = pathlib.Path(__file__).resolve().parent / "assets"
 BASE_MODEL_DIR = ASSETS_DIR / "base_model"
 SYNTHETIC_PREFIX = "synthetic"
@@ -116,11 +118,10 @@ def _mesh(config):
 
 
 def _sampler(config, model, mesh):
-  from isojax import rollout
-
+  # Each backend is imported only when chosen: the vLLM client needs `requests`.
   if config.sampler.backend == "jax":
-    return rollout.JaxSampler(model, mesh=mesh)
-  from isojax.rollout.vllm_client import VLLMSampler
+    return JaxSampler(model, mesh=mesh)
+  from isojax.rollout.vllm_client import VLLMSampler  # pylint: disable=g-import-not-at-top
   sampler = VLLMSampler(config.sampler.vllm_url,
                         weights_root=config.sampler.vllm_weights_dir or None)
   sampler.update_weights(model)  # the server may hold other weights

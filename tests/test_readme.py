@@ -9,6 +9,7 @@ VLLM_BLOCK = "tests/rollout/test_vllm_server.py::test_readme_commands_serve_a_ti
 RUN_BY = {  # the start of a README command -> what runs it
   "make demo": "make demo itself; tests/test_demo.py runs launch/demo.py --smoke",
   "make test": ".ci/run (CI)",
+  "pip install -e": "tests/test_packaging.py (each extra imports what its modules need)",
   "python -m isojax.main --config=experiments/tiny.py:":
     "tests/test_main.py::test_readme_one_point_command_trains_and_a_rerun_does_nothing",
   "python -m isojax.main --dry_run": "tests/test_main.py::test_readme_dry_run_prints_memory_and_writes_nothing",

@@ -1,11 +1,11 @@
 """Rollout backends behind one interface: `generate(...) -> Rollouts`.
 
-`JaxSampler` samples in this process (the embedded default); `VLLMSampler`
-talks to a `vllm serve` process over HTTP and pushes new weights to it.
+`isojax.rollout.jax_sampler.JaxSampler` samples in this process (the embedded
+default); `isojax.rollout.vllm_client.VLLMSampler` talks to a `vllm serve` process
+over HTTP and pushes new weights to it. Each backend is imported where it is used,
+so that `isojax.rollout.vllm_server` (which only starts a process) loads no JAX.
 """
 
 from isojax.rollout.base import Rollouts, Sampler, validate_request
-from isojax.rollout.jax_sampler import JaxSampler
-from isojax.rollout.vllm_client import VLLMSampler
 
-__all__ = ["Rollouts", "Sampler", "validate_request", "JaxSampler", "VLLMSampler"]
+__all__ = ["Rollouts", "Sampler", "validate_request"]

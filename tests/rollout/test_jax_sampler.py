@@ -10,7 +10,8 @@ import scipy.stats
 from flax import nnx
 
 from isojax.models import Decoder, ModelConfig
-from isojax.rollout import JaxSampler, Rollouts, Sampler
+from isojax.rollout import Rollouts, Sampler
+from isojax.rollout.jax_sampler import JaxSampler
 from isojax.sharding import make_mesh
 
 VOCAB = 32
