@@ -50,6 +50,10 @@ def test_abstract_state_is_init_train_state_without_arrays():
       memory.abstract_decoder(tiny_config()), LOSS, OptimConfig(), batch_size=B, mesh=mesh))
   assert [(x.shape, x.dtype) for x in jax.tree.leaves(shapes)] == [
       (x.shape, x.dtype) for x in jax.tree.leaves(abstract)]
+  no_mesh = jax.eval_shape(lambda: init_train_state(
+      memory.abstract_decoder(tiny_config()), LOSS, OptimConfig(), batch_size=B))
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), no_mesh) == jax.tree.map(
+      lambda x: (x.shape, x.dtype), shapes)
 
 
 def test_lower_from_shapes_equals_lower_from_arrays():
