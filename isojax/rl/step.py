@@ -330,6 +330,12 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
   def step(state: TrainState, batch: Batch):
+    # The mesh as context, so the model's activation constraints
+    # (``sharding.constrain_batch``) resolve inside the trace.
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return sharded_step(state, batch)
+
+  def sharded_step(state: TrainState, batch: Batch):
     adv_B = compute_advantages(batch.rewards_B, group_size=group_size,
                                estimator=loss_cfg.adv_estimator,
                                std_eps=loss_cfg.adv_std_eps,
