@@ -131,12 +131,14 @@ def dry_run(config) -> tuple[StepMemory, dict]:
   tokenizer = models.Tokenizer.from_pretrained(path)
   train, _ = run_setup.load_problem_sets(config)
   ids = data_lib.encode_prompts(tokenizer, train, chat_template=config.data.chat_template)
-  width = batching.prompt_bucket(max(len(x) for x in ids)) + config.sampler.max_tokens
+  width = batching.prompt_bucket(max(len(x) for x in ids)) + run_plan.max_tokens
   point = run_plan.point
+  n_est = config.rl.n_est or point.n  # a decoupled baseline adds Bp * n_est rewards
   step = run_setup.make_step(config, run_plan, model, mesh)
   state = rl.abstract_train_state(model, run_plan.loss, run_plan.optim,
                                   batch_size=point.batch, mesh=mesh)
-  batch = rl.abstract_batch(point.batch, width, mesh=mesh)
+  batch = rl.abstract_batch(point.batch, width, mesh=mesh,
+                            baseline_size=point.bp * n_est if n_est > point.n else None)
   what = {"batch": point.batch, "seq_len": width, "micro_batch": run_plan.micro_batch,
           "mesh": dict(mesh.shape), "params": sum(
               math.prod(x.shape) for x in jax.tree.leaves(state.params))}
