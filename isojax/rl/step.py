@@ -23,9 +23,12 @@ Inside the step:
      state (params, optimiser moments, step) is returned unchanged and
      ``metrics["skipped"] = 1``.
 
-Micro-batch ``i`` takes rows ``i, i + nm, i + 2 nm, ...`` (nm = number of
-micro-batches): with the batch axis split contiguously over the devices, every
-micro-batch is then spread evenly over all of them without communication.
+With one length bucket (short batches), micro-batch ``i`` takes rows ``i, i +
+nm, i + 2 nm, ...`` (nm = number of micro-batches): with the batch axis split
+contiguously over the devices, every micro-batch is then spread evenly over all
+of them without communication. With several, rows are left-aligned and sorted
+by length first and each micro-batch runs at its bucket's length
+(``isojax.rl.layout``).
 """
 
 import dataclasses
