@@ -111,6 +111,17 @@ def _sampler(config, model, mesh):
   return sampler
 
 
+def make_step(config, run_plan, model, mesh):
+  """The run's jitted update step (`model` may be abstract: `nnx.eval_shape`)."""
+  from isojax import rl, sharding
+
+  return rl.make_train_step(model, run_plan.loss, run_plan.optim,
+                            batch_size=run_plan.point.batch, group_size=run_plan.point.n,
+                            micro_batch_size=run_plan.micro_batch, mesh=mesh,
+                            rules=sharding.DEFAULT_RULES,
+                            temperature=config.sampler.temperature)
+
+
 def build_parts(config, run_plan) -> RunParts:
   """Loads model, tokenizer and data; builds sampler, loader and the jitted step."""
   from isojax import batching, data as data_lib, models, rl, sharding
@@ -138,9 +149,7 @@ def build_parts(config, run_plan) -> RunParts:
   loader = data_lib.EpochLoader(train, batch_size=point.bp, seed=config.seed)
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
   kwargs = dict(batch_size=point.batch, mesh=mesh, rules=sharding.DEFAULT_RULES)
-  step = rl.make_train_step(model, run_plan.loss, run_plan.optim, group_size=point.n,
-                            micro_batch_size=run_plan.micro_batch,
-                            temperature=config.sampler.temperature, **kwargs)
+  step = make_step(config, run_plan, model, mesh)
   eos = tokenizer.eos_token_id
   return RunParts(
       mesh=mesh, graphdef=graphdef, rest=rest, tokenizer=tokenizer,

@@ -126,6 +126,25 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
 
 
+def constrain_batch(x: jax.Array) -> jax.Array:
+  """Pin the leading (batch) axis of an activation to data x fsdp, inside a traced step.
+
+  For the model's forward: under FSDP every weight is split along its model
+  dimension, and without this XLA may follow the weights and split activations
+  along that dimension too, computing every row on every device. A no-op
+  outside a mesh context (``jax.sharding.use_abstract_mesh``, entered by the
+  update step) and for mesh axes the batch does not divide.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  axes = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
+  if not axes or x.shape[0] % math.prod(sizes[a] for a in axes):
+    return x
+  return jax.lax.with_sharding_constraint(x, PartitionSpec(axes))
+
+
 def initialize_distributed(coordinator_address: str | None = None,
                            num_processes: int | None = None,
                            process_id: int | None = None) -> bool:

@@ -54,3 +54,17 @@ def test_flags_are_checked(tmp_path):
   proc = _main("--config=experiments/tiny.py", timeout=120)
   assert proc.returncode != 0 and "workdir" in proc.stderr
   assert not os.listdir(tmp_path)
+
+
+def test_readme_dry_run_prints_memory_and_writes_nothing(readme, tmp_path):
+  argv = readme.argv(readme.command("python -m isojax.main --dry_run"),
+                     {"--device_memory_gib=80": "--device_memory_gib=0.001"})
+  workdir = tmp_path / "run"
+  proc = _main(*argv[3:], f"--workdir={workdir}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert "B=32 x T=24" in out, out  # 8 prompts x 4; prompt bucket 16 + 8 tokens
+  for row in ("state (params + optimiser)", "temporaries", "total"):
+    assert row in out, out
+  assert "does NOT fit in 0.001 GiB per device" in out, out
+  assert not workdir.exists()

@@ -12,6 +12,7 @@ RUN_BY = {  # the start of a README command -> what runs it
   "pip install -e": "tests/test_packaging.py (each extra imports what its modules need)",
   "python -m isojax.main --config=experiments/tiny.py:":
     "tests/test_main.py::test_readme_one_point_command_trains_and_a_rerun_does_nothing",
+  "python -m isojax.main --dry_run": "tests/test_main.py::test_readme_dry_run_prints_memory_and_writes_nothing",
   "python launch/sweep.py": "tests/test_sweep.py::test_readme_sweep_command_prints_its_table",
   "python -m isojax.analysis runs/tiny":
     "tests/analysis/test_cli.py::test_readme_analysis_command_and_snippet",

@@ -135,6 +135,7 @@ def test_run_directory_layout(trained):
   for key in ("train/reward", "train/loss", "train/skipped", "train/lr",
               "train/zero_pass_frac", "val/best@4", "val/worst@4"):
     assert key in last
+  assert 0 < last["train/pad_fraction"] < 1  # prompts and completions vary in length
   assert last == records[-1]
   assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
   done = json.loads((workdir / "DONE").read_text())

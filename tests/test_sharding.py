@@ -80,3 +80,28 @@ def test_batch_sharding_and_distributed_noop(monkeypatch):
   for var in ("SLURM_JOB_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
     monkeypatch.delenv(var, raising=False)
   assert sharding.initialize_distributed() is False  # single process: nothing to start
+
+
+def test_constrain_batch_pins_rows_to_data_x_fsdp_inside_a_mesh_context():
+  x = jnp.ones((8, 4, 6))
+  assert sharding.constrain_batch(x) is x  # no mesh context: nothing to pin to
+  mesh = sharding.make_mesh(data=2, fsdp=4)
+
+  def f(x):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return sharding.constrain_batch(x * 2)
+
+  replicated = jax.sharding.NamedSharding(mesh, P())
+  out = jax.jit(f, in_shardings=replicated).lower(x).compile().output_shardings
+  assert out.spec == P(("data", "fsdp"))
+  assert jax.jit(f, in_shardings=replicated).lower(x[:6]).compile().output_shardings.spec in (
+      P(), P(None))  # 6 rows do not split 8 ways: left to XLA
+  one_axis = sharding.make_mesh(data=1, fsdp=8)
+
+  def g(x):
+    with jax.sharding.use_abstract_mesh(one_axis.abstract_mesh):
+      return sharding.constrain_batch(x * 2)
+
+  spec = jax.jit(g, in_shardings=jax.sharding.NamedSharding(one_axis, P())).lower(
+      x).compile().output_shardings.spec
+  assert spec == P("fsdp") or spec == P(("fsdp",)), spec

@@ -10,9 +10,11 @@
 from isojax.rl.advantages import compute_advantages
 from isojax.rl.losses import LossConfig, policy_loss
 from isojax.rl.optim import OptimConfig, learning_rate, make_optimizer
-from isojax.rl.step import Batch, TrainState, TrainStep, init_train_state, make_train_step
+from isojax.rl.step import (Batch, TrainState, TrainStep, abstract_batch, abstract_train_state,
+                            init_train_state, make_train_step)
 from isojax.rl.step import validate_batch
 
 __all__ = ["compute_advantages", "LossConfig", "policy_loss", "OptimConfig", "learning_rate",
-           "make_optimizer", "Batch", "TrainState", "TrainStep", "init_train_state",
+           "make_optimizer", "Batch", "TrainState", "TrainStep", "abstract_batch",
+           "abstract_train_state", "init_train_state",
            "make_train_step", "validate_batch"]

@@ -23,13 +23,16 @@ Inside the step:
      are not finite the whole state (params, optimiser moments, step) is
      returned unchanged and ``metrics["skipped"] = 1``.
 
-Micro-batch ``i`` takes rows ``i, i + nm, i + 2 nm, ...`` (nm = number of
-micro-batches): with the batch axis split contiguously over the devices, every
-micro-batch is then spread evenly over all of them without communication.
+With one length bucket (short batches), micro-batch ``i`` takes rows ``i, i +
+nm, i + 2 nm, ...`` (nm = number of micro-batches): with the batch axis split
+contiguously over the devices, every micro-batch is then spread evenly over all
+of them without communication. With several, rows are left-aligned and sorted
+by length first and each micro-batch runs at its bucket's length
+(``isojax.rl.layout``).
 """
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import flax.struct
 import jax
@@ -40,14 +43,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from isojax import sharding as shd
+from isojax.rl import layout
 from isojax.rl.advantages import compute_advantages
 from isojax.rl.logprobs import token_logp_entropy
 from isojax.rl.losses import MAX_METRICS, LossConfig, token_weights, weighted_policy_loss
 from isojax.rl.losses import zero_variance_from_advantages
 from isojax.rl.optim import OptimConfig, lr_schedule, make_optimizer
 
-__all__ = ["Batch", "TrainState", "TrainStep", "init_train_state", "make_train_step",
-           "validate_batch"]
+__all__ = ["Batch", "TrainState", "TrainStep", "abstract_batch", "abstract_train_state",
+           "init_train_state", "make_train_step", "validate_batch"]
 
 
 @flax.struct.dataclass
@@ -175,13 +179,56 @@ def init_train_state(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCo
   return jax.device_put(_opt_and_ref(params, tx, with_ref), shardings, may_alias=False)
 
 
+def abstract_train_state(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimConfig, *,
+                         batch_size: int, mesh: Mesh | None = None,
+                         rules=shd.DEFAULT_RULES) -> TrainState:
+  """``init_train_state``'s result as ``jax.ShapeDtypeStruct`` leaves with shardings.
+
+  No array is created, so ``model`` may come from ``nnx.eval_shape`` (a 7B
+  model costs nothing); the result feeds ``TrainStep.lower``.
+  """
+  mesh = _default_mesh(mesh)
+  tx = make_optimizer(optim_cfg, batch_size=batch_size)
+  with_ref = loss_cfg.kl_coef > 0
+  shardings = _state_shardings(model, tx, with_ref, mesh, rules)
+  shapes = jax.eval_shape(lambda p: _opt_and_ref(p, tx, with_ref),
+                          nnx.state(model, nnx.Param))
+  leaves, treedef = jax.tree.flatten(shapes)
+  sh_leaves = jax.tree.leaves(shardings)
+  if len(sh_leaves) != len(leaves):  # the two trees come from the same state
+    raise AssertionError(f"{len(sh_leaves)} shardings for {len(leaves)} state leaves")
+  return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+                                      for x, sh in zip(leaves, sh_leaves)])
+
+
+def abstract_batch(batch_size: int, seq_len: int, *, mesh: Mesh | None = None,
+                   baseline_size: int | None = None) -> Batch:
+  """A ``Batch`` of ``jax.ShapeDtypeStruct`` [batch_size, seq_len] placed like the step's.
+
+  ``baseline_size``: length of ``baseline_rewards_B`` (Bp * n_est), if any.
+  """
+  sh = shd.batch_sharding(_default_mesh(mesh))
+
+  def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+  bxt = (batch_size, seq_len)
+  return Batch(input_ids_BxT=spec(bxt, jnp.int32), attention_mask_BxT=spec(bxt, jnp.int32),
+               loss_mask_BxT=spec(bxt, jnp.float32), sampler_logp_BxT=spec(bxt, jnp.float32),
+               rewards_B=spec((batch_size,), jnp.float32),
+               baseline_rewards_B=None if baseline_size is None
+               else spec((baseline_size,), jnp.float32))
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
   """The built step. Call it as ``state, metrics = train_step(state, batch)``.
 
   ``__call__`` runs ``validate_batch`` on the host, then ``jitted`` (the
-  ``jax.jit`` object: use ``jitted.lower(state, batch).compile()`` for memory
-  figures). The state argument is donated: its arrays are invalid afterwards.
+  ``jax.jit`` object). ``lower`` compiles ahead of time from shapes alone
+  (``abstract_train_state`` / ``abstract_batch``): ``lower(...).compile()
+  .memory_analysis()`` gives the step's memory before any array exists. The
+  state argument is donated: its arrays are invalid afterwards.
   """
 
   jitted: Callable
@@ -197,6 +244,10 @@ class TrainStep:
                    micro_batch_size=self.micro_batch_size, batch_shards=self.batch_shards)
     return self.jitted(state, batch)
 
+  def lower(self, state: TrainState, batch: Batch):
+    """``jax.jit(...).lower`` of the step; arrays or ``jax.ShapeDtypeStruct`` leaves."""
+    return self.jitted.lower(state, batch)
+
 
 def _combine(acc, new):
   return {k: jnp.maximum(acc[k], v) if k in MAX_METRICS else acc[k] + v
@@ -207,6 +258,7 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
                     batch_size: int, group_size: int, micro_batch_size: int | None = None,
                     mesh: Mesh | None = None, rules=shd.DEFAULT_RULES,
                     logits_chunk: int | None = None, temperature: float = 1.0,
+                    length_buckets: int | Sequence[int] = layout.DEFAULT_BUCKETS,
                     donate: bool = True) -> TrainStep:
   """Build the jitted, sharded update step.
 
@@ -222,14 +274,19 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
     logits_chunk: lm-head positions per chunk (see ``isojax.rl.logprobs``).
     temperature: the sampler's temperature; logits are divided by it so the
       trainer's log-probs are those of the distribution the rollouts came from.
+    length_buckets: static lengths micro-batches are trimmed to (see
+      ``isojax.rl.layout``): a count (lengths multiples of 128) or explicit
+      lengths; with one bucket (T <= 128 for a count, or 1) the batch layout
+      is used as given.
     donate: donate the state's buffers to the step.
 
   Returns:
     A ``TrainStep``: ``(state, batch) -> (state, metrics)`` with scalar
     metrics: the loss metrics of ``isojax.rl.losses`` (old-policy ratios are
     exactly 1 on-policy, so clip fractions and approx_kl_old are 0), plus
-    zero_var_frac, reward_mean, adv_abs_mean, tokens, grad_norm (before
-    clipping), update_norm, lr and skipped.
+    zero_var_frac, reward_mean, adv_abs_mean, tokens, pad_fraction (of the
+    positions the model ran on), grad_norm (before clipping), update_norm, lr
+    and skipped.
   """
   mesh = _default_mesh(mesh)
   mb = batch_size if micro_batch_size is None else micro_batch_size
@@ -244,6 +301,7 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
   if not temperature > 0:
     raise ValueError(f"temperature={temperature}: the trainer scores rollouts under "
                      "softmax(logits / temperature); greedy (0) rollouts cannot be trained on")
+  layout.bucket_lengths(1, length_buckets)  # a bad value fails here, not at trace time
   n_micro = batch_size // mb
   tx = make_optimizer(optim_cfg, batch_size=batch_size)
   schedule = lr_schedule(optim_cfg, batch_size)
@@ -275,6 +333,12 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
   def step(state: TrainState, batch: Batch):
+    # The mesh as context, so the model's activation constraints
+    # (``sharding.constrain_batch``) resolve inside the trace.
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return sharded_step(state, batch)
+
+  def sharded_step(state: TrainState, batch: Batch):
     adv_B = compute_advantages(batch.rewards_B, group_size=group_size,
                                estimator=loss_cfg.adv_estimator,
                                std_eps=loss_cfg.adv_std_eps,
@@ -284,10 +348,23 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
     data = {"ids": batch.input_ids_BxT, "attn": batch.attention_mask_BxT, "mask": mask,
             "sampler": batch.sampler_logp_BxT.astype(jnp.float32), "adv": adv_B,
             "weights": token_weights(mask, adv_B, loss_cfg, group_size=group_size)}
-    # [B, ...] -> [n_micro, mb, ...]; micro-batch i = rows i, i + n_micro, ...
-    micro = jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(
-            x.reshape(mb, n_micro, *x.shape[1:]).swapaxes(0, 1), micro_sh), data)
+    T = batch.input_ids_BxT.shape[1]
+    lengths = layout.bucket_lengths(T, length_buckets)
+    if len(lengths) == 1:
+      # [B, ...] -> [n_micro, mb, ...]; micro-batch i = rows i, i + n_micro, ...
+      micro = jax.tree.map(
+          lambda x: jax.lax.with_sharding_constraint(
+              x.reshape(mb, n_micro, *x.shape[1:]).swapaxes(0, 1), micro_sh), data)
+      bucket_M = jnp.zeros((n_micro,), jnp.int32)
+    else:
+      # Rows sorted by real length; micro-batch i = sorted rows [i mb, (i+1) mb).
+      data, length_B = layout.left_align(data, batch.attention_mask_BxT)
+      data, length_B = layout.sort_by_length(data, length_B)
+      micro = jax.tree.map(
+          lambda x: jax.lax.with_sharding_constraint(
+              x.reshape(n_micro, mb, *x.shape[1:]), micro_sh), data)
+      bucket_M = jnp.searchsorted(jnp.asarray(lengths), length_B.reshape(n_micro, mb)[:, -1])
+    positions = mb * jnp.sum(jnp.asarray(lengths)[bucket_M])
 
     zeros = jax.lax.with_sharding_constraint(
         jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params),
@@ -297,13 +374,25 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
                            jax.tree.map(lambda x: x[0], micro))[1])
     metric0 = {k: jnp.zeros(s.shape, s.dtype) for k, s in metric_shapes.items()}
 
-    def accumulate(carry, mb_):
+    def trimmed(length):
+      def grad_at(mb_):
+        mb_ = jax.tree.map(lambda x: x[:, :length] if x.ndim == 2 else x, mb_)
+        return grad_fn(state.params, state.ref_params, mb_)
+      return grad_at
+
+    branches = [trimmed(n) for n in lengths]
+
+    def accumulate(carry, xs):
       grads, metrics = carry
-      (_, m), g = grad_fn(state.params, state.ref_params, mb_)
+      mb_, bucket = xs
+      if len(branches) == 1:
+        (_, m), g = branches[0](mb_)
+      else:
+        (_, m), g = jax.lax.switch(bucket, branches, mb_)
       grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
       return (grads, _combine(metrics, m)), None
 
-    (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, metric0), micro)
+    (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, metric0), (micro, bucket_M))
     # Back to the parameter dtype so the optimiser state keeps its dtypes
     # (a bf16 state must not silently turn float32 and force a retrace).
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
@@ -325,6 +414,7 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
         reward_mean=jnp.mean(batch.rewards_B.astype(jnp.float32)),
         adv_abs_mean=jnp.mean(jnp.abs(adv_B)),
         tokens=jnp.sum(mask),
+        pad_fraction=1.0 - jnp.sum(batch.attention_mask_BxT > 0) / positions,
         grad_norm=grad_norm,
         update_norm=jnp.where(ok, optax.tree.norm(updates), 0.0),
         lr=jnp.asarray(schedule(state.step), jnp.float32),
