@@ -19,6 +19,7 @@ from flax import nnx
 from isojax.models.attention import attention
 from isojax.models.config import ModelConfig, rope_inv_freq
 from isojax.models.kv_cache import KVCache
+from isojax.sharding import constrain_batch
 
 _INIT_STD = 0.02
 
@@ -174,7 +175,7 @@ def _scan_rematted_layers(layers, policy, dtype, x, cos, sin, kv_valid):
   layer = _rematted_layer(graphdef, policy)
 
   def body(x, state):
-    return layer(state, x, cos, sin, kv_valid), None
+    return constrain_batch(layer(state, x, cos, sin, kv_valid)), None
 
   return jax.lax.scan(body, x, stacked)[0]
 
@@ -209,10 +210,14 @@ class Decoder(nnx.Module):
                 else attention_mask.astype(bool))
     pos_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=1, dtype=jnp.int32) - 1, 0)
     x, cos, sin = self._embed_and_rope(input_ids_BxT, pos_BxT)
+    # Under FSDP the weights are split along their model dimensions; pinning the
+    # hidden state's batch axis keeps XLA from splitting activations that way too
+    # (every row computed on every device). A no-op outside the step's mesh.
+    x = constrain_batch(x)
     # Causal over padded rows = causal by column among the mask's real tokens.
     if self.cfg.remat == "none":
       for layer in self.layers:
-        x = layer(x, cos, sin, mask_BxT)[0]
+        x = constrain_batch(layer(x, cos, sin, mask_BxT)[0])
     else:
       x = _scan_rematted_layers(list(self.layers), self.cfg.remat, self.cfg.dtype, x, cos,
                                 sin, mask_BxT)
