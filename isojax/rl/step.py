@@ -398,15 +398,25 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
 
     grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+
+    def updated(s: TrainState) -> TrainState:
+      updates, opt_state = tx.update(grads, s.opt_state, s.params)
+      return s.replace(params=optax.apply_updates(s.params, updates), opt_state=opt_state,
+                       step=s.step + 1)
+
     # A finite gradient can still carry the weights to inf (a huge learning rate):
-    # that update is skipped too, so no non-finite weight reaches the sampler.
-    ok = ok & jax.tree.reduce(lambda a, p: a & jnp.all(jnp.isfinite(p)), params,
-                              jnp.bool_(True))
-    new = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
-    out = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+    # that update is skipped too, so no non-finite weight reaches the sampler. The
+    # verdict comes from reductions XLA fuses with the update's arithmetic (nothing
+    # is stored), so the update itself then runs under lax.cond, in place in the
+    # donated buffers: no second copy of the parameters and AdamW moments is alive.
+    probe, _ = tx.update(grads, state.opt_state, state.params)
+    update_norm = optax.tree.norm(probe)
+    weights_finite = jax.tree.reduce(
+        lambda a, pu: a & jnp.all(jnp.isfinite(pu[0] + pu[1])),
+        jax.tree.map(lambda p, u: (p, u), state.params, probe), jnp.bool_(True),
+        is_leaf=lambda x: isinstance(x, tuple))
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & weights_finite
+    out = jax.lax.cond(ok, updated, lambda s: s, state)
 
     group_flat = zero_variance_from_advantages(adv_B, group_size)
     metrics.update(
@@ -416,7 +426,7 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
         tokens=jnp.sum(mask),
         pad_fraction=1.0 - jnp.sum(batch.attention_mask_BxT > 0) / positions,
         grad_norm=grad_norm,
-        update_norm=jnp.where(ok, optax.tree.norm(updates), 0.0),
+        update_norm=jnp.where(ok, update_norm, 0.0),
         lr=jnp.asarray(schedule(state.step), jnp.float32),
         skipped=1.0 - ok.astype(jnp.float32))
     return out, metrics
