@@ -19,6 +19,8 @@ shifts positions.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -39,18 +41,38 @@ def block_size(max_len: int, block: int = DEFAULT_BLOCK) -> int:
   return min(int(block), _round_up(max(int(max_len), 1), 8))
 
 
+def _storage(dtype):
+  """How keys/values of `dtype` are stored: 16-bit floats as their uint16 bits.
+
+  XLA:CPU widens a 16-bit float scatter or dynamic slice of the cache to float32
+  over the whole array (full-size temporaries per layer and step); on integer
+  bits it updates and slices in place. Accelerators are indifferent."""
+  return jnp.uint16 if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(dtype)
+
+
+def _to_storage(x: jax.Array, dtype) -> jax.Array:
+  x = x.astype(dtype)
+  return jax.lax.bitcast_convert_type(x, jnp.uint16) if _storage(dtype) == jnp.uint16 else x
+
+
+def _from_storage(x: jax.Array, dtype) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
+
+
 @struct.dataclass
 class KVCache:
   """Keys/values of every layer plus per-row bookkeeping.
 
   Attributes:
     k_LxBxSxKxH, v_LxBxSxKxH: cached keys/values (S = max_len rounded up to a
-      whole number of blocks, K = kv heads, H = head_dim), in the compute dtype.
+      whole number of blocks, K = kv heads, H = head_dim); values of `dtype`,
+      stored as raw uint16 bits when `dtype` is a 16-bit float.
     positions_B: int32, the RoPE position the next token of each row gets.
     valid_BxS: bool, slot s holds a real token of row b.
     lengths_B: int32, the next slot each row writes (slots [0, lengths_B) are
       filled, padding included).
     block: static, slots per attention block (S is a multiple of it).
+    dtype: static, the dtype of keys/values (the model's compute dtype).
   """
 
   k_LxBxSxKxH: jax.Array
@@ -59,6 +81,7 @@ class KVCache:
   valid_BxS: jax.Array
   lengths_B: jax.Array
   block: int = struct.field(pytree_node=False, default=DEFAULT_BLOCK)
+  dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
 
   @property
   def max_len(self) -> int:
@@ -70,10 +93,11 @@ class KVCache:
     blk = block_size(max_len, block)
     shape = (num_layers, batch_size, _round_up(max_len, blk), num_kv_heads, head_dim)
     return cls(
-        k_LxBxSxKxH=jnp.zeros(shape, dtype), v_LxBxSxKxH=jnp.zeros(shape, dtype),
+        k_LxBxSxKxH=jnp.zeros(shape, _storage(dtype)),
+        v_LxBxSxKxH=jnp.zeros(shape, _storage(dtype)),
         positions_B=jnp.zeros((batch_size,), jnp.int32),
         valid_BxS=jnp.zeros((batch_size, shape[2]), bool),
-        lengths_B=jnp.zeros((batch_size,), jnp.int32), block=blk)
+        lengths_B=jnp.zeros((batch_size,), jnp.int32), block=blk, dtype=dtype)
 
   @staticmethod
   def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
@@ -101,6 +125,24 @@ class KVCache:
                        valid_BxS=valid_BxS, lengths_B=self.lengths_B + T)
     return new, pos_BxT, self.lengths_B
 
+  def insert(self, dest_A: jax.Array, src: KVCache, src_A: jax.Array) -> KVCache:
+    """Replaces rows dest_A with rows src_A of `src` (e.g. a prefill's cache with
+    fewer slots): its slots go first, the rest become invalid. Rows whose dest is
+    out of range (>= B) are skipped, so padding entries write nothing."""
+    s_src = src.max_len
+    if s_src > self.max_len:
+      raise ValueError(f"KVCache.insert: source rows have {s_src} slots, more than "
+                       f"this cache's {self.max_len}")
+    valid_AxS = jnp.zeros((src_A.shape[0], self.max_len), bool).at[:, :s_src].set(
+        src.valid_BxS[src_A])
+    index = (slice(None), dest_A, slice(0, s_src))
+    return self.replace(
+        k_LxBxSxKxH=self.k_LxBxSxKxH.at[index].set(src.k_LxBxSxKxH[:, src_A], mode="drop"),
+        v_LxBxSxKxH=self.v_LxBxSxKxH.at[index].set(src.v_LxBxSxKxH[:, src_A], mode="drop"),
+        positions_B=self.positions_B.at[dest_A].set(src.positions_B[src_A], mode="drop"),
+        valid_BxS=self.valid_BxS.at[dest_A].set(valid_AxS, mode="drop"),
+        lengths_B=self.lengths_B.at[dest_A].set(src.lengths_B[src_A], mode="drop"))
+
   def attend(self, layer: int, q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array,
              v_BxTxKxH: jax.Array, first_B: jax.Array, scale: float
              ) -> tuple[KVCache, jax.Array]:
@@ -114,22 +156,26 @@ class KVCache:
     B, T, N, H = q_BxTxNxH.shape
     K = k_BxTxKxH.shape[2]
     G = N // K
-    dt = self.k_LxBxSxKxH.dtype
+    dt = self.dtype
     row_Bx1 = jnp.arange(B)[:, None]
     slot_BxT = first_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
-    k_all = self.k_LxBxSxKxH.at[layer, row_Bx1, slot_BxT].set(k_BxTxKxH.astype(dt))
-    v_all = self.v_LxBxSxKxH.at[layer, row_Bx1, slot_BxT].set(v_BxTxKxH.astype(dt))
+    index = (layer, row_Bx1, slot_BxT)
+    k_all = self.k_LxBxSxKxH.at[index].set(_to_storage(k_BxTxKxH, dt))
+    v_all = self.v_LxBxSxKxH.at[index].set(_to_storage(v_BxTxKxH, dt))
 
     blk = self.block
     q_BxKxGxTxH = (q_BxTxNxH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
                    * jnp.asarray(scale, q_BxTxNxH.dtype))
     num_blocks = jnp.minimum(-(-jnp.max(first_B + T) // blk), self.max_len // blk)
 
+    # The cache arrays ride through the loop carry unchanged: passed in as loop
+    # invariants while also live after the loop, XLA would copy them (the whole
+    # cache, per layer).
     def body(j, carry):
-      m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxH = carry
+      m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxH, k_all, v_all = carry
       at = (layer, 0, j * blk, 0, 0)
-      k_BxCxKxH = jax.lax.dynamic_slice(k_all, at, (1, B, blk, K, H))[0]
-      v_BxCxKxH = jax.lax.dynamic_slice(v_all, at, (1, B, blk, K, H))[0]
+      k_BxCxKxH = _from_storage(jax.lax.dynamic_slice(k_all, at, (1, B, blk, K, H))[0], dt)
+      v_BxCxKxH = _from_storage(jax.lax.dynamic_slice(v_all, at, (1, B, blk, K, H))[0], dt)
       valid_BxC = jax.lax.dynamic_slice_in_dim(self.valid_BxS, j * blk, blk, axis=1)
       slot_C = j * blk + jnp.arange(blk, dtype=jnp.int32)
       ok_BxTxC = valid_BxC[:, None, :] & (slot_C[None, None, :] <= slot_BxT[:, :, None])
@@ -144,12 +190,12 @@ class KVCache:
       l_new = l_BxKxGxT * corr + p.sum(-1)
       pv = jnp.einsum("bkgtc,bckh->bkgth", p.astype(dt), v_BxCxKxH,
                       preferred_element_type=jnp.float32)
-      return m_new, l_new, acc_BxKxGxTxH * corr[..., None] + pv
+      return m_new, l_new, acc_BxKxGxTxH * corr[..., None] + pv, k_all, v_all
 
     init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
             jnp.zeros((B, K, G, T), jnp.float32),
-            jnp.zeros((B, K, G, T, H), jnp.float32))
-    _, l_BxKxGxT, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+            jnp.zeros((B, K, G, T, H), jnp.float32), k_all, v_all)
+    _, l_BxKxGxT, acc, k_all, v_all = jax.lax.fori_loop(0, num_blocks, body, init)
     o_BxKxGxTxH = acc / jnp.maximum(l_BxKxGxT, 1e-30)[..., None]
     o = o_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(B * T, N * H).astype(q_BxTxNxH.dtype)
     return self.replace(k_LxBxSxKxH=k_all, v_LxBxSxKxH=v_all), o
