@@ -162,16 +162,7 @@ def admit_and_decode(graphdef, s: Static, state, rows: Rows, out: Out, prompt_Qx
   cfg = model.cfg
   pre = KVCache.zeros(cfg.num_layers, q, l, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
   logits_QxV, pre = model.prefill(prompt_QxL, mask_QxL, pre, last_only=True)
-  c = rows.cache
-  s_pre = pre.max_len  # <= c.max_len: both are l (+ max_tokens) rounded to whole blocks
-  valid_AxS = jnp.zeros((src_A.shape[0], c.max_len), bool).at[:, :s_pre].set(
-      pre.valid_BxS[src_A])
-  c = c.replace(
-      k_LxBxSxKxH=c.k_LxBxSxKxH.at[:, dest_A, :s_pre].set(pre.k_LxBxSxKxH[:, src_A], mode="drop"),
-      v_LxBxSxKxH=c.v_LxBxSxKxH.at[:, dest_A, :s_pre].set(pre.v_LxBxSxKxH[:, src_A], mode="drop"),
-      positions_B=c.positions_B.at[dest_A].set(pre.positions_B[src_A], mode="drop"),
-      valid_BxS=c.valid_BxS.at[dest_A].set(valid_AxS, mode="drop"),
-      lengths_B=c.lengths_B.at[dest_A].set(pre.lengths_B[src_A], mode="drop"))
+  c = rows.cache.insert(dest_A, pre, src_A)  # pre's slots fit: l <= l + max_tokens
   u_AxT = 1.0 - jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(key, p), (t_max,)))(
       pair_A)
   tok_A, logp_A = sample_token(logits_QxV[src_A], u_AxT[:, 0], temperature, top_p, s)

@@ -10,6 +10,7 @@ is the check a run makes before its first update.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from isojax.models.kv_cache import KVCache, block_size
@@ -86,3 +87,46 @@ def check_memory_split(cfg, *, max_len: int, device_gib: float, trainer_gib: flo
         f"sampler.max_rows <= {int(max(device_gib - trainer_gib, 0) * GIB // per_row)})")
   return {"rows": rows, "kv_gib": kv_gib, "trainer_gib": trainer_gib,
           "device_gib": device_gib}
+
+
+def device_gib() -> float | None:
+  """Memory of the first local accelerator, None where the backend does not say (CPU)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  return None if not limit else limit / GIB
+
+
+def per_device_gib(tree) -> float:
+  """GiB the first local device holds of `tree`'s arrays (its shards only)."""
+  dev = jax.local_devices()[0]
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shards = getattr(x, "addressable_shards", None)
+    if shards is None:
+      continue
+    total += sum(s.data.nbytes for s in shards if s.device == dev)
+  return total / GIB
+
+
+def check_run_split(config, model_cfg, train_state, *, rollouts: int, max_len: int,
+                    device_memory_gib: float | None = None) -> dict | None:
+  """The check a run makes before its first update, on one accelerator shared by
+  the trainer and the in-process sampler.
+
+  The trainer's share is its initialised state on this device (parameters,
+  optimizer moments, reference parameters); the update step's activations come
+  on top (`python -m isojax.main --dry_run` reports the compiled step). The
+  sampler's share is `config.sampler.kv_budget_gib` / `max_rows` (else every
+  rollout of a batch at once). Returns the split, or None where it does not
+  apply (another backend, or device memory unknown, as on CPU).
+  """
+  if config.sampler.backend != "jax":
+    return None
+  device_memory_gib = device_memory_gib or device_gib()
+  if device_memory_gib is None:
+    return None
+  return check_memory_split(
+      model_cfg, max_len=max_len, device_gib=device_memory_gib,
+      trainer_gib=per_device_gib(train_state),
+      kv_budget_gib=float(config.sampler.get("kv_budget_gib", 0.0)),
+      max_rows=int(config.sampler.get("max_rows", 0)), rollouts=rollouts)

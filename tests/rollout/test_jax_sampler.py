@@ -371,21 +371,3 @@ def test_kv_budget_sets_the_rows(model):
                                                    temperature=0.0)
   with pytest.raises(ValueError, match="max_rows=0"):
     JaxSampler(model, max_rows=0)
-
-
-def test_memory_split_check_names_the_numbers(model):
-  from isojax.rollout import memory
-  cfg = model.cfg
-  per_row = memory.kv_bytes_per_row(cfg, 24)
-  ok = memory.check_memory_split(cfg, max_len=24, device_gib=1.0, trainer_gib=0.5,
-                                 rollouts=100)
-  assert ok["rows"] == 100 and ok["kv_gib"] == pytest.approx(100 * per_row / memory.GIB)
-  with pytest.raises(ValueError, match=r"trainer \(0\.90 GiB\) \+ sampler KV cache "
-                     r"\(0\.20 GiB = \d+ rows x 24 positions.*> device memory 1\.00 GiB; "
-                     r"set sampler.kv_budget_gib <= 0\.10"):
-    memory.check_memory_split(cfg, max_len=24, device_gib=1.0, trainer_gib=0.9,
-                              kv_budget_gib=0.2, rollouts=10**9)
-  # max_rows caps the cache below the budget: fits.
-  fit = memory.check_memory_split(cfg, max_len=24, device_gib=1.0, trainer_gib=0.9,
-                                  kv_budget_gib=0.2, max_rows=16, rollouts=10**9)
-  assert fit["rows"] == 16
