@@ -195,7 +195,10 @@ class KVCache:
     init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
             jnp.zeros((B, K, G, T), jnp.float32),
             jnp.zeros((B, K, G, T, H), jnp.float32), k_all, v_all)
-    _, l_BxKxGxT, acc, k_all, v_all = jax.lax.fori_loop(0, num_blocks, body, init)
+    if self.max_len == blk:  # one block: no loop (its overhead dominates short caches)
+      _, l_BxKxGxT, acc, k_all, v_all = body(0, init)
+    else:
+      _, l_BxKxGxT, acc, k_all, v_all = jax.lax.fori_loop(0, num_blocks, body, init)
     o_BxKxGxTxH = acc / jnp.maximum(l_BxKxGxT, 1e-30)[..., None]
     o = o_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(B * T, N * H).astype(q_BxTxNxH.dtype)
     return self.replace(k_LxBxSxKxH=k_all, v_LxBxSxKxH=v_all), o
