@@ -9,6 +9,7 @@ and are timed in this process; the result is printed as tokens/s and ratios.
     python bench/sampler.py --small    # 64 x 16, a quick smoke run
     VLLM_VENV=.venv-vllm python bench/sampler.py   # adds the vLLM CPU server
     python bench/sampler.py --gpu      # Qwen2.5 shapes on an accelerator (see below)
+    python bench/sampler.py --gpu --small   # the same path at toy sizes (runs on CPU)
     python bench/sampler.py --memory_check   # 1.5B x 512 x 8192 memory, compiled on CPU
 
 "jax (n=1)" passes every sequence as its own prompt (no prefill shared between
@@ -122,7 +123,7 @@ def bench_transformers(path, prompts, n, max_tokens, repeats, threads, device="c
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   torch.set_num_threads(threads)
-  dtype = torch.float32 if device == "cpu" else torch.bfloat16
+  dtype = torch.float32 if device == "cpu" else torch.bfloat16  # as the weights are
   model = transformers.AutoModelForCausalLM.from_pretrained(
       path, dtype=dtype, attn_implementation="sdpa").to(device)
   model.eval()
@@ -176,6 +177,11 @@ def _decode_bound_s(cfg, rows, prompt_len, max_tokens, hbm_gbps, waves=1):
   return waves * (max_tokens * weights + kv) / (hbm_gbps * 1e9)
 
 
+def torch_device() -> str:
+  import torch  # pylint: disable=g-import-not-at-top
+  return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def bench_gpu(args):
   """The issue's accelerator shapes: JaxSampler beside transformers generate."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -186,10 +192,14 @@ def bench_gpu(args):
   dev = jax.devices()[0]
   print(f"device: {dev.device_kind}; HBM bound at {args.hbm_gbps:g} GB/s")
   shapes = [("0.5b", 64, 8, 512, None), ("1.5b", 64, 8, 8192, args.kv_budget_gib)]
+  shrink = {}
+  if args.small:  # the same code path at toy sizes (e.g. on CPU)
+    shapes = [("0.5b", 4, 2, 16, None), ("1.5b", 4, 2, 64, 0.0005)]
+    shrink = dict(num_hidden_layers=2, vocab_size=512)
   print(f"{'shape':<7}{'rollouts':>9}{'new':>6}{'rows':>6}{'s':>9}{'tok/s':>10}"
         f"{'ms/step':>9}{'bound s':>9}{'roofline':>9}{'peak GiB':>10}")
   for size, prompts_n, n, max_tokens, budget in shapes:
-    cfg = ModelConfig.from_hf_dict(qwen25_config(size), dtype=jnp.bfloat16,
+    cfg = ModelConfig.from_hf_dict({**qwen25_config(size), **shrink}, dtype=jnp.bfloat16,
                                    param_dtype=jnp.bfloat16)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
@@ -210,8 +220,8 @@ def bench_gpu(args):
         save_pretrained(model, cfg, tmp)
         del sampler, model
         best_t, _, tok_t = bench_transformers(tmp, prompts, n, max_tokens, args.repeats,
-                                              args.torch_threads, device="cuda")
-      print(f"{'  transformers (bf16, sdpa)':<28}{best_t:>9.2f}s {tok_t / best_t:>10.0f} tok/s; "
+                                              args.torch_threads, device=torch_device())
+      print(f"{"  transformers (sdpa)":<28}{best_t:>9.2f}s {tok_t / best_t:>10.0f} tok/s; "
             f"jax speed-up {best_t / best:.2f}x")
 
 
