@@ -6,11 +6,12 @@ it writes): rows of one batch may hold sequences of different lengths, and a
 row can be emptied and refilled with a new sequence while the others go on
 (continuous batching). New keys/values are scattered at each row's own slots.
 
-Attention reads only what was written: the slots are grouped in blocks of
-`block` positions and `attend` loops (lax.fori_loop with a traced trip count)
-over the blocks up to the fullest row, with an online softmax, instead of over
-all `max_len` slots. A decode step early in a long generation thus reads a
-fraction of the cache.
+Attention reads only what was written, not all `max_len` slots. The slots are
+grouped in blocks of `block` positions; by default `attend` loops
+(lax.fori_loop with a traced trip count) over the blocks up to the fullest row
+with an online softmax. A caller that knows a bound on the fill (a sampler
+between jitted chunks of decode steps) sets a static `read_len` instead, and
+attention reads exactly those slots with no control flow.
 
 Left-padded prompts leave invalid slots, tracked by `valid_BxS`; each sequence's
 RoPE position is its own count of real tokens (`positions_B`), so padding never
@@ -73,6 +74,11 @@ class KVCache:
       filled, padding included).
     block: static, slots per attention block (S is a multiple of it).
     dtype: static, the dtype of keys/values (the model's compute dtype).
+    read_len: static; None: attention loops over the blocks up to the fullest
+      row (a traced trip count). A whole number of blocks: attention reads
+      exactly slots [0, read_len), with no loop; the caller keeps every row's
+      fill (after the write) within it, e.g. stepping it up between jitted
+      chunks of decode steps (`with_read_len`).
   """
 
   k_LxBxSxKxH: jax.Array
@@ -82,6 +88,7 @@ class KVCache:
   lengths_B: jax.Array
   block: int = struct.field(pytree_node=False, default=DEFAULT_BLOCK)
   dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
+  read_len: int | None = struct.field(pytree_node=False, default=None)
 
   @property
   def max_len(self) -> int:
@@ -98,6 +105,13 @@ class KVCache:
         positions_B=jnp.zeros((batch_size,), jnp.int32),
         valid_BxS=jnp.zeros((batch_size, shape[2]), bool),
         lengths_B=jnp.zeros((batch_size,), jnp.int32), block=blk, dtype=dtype)
+
+  def with_read_len(self, read_len: int | None) -> KVCache:
+    """This cache with attention reading slots [0, read_len) (see read_len)."""
+    if read_len is not None and (read_len % self.block or not 0 < read_len <= self.max_len):
+      raise ValueError(f"KVCache.with_read_len: {read_len} is not a whole number of "
+                       f"{self.block}-slot blocks within {self.max_len} slots")
+    return self.replace(read_len=read_len)
 
   @staticmethod
   def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
@@ -168,16 +182,14 @@ class KVCache:
                    * jnp.asarray(scale, q_BxTxNxH.dtype))
     num_blocks = jnp.minimum(-(-jnp.max(first_B + T) // blk), self.max_len // blk)
 
-    # The cache arrays ride through the loop carry unchanged: passed in as loop
-    # invariants while also live after the loop, XLA would copy them (the whole
-    # cache, per layer).
-    def body(j, carry):
+    def read(start, size, carry):
+      """Online-softmax update with slots [start, start + size)."""
       m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxH, k_all, v_all = carry
-      at = (layer, 0, j * blk, 0, 0)
-      k_BxCxKxH = _from_storage(jax.lax.dynamic_slice(k_all, at, (1, B, blk, K, H))[0], dt)
-      v_BxCxKxH = _from_storage(jax.lax.dynamic_slice(v_all, at, (1, B, blk, K, H))[0], dt)
-      valid_BxC = jax.lax.dynamic_slice_in_dim(self.valid_BxS, j * blk, blk, axis=1)
-      slot_C = j * blk + jnp.arange(blk, dtype=jnp.int32)
+      at = (layer, 0, start, 0, 0)
+      k_BxCxKxH = _from_storage(jax.lax.dynamic_slice(k_all, at, (1, B, size, K, H))[0], dt)
+      v_BxCxKxH = _from_storage(jax.lax.dynamic_slice(v_all, at, (1, B, size, K, H))[0], dt)
+      valid_BxC = jax.lax.dynamic_slice_in_dim(self.valid_BxS, start, size, axis=1)
+      slot_C = start + jnp.arange(size, dtype=jnp.int32)
       ok_BxTxC = valid_BxC[:, None, :] & (slot_C[None, None, :] <= slot_BxT[:, :, None])
       s = jnp.einsum("bkgth,bckh->bkgtc", q_BxKxGxTxH, k_BxCxKxH,
                      preferred_element_type=jnp.float32)
@@ -195,10 +207,15 @@ class KVCache:
     init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
             jnp.zeros((B, K, G, T), jnp.float32),
             jnp.zeros((B, K, G, T, H), jnp.float32), k_all, v_all)
-    if self.max_len == blk:  # one block: no loop (its overhead dominates short caches)
-      _, l_BxKxGxT, acc, k_all, v_all = body(0, init)
+    if self.read_len is not None or self.max_len == blk:
+      # A static extent: plain attention over it, no control flow (a loop costs a
+      # device->host sync per iteration on some backends, and dominates short caches).
+      _, l_BxKxGxT, acc, k_all, v_all = read(0, self.read_len or blk, init)
     else:
-      _, l_BxKxGxT, acc, k_all, v_all = jax.lax.fori_loop(0, num_blocks, body, init)
+      # The cache arrays ride through the loop carry: closed over while also
+      # live after the loop, XLA would copy them (the whole cache, per layer).
+      _, l_BxKxGxT, acc, k_all, v_all = jax.lax.fori_loop(
+          0, num_blocks, lambda j, c: read(j * blk, blk, c), init)
     o_BxKxGxTxH = acc / jnp.maximum(l_BxKxGxT, 1e-30)[..., None]
     o = o_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(B * T, N * H).astype(q_BxTxNxH.dtype)
     return self.replace(k_LxBxSxKxH=k_all, v_LxBxSxKxH=v_all), o

@@ -96,10 +96,16 @@ def test_rows_at_different_fill_levels(hf_dir):
   for i in range(N):
     logits_BxV, cache = step(model, new_BxN[:, i], cache)
     got.append(np.asarray(logits_BxV))
+  # References: each sequence alone, right-padded to one width (one compilation;
+  # causal attention makes trailing padding irrelevant).
+  seqs = [np.concatenate([p, new_BxN[b]]) for b, p in enumerate(prompts)]
+  ids = np.zeros((3, 16), np.int32)
+  for b, seq in enumerate(seqs):
+    ids[b, :len(seq)] = seq
+  full = np.asarray(jax.jit(lambda m, i: m(i))(model, ids))
   for b, p in enumerate(prompts):
-    seq = np.concatenate([p, new_BxN[b]])[None]
-    full = np.asarray(model(jnp.asarray(seq)))[0, len(p):]
-    np.testing.assert_allclose(np.stack(got)[:, b], full, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.stack(got)[:, b], full[b, len(p):len(p) + N], atol=1e-5,
+                               rtol=0)
 
 
 def test_prefill_last_only_and_chunked_prefill(hf_dir):
