@@ -248,7 +248,10 @@ def memory_check(args):
         f"{args.kv_budget_gib:g} -> {rows} rows")
   s = decode.Static(max_tokens=max_tokens, greedy=False, top_k=0, use_top_p=False)
   state = nnx.state(abstract)
-  rows_out = jax.eval_shape(lambda: decode.empty(cfg, s, rows, cache_len, rollouts))
+  rows_out, out = jax.eval_shape(lambda: decode.empty(cfg, s, rows, cache_len, rollouts))
+  # The widest read extent (the whole cache), as the last chunks of a request run.
+  rows_out = (rows_out._replace(cache=rows_out.cache.with_read_len(rows_out.cache.max_len)),
+              out)
   a, q = rows, rows // 8
   sds = jax.ShapeDtypeStruct
   i32 = lambda *shape: sds(shape, jnp.int32)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from isojax.models.kv_cache import KVCache
+from isojax.models.kv_cache import DEFAULT_BLOCK, KVCache
 
 PAD_ID = 0
 
@@ -35,6 +35,7 @@ class Static:
   greedy: bool
   top_k: int  # 0 = no top-k filtering
   use_top_p: bool
+  cache_block: int = DEFAULT_BLOCK  # slots per attention block of the cache
   # With a mesh: the sharding of rollout rows (R, P) and of their KV cache.
   rows: Any = None
   cache_rows: Any = None
@@ -118,7 +119,8 @@ def _constrain(s: Static, rows: Rows, out: Out) -> tuple[Rows, Out]:
 def empty(cfg, s: Static, num_rows: int, max_len: int, num_pairs: int) -> tuple[Rows, Out]:
   """R free rows with a cache of `max_len` slots each, and empty outputs for P pairs."""
   r, t = num_rows, s.max_tokens
-  cache = KVCache.zeros(cfg.num_layers, r, max_len, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+  cache = KVCache.zeros(cfg.num_layers, r, max_len, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
+                        block=s.cache_block)
   rows = Rows(cache=cache, prev_R=jnp.zeros((r,), jnp.int32),
               pair_R=jnp.full((r,), num_pairs, jnp.int32),
               step_R=jnp.zeros((r,), jnp.int32), done_R=jnp.ones((r,), bool),
@@ -160,7 +162,8 @@ def admit_and_decode(graphdef, s: Static, state, rows: Rows, out: Out, prompt_Qx
   # Admission: one prefill per distinct prompt, copied to its pairs' rows.
   q, l = prompt_QxL.shape
   cfg = model.cfg
-  pre = KVCache.zeros(cfg.num_layers, q, l, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+  pre = KVCache.zeros(cfg.num_layers, q, l, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
+                      block=s.cache_block)
   logits_QxV, pre = model.prefill(prompt_QxL, mask_QxL, pre, last_only=True)
   c = rows.cache.insert(dest_A, pre, src_A)  # pre's slots fit: l <= l + max_tokens
   u_AxT = 1.0 - jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(key, p), (t_max,)))(
@@ -176,9 +179,15 @@ def admit_and_decode(graphdef, s: Static, state, rows: Rows, out: Out, prompt_Qx
               u_RxT=put(rows.u_RxT, u_AxT))
   rows, out = _constrain(s, rows, out)
 
+  read_len = rows.cache.read_len or rows.cache.max_len
+
   def cond(carry):
     rows, _ = carry
-    return ~jnp.all(rows.done_R) & (jnp.sum(rows.done_R, dtype=jnp.int32) < min_free)
+    # A step writes slot lengths_R of every live row and attends up to it: it
+    # must be inside the read extent (the host widens it and calls again).
+    fill = jnp.max(jnp.where(rows.done_R, 0, rows.cache.lengths_B))
+    return (~jnp.all(rows.done_R) & (jnp.sum(rows.done_R, dtype=jnp.int32) < min_free)
+            & (fill < read_len))
 
   def body(carry):
     rows, out = carry

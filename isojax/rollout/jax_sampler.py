@@ -58,6 +58,14 @@ def _bucket_prompts(num_prompts: int, n: int, row_multiple: int) -> int:
   return -(-q // m) * m
 
 
+def _read_len(cache, need: int) -> int:
+  """Slots attention reads in the next chunk: a power-of-two number of blocks
+  holding `need` (capped at the cache), so a long generation compiles a few
+  extents and reads under twice what it must."""
+  blocks = _next_pow2(-(-need // cache.block))
+  return min(blocks * cache.block, cache.max_len)
+
+
 def _model_config(model):
   for name in ("cfg", "config"):
     cfg = getattr(model, name, None)
@@ -95,11 +103,14 @@ class JaxSampler:
     kv_budget_gib: cap the KV cache at this many GiB: the rows of a request's
       cache length that fit (`isojax.rollout.memory.rows_for_budget`), together
       with max_rows the smaller.
+    cache_block: slots per KV-cache block. Attention reads a power-of-two number
+      of blocks covering the fullest row, widened between chunks of decode
+      steps as rows grow (one compilation per extent).
   """
 
   def __init__(self, model, *, mesh=None, rules=None, max_len: int | None = None,
                min_prompt_bucket: int = 16, max_rows: int | None = None,
-               kv_budget_gib: float | None = None):
+               kv_budget_gib: float | None = None, cache_block: int = decode.DEFAULT_BLOCK):
     self._cfg = _model_config(model)
     self._mesh = mesh
     self._rules = sharding.DEFAULT_RULES if rules is None else rules
@@ -115,6 +126,7 @@ class JaxSampler:
                        f"(or None: no budget)")
     self._max_rows = None if max_rows is None else int(max_rows)
     self._kv_budget_gib = kv_budget_gib
+    self._cache_block = int(cache_block)
     self._eos_ids = _eos_ids(self._cfg)
     self._graphdef, state = nnx.split(model)
     self._state_shardings = self._shardings_for(state)
@@ -207,14 +219,15 @@ class JaxSampler:
                      vocab_size=self._vocab_size, max_model_len=self._max_len)
     greedy = temperature == 0
     k = 0 if (greedy or not top_k or top_k >= self._vocab_size) else int(top_k)
+    l_bucket = max(_next_pow2(max(len(p) for p in prompt_ids)), self._min_prompt_bucket)
+    cache_len = l_bucket + _next_pow2(max_tokens)
     s = decode.Static(max_tokens=_next_pow2(max_tokens), greedy=greedy, top_k=k,
-                      use_top_p=(not greedy) and top_p < 1.0, rows=self._rows,
+                      use_top_p=(not greedy) and top_p < 1.0,
+                      cache_block=self._cache_block, rows=self._rows,
                       cache_rows=self._cache_rows)
 
     b = len(prompt_ids) * n
-    l_bucket = max(_next_pow2(max(len(p) for p in prompt_ids)), self._min_prompt_bucket)
     num_pairs = _bucket_prompts(len(prompt_ids), n, self._row_multiple) * n
-    cache_len = l_bucket + s.max_tokens
     num_rows = self.num_rows(num_pairs, cache_len)
     prompt_QxL = np.full((len(prompt_ids), l_bucket), PAD_ID, np.int32)
     mask_QxL = np.zeros((len(prompt_ids), l_bucket), np.int32)
@@ -231,14 +244,15 @@ class JaxSampler:
     # Whole prompts are admitted together (one prefill for their n samples)
     # unless a prompt's n samples do not fit in the rows at all.
     unit = n if num_rows >= n else 1
-    free_R, start = np.arange(num_rows), 0
+    free_R, start, q, need = np.arange(num_rows), 0, 1, l_bucket + 1
     while True:
       take = min(b - start, len(free_R) // unit * unit)
       pair_A = np.arange(start, start + take)
       start += take
       prompts_Q, src_A = np.unique(pair_A // n, return_inverse=True)
-      q = _next_pow2(len(prompts_Q))
-      prompts_Q = np.concatenate([prompts_Q, np.full(q - len(prompts_Q), prompts_Q[0])])
+      if take:  # else only the read extent grows: nothing is admitted
+        q = _next_pow2(len(prompts_Q))
+      prompts_Q = np.concatenate([prompts_Q, np.full(q - len(prompts_Q), 0)]).astype(int)
       a = _next_pow2(num_rows)  # one admission shape per request: fewer compilations
       pad = lambda x, v: np.concatenate([x, np.full(a - take, v, x.dtype)]).astype(np.int32)
       left = b - start
@@ -247,11 +261,15 @@ class JaxSampler:
       prompts = self._put(prompt_QxL[prompts_Q], mask_QxL[prompts_Q], prompts=True)
       admit = self._put(pad(src_A, 0), pad(free_R[:take], num_rows), pad(pair_A, 0),
                         np.arange(a) < take)
+      rows = rows._replace(cache=rows.cache.with_read_len(_read_len(rows.cache, need)))
       rows, out = self._jit(s, self._state, rows, out, *prompts, *admit, stop_V, *consts,
                             np.int32(min_free))
-      if not left:
+      done_R, lengths_R = _to_host((rows.done_R, rows.cache.lengths_B))
+      if done_R.all() and not left:
         break
-      free_R = np.flatnonzero(_to_host((rows.done_R,))[0])
+      # The next step writes slot lengths_R: attention must read one past it.
+      need = max(int(lengths_R[~done_R].max(initial=0)) + 1, l_bucket + 1)
+      free_R = np.flatnonzero(done_R)
 
     tokens_BxT, logp_BxT, lengths_B, stopped_B = _to_host(out)
     lengths_B = lengths_B[:b].astype(np.int32)

@@ -371,3 +371,16 @@ def test_kv_budget_sets_the_rows(model):
                                                    temperature=0.0)
   with pytest.raises(ValueError, match="max_rows=0"):
     JaxSampler(model, max_rows=0)
+
+
+def test_read_extent_grows_between_chunks(model, sampler):
+  """With 4-slot cache blocks, attention reads 32 slots (8 blocks) while every live
+  row fits, then the whole 48-slot cache: decoding pauses, the extent is widened and
+  decoding resumes (rows are refilled meanwhile). Same rollouts as one extent."""
+  kw = dict(n=2, max_tokens=30, temperature=1.0, seed=1)
+  ref = sampler.generate(PROMPTS[:2], **kw)
+  small = JaxSampler(model, cache_block=4, max_rows=3)
+  got = small.generate(PROMPTS[:2], **kw)
+  np.testing.assert_array_equal(got.tokens_BxT, ref.tokens_BxT)
+  np.testing.assert_allclose(got.logprobs_BxT, ref.logprobs_BxT, atol=1e-5)
+  assert small._jit._cache_size() == 2  # two read extents: 32 and 48 slots

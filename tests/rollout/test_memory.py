@@ -73,7 +73,7 @@ def test_compiled_sampler_holds_the_budgeted_cache_once():
   """Compiled from shapes with a KV budget (as bench/sampler.py --memory_check does
   for Qwen2.5-1.5B x 512 x 8192): the arguments are the parameters plus the
   budget's rows of cache, and the decode loop updates the cache in place (no
-  full-size temporary, e.g. a float32 widening of a bf16 cache)."""
+  cache-sized temporary, e.g. a float32 widening of a bf16 cache)."""
   import functools
 
   import jax
@@ -91,7 +91,10 @@ def test_compiled_sampler_holds_the_budgeted_cache_once():
   abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
   s = decode.Static(max_tokens=max_tokens, greedy=False, top_k=0, use_top_p=False)
   state = nnx.state(abstract)
-  rows_out = jax.eval_shape(lambda: decode.empty(cfg, s, rows, cache_len, pairs))
+  rows_out, out = jax.eval_shape(lambda: decode.empty(cfg, s, rows, cache_len, pairs))
+  # The widest read extent (the whole cache), as the last chunks of a request run.
+  rows_out = (rows_out._replace(cache=rows_out.cache.with_read_len(rows_out.cache.max_len)),
+              out)
   sds = jax.ShapeDtypeStruct
   i32 = lambda *shape: sds(shape, jnp.int32)
   f32 = sds((), jnp.float32)
@@ -106,4 +109,6 @@ def test_compiled_sampler_holds_the_budgeted_cache_once():
   params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
   outputs = pairs * max_tokens * 8 + rows * max_tokens * 4  # tokens + logps, uniforms
   assert cache < mem.argument_size_in_bytes < cache + params + outputs + (1 << 20)
-  assert mem.temp_size_in_bytes < 0.1 * cache
+  # At most one layer's keys + values as attention reads them (a slice of the
+  # cache), never a cache-sized temporary.
+  assert mem.temp_size_in_bytes < cache * (2 / cfg.num_layers + 0.1)
