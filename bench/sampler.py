@@ -221,7 +221,7 @@ def bench_gpu(args):
         del sampler, model
         best_t, _, tok_t = bench_transformers(tmp, prompts, n, max_tokens, args.repeats,
                                               args.torch_threads, device=torch_device())
-      print(f"{"  transformers (sdpa)":<28}{best_t:>9.2f}s {tok_t / best_t:>10.0f} tok/s; "
+      print(f"{'  transformers (sdpa)':<28}{best_t:>9.2f}s {tok_t / best_t:>10.0f} tok/s; "
             f"jax speed-up {best_t / best:.2f}x")
 
 
