@@ -153,6 +153,7 @@ def admit_and_decode(graphdef, s: Static, state, rows: Rows, out: Out, prompt_Qx
     pair_A: the pair's index (selects its outputs and its random stream).
     active_A: False for padding entries (ignored).
     min_free: decode stops once this many rows are done (R + 1: run until all are).
+      It also stops before a live row would write past the cache's read extent.
   """
   model = nnx.merge(graphdef, state)
   num_rows = rows.prev_R.shape[0]
