@@ -65,6 +65,18 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   return out
 
 
+def split_arg(arg: str | None, **extra) -> tuple[ml_collections.ConfigDict, str]:
+  """Parses the keys of `extra` out of `arg`; returns them and the rest of `arg`.
+
+  For study files that add arguments to `study_config`'s: "mix=tri,n=8,smoke"
+  with extra mix="hard" gives ({mix: "tri"}, "n=8,smoke").
+  """
+  mine, rest = [], []
+  for item in filter(None, (s.strip() for s in (arg or "").split(","))):
+    (mine if item.partition("=")[0].strip() in extra else rest).append(item)
+  return parse_arg(",".join(mine), **extra), ",".join(rest)
+
+
 def base_config() -> ml_collections.ConfigDict:
   """The full run schema with the paper's defaults (the easy-set recipe)."""
   c = ml_collections.ConfigDict()
@@ -100,12 +112,19 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.data = ml_collections.ConfigDict()
   # "synthetic" (generated), "synthetic:NAME" (a committed difficulty split of
-  # the synthetic task, isojax/assets/splits/NAME.jsonl) or a JSONL/Parquet/
-  # `datasets` path with prompt and answer fields.
+  # the synthetic task, isojax/assets/splits/NAME.jsonl), "mix:NAME:W,NAME:W"
+  # (a mixture of those splits, §5.3) or a JSONL/Parquet/`datasets` path with
+  # prompt and answer fields (isojax/data/problem_sets.py has the forms).
   c.data.train = "synthetic:easy"
-  c.data.val = ""                  # a path, or "" = hold num_val out of data.train
-  c.data.num_val = 300             # held-out validation problems (paper: 300)
-  c.data.num_train = 4096          # problems generated for data.train="synthetic"
+  # "" = hold num_val out of data.train; a path; or named sets
+  # "NAME=SOURCE,NAME=SOURCE" (the first is primary and logs val/avg@k, the
+  # others val/NAME/avg@k; SOURCE: heldout | synthetic:NAME | a path).
+  c.data.val = ""
+  c.data.num_val = 300             # problems per held-out / split val set (paper: 300)
+  # Training problems: a seeded subsample of data.train (data.split_seed), the
+  # size of a mixture, or the count generated for "synthetic" (0 there: 4096);
+  # 0 = all of the source (§5.2 varies it: 6k vs 500).
+  c.data.num_train = 0
   c.data.split_seed = 0            # fixes val/train split for every run of a sweep
   c.data.chat_template = False     # wrap prompts with the tokenizer's chat template
   c.data.reward = "exact"          # "exact" (synthetic) | "math" (math-verify)
@@ -115,7 +134,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.sampler.temperature = 0.6
   c.sampler.top_p = 1.0
   c.sampler.top_k = 0              # 0 = off
-  c.sampler.max_tokens = 8192
+  # Response-length cap; 0 = the study's length: 8 for the synthetic task on the
+  # committed tiny model (model.path ""), the paper's 8,192 when model.path names
+  # a real model (isojax.budget.study_max_tokens). Any value > 0 overrides it.
+  c.sampler.max_tokens = 0
   # In-process sampler on the trainer's accelerator: its KV-cache share. It decodes
   # at most max_rows rollouts at once (0 = all of a batch), fewer if the rows of
   # prompt + max_tokens positions do not fit in kv_budget_gib (0 = no budget);
@@ -150,6 +172,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.weight_decay = 0.01
   c.rl.max_grad_norm = 1.0         # 0 = off
   c.rl.micro_batch = 0             # rollouts per gradient-accumulation chunk; 0 = all
+  # Decoupled baseline (App. G): sample n_est > n rollouts per problem, estimate
+  # the baseline from all of them, train on n; the ledger charges n_est, so
+  # M = floor(budget / (bp * n_est)). 0 = off (n_est = n).
+  c.rl.n_est = 0
 
   c.eval = ml_collections.ConfigDict()
   c.eval.k = 4                     # samples per validation problem (avg@4/best@4/worst@4)
@@ -195,9 +221,8 @@ def study_config(split: str, study: str, arg: str | None) -> ml_collections.Conf
   c.b_max = scale["b_max"]
   c.rl.update(SPLIT_REGULARIZERS[split])
   c.data.train = f"synthetic:{split}"
-  # The synthetic task's answer + EOS fit in 8 tokens; App. A used 8192 for
-  # Qwen2.5-7B-Instruct (override sampler.max_tokens with the model).
-  c.sampler.max_tokens = 8
+  # sampler.max_tokens stays 0, the study's length: 8 tokens for the synthetic
+  # task, App. A's 8,192 once --config.model.path names a real model.
   c.sweep.study = study
   c.sweep.split = split
   c.sweep.n_values = list(scale["n_values"])

@@ -21,9 +21,11 @@ length explosion), no zero-variance filter, sqrt(B) learning rate with eta_base
 The built-in default is the synthetic task with the committed tiny base model.
 The paper's setting is Qwen2.5-7B-Instruct on the Guru-Math hard split:
   --config.model.path=/ckpt/Qwen2.5-7B-Instruct --config.sampler.backend=vllm
-  --config.sampler.max_tokens=8192 --config.data.train=/data/guru_hard_train.jsonl
+  --config.data.train=/data/guru_hard_train.jsonl
   --config.data.val=/data/guru_hard_val.jsonl --config.data.chat_template=True
   --config.data.reward=math
+(sampler.max_tokens is 0, "the study's length": 8 tokens on the tiny model,
+the paper's 8,192 once model.path names a real model; set it to override.)
 """
 
 from experiments import common

@@ -13,6 +13,10 @@ right-padded to `max_tokens`:
 
 Row i*n + j holds prompt i's j-th completion (prompt-major groups, as the
 advantages in the step expect).
+
+Decoupled baseline (App. G): with n_est > n rollouts per prompt, `train_rows`
+picks n of each prompt's n_est at random, `take_rollouts` keeps those rows, and
+all n_est rewards go into the batch as `baseline_rewards_B`.
 """
 
 from __future__ import annotations
@@ -34,9 +38,36 @@ def prompt_bucket(max_prompt_len: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
   return max(minimum, 1 << (int(max_prompt_len) - 1).bit_length())
 
 
+def train_rows(bp: int, n_est: int, n: int, seed: int) -> np.ndarray:
+  """Rows of a [Bp * n_est] prompt-major batch to train on: n per prompt, at random.
+
+  Prompt i's picks come from rows [i * n_est, (i + 1) * n_est), drawn without
+  replacement and kept in increasing order, so the result is prompt-major groups
+  of n (the paper subsamples 64 of 256 "randomly"; a fixed prefix would do as well
+  for i.i.d. samples, but a sampler may order a prompt's samples).
+  """
+  if not 1 <= n <= n_est:
+    raise ValueError(f"train_rows needs 1 <= n <= n_est; got n={n}, n_est={n_est}")
+  rng = np.random.default_rng(seed)
+  picks_BpxN = np.sort(np.stack([rng.choice(n_est, size=n, replace=False)
+                                 for _ in range(bp)]), axis=1)
+  return (np.arange(bp)[:, None] * n_est + picks_BpxN).reshape(-1)
+
+
+def take_rollouts(rollouts: Rollouts, rows: np.ndarray) -> Rollouts:
+  """The rollouts at `rows`, in that order (same width T)."""
+  rows = np.asarray(rows, np.int64)
+  lengths_B = np.asarray(rollouts.lengths_B)[rows]
+  return Rollouts(tokens_BxT=np.asarray(rollouts.tokens_BxT)[rows],
+                  logprobs_BxT=np.asarray(rollouts.logprobs_BxT)[rows],
+                  lengths_B=lengths_B,
+                  finish_reason_B=np.asarray(rollouts.finish_reason_B)[rows],
+                  num_rollouts=len(rows), num_generated_tokens=int(lengths_B.sum()))
+
+
 def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts,
                 rewards_B: np.ndarray, *, n: int, prompt_width: int, max_tokens: int,
-                pad_id: int) -> Batch:
+                pad_id: int, baseline_rewards_B: np.ndarray | None = None) -> Batch:
   """Packs len(prompt_ids) * n rollouts into a Batch of width prompt_width + max_tokens.
 
   Args:
@@ -47,6 +78,8 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts,
     prompt_width: left-padded prompt length (>= every prompt's length).
     max_tokens: completion width (>= every completion's length).
     pad_id: token id written into padding (masked out everywhere).
+    baseline_rewards_B: optional [Bp * n_est] rewards of every rollout sampled
+      for the decoupled baseline (prompt-major, the trained ones among them).
 
   Returns:
     an `isojax.rl.Batch` of NumPy arrays (the step places them on the mesh).
@@ -87,6 +120,12 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts,
   loss_BxT[:, prompt_width:] = comp_BxT
   sampler_logp_BxT = np.zeros((b, width), np.float32)
   sampler_logp_BxT[:, prompt_width:] = logp_BxT * comp_BxT
+  if baseline_rewards_B is not None:
+    baseline_rewards_B = np.asarray(baseline_rewards_B, np.float32)
+    if baseline_rewards_B.ndim != 1 or baseline_rewards_B.shape[0] % bp or (
+        baseline_rewards_B.shape[0] < b):
+      raise ValueError(f"baseline_rewards_B has shape {baseline_rewards_B.shape}; "
+                       f"expected ({bp} prompts x n_est >= n={n},)")
   return Batch(input_ids_BxT=ids_BxT, attention_mask_BxT=attn_BxT,
                loss_mask_BxT=loss_BxT, sampler_logp_BxT=sampler_logp_BxT,
-               rewards_B=rewards_B)
+               rewards_B=rewards_B, baseline_rewards_B=baseline_rewards_B)

@@ -48,46 +48,77 @@ def _as_compute(value, name: str = "compute C") -> float:
 
 @dataclasses.dataclass(frozen=True, order=True)
 class BudgetPoint:
-  """One allocation of a rollout budget: Bp problems x n rollouts x M updates."""
+  """One allocation of a rollout budget: Bp problems x n rollouts x M updates.
+
+  `n_est` (App. G's decoupled baseline): each problem gets n_est >= n rollouts, all
+  of them estimate the baseline and n of them enter the gradient. C counts sampled
+  rollouts, so such a point spends C = Bp * n_est * M; None means n_est = n.
+  """
 
   bp: int
   n: int
   m: int
+  n_est: int | None = None
 
   def __post_init__(self):
     for name in ("bp", "n", "m"):
       object.__setattr__(self, name, _as_positive_int(getattr(self, name), name))
+    if self.n_est is not None:
+      n_est = _as_positive_int(self.n_est, "n_est")
+      if n_est < self.n:
+        raise ValueError(f"n_est={n_est} rollouts per problem for the baseline must be "
+                         f">= n={self.n}, the rollouts trained on")
+      object.__setattr__(self, "n_est", None if n_est == self.n else n_est)
+
+  @property
+  def rollouts_per_problem(self) -> int:
+    """Rollouts sampled per problem and update: n_est, or n when not decoupled."""
+    return self.n_est or self.n
+
+  @property
+  def sampled_batch(self) -> int:
+    """Rollouts sampled per update, Bp * n_est (= B unless decoupled)."""
+    return self.bp * self.rollouts_per_problem
 
   @property
   def batch(self) -> int:
-    """Rollouts per update, B = Bp * n."""
+    """Rollouts trained on per update, B = Bp * n."""
     return self.bp * self.n
 
   @property
   def compute(self) -> int:
-    """Total rollouts spent by the point, C = Bp * n * M."""
-    return self.bp * self.n * self.m
+    """Total rollouts spent by the point, C = Bp * n * M (Bp * n_est * M if decoupled)."""
+    return self.sampled_batch * self.m
 
   @classmethod
-  def from_budget(cls, compute, *, bp, n) -> "BudgetPoint":
+  def from_budget(cls, compute, *, bp, n, n_est=None) -> "BudgetPoint":
     """The point that spends at most `compute` rollouts: M = floor(C / (Bp * n)).
 
+    With a decoupled baseline (n_est > n) every update samples Bp * n_est
+    rollouts, so M = floor(C / (Bp * n_est)).
+
     Raises:
-      ValueError: if C < Bp * n, i.e. not even one update fits (names C, Bp, n).
+      ValueError: if C < Bp * n (Bp * n_est), i.e. not even one update fits
+        (names C, Bp, n and n_est), or n_est < n.
     """
     compute = _as_compute(compute)
     bp = _as_positive_int(bp, "bp")
     n = _as_positive_int(n, "n")
+    per = n if n_est is None else _as_positive_int(n_est, "n_est")
+    if per < n:
+      raise ValueError(f"n_est={per} rollouts per problem for the baseline must be "
+                       f">= n={n}, the rollouts trained on")
     # Integer arithmetic when possible: floor(2e6 / 96) must not suffer float error.
     if float(compute).is_integer():
-      m = int(compute) // (bp * n)
+      m = int(compute) // (bp * per)
     else:
-      m = math.floor(compute / (bp * n))
+      m = math.floor(compute / (bp * per))
     if m == 0:
+      what = "Bp*n" if per == n else "Bp*n_est"
       raise ValueError(
           f"budget C={_fmt(compute)} rollouts is smaller than one batch "
-          f"Bp*n = {bp}*{n} = {bp * n}: M = floor(C/(Bp*n)) = 0 updates")
-    return cls(bp=bp, n=n, m=m)
+          f"{what} = {bp}*{per} = {bp * per}: M = floor(C/({what})) = 0 updates")
+    return cls(bp=bp, n=n, m=m, n_est=n_est)
 
   def validate(self, b_max=None) -> "BudgetPoint":
     """Raises ValueError naming the numbers if Bp * n exceeds `b_max`; else self."""
@@ -100,14 +131,22 @@ class BudgetPoint:
     return self
 
   def to_dict(self) -> dict:
-    """Plain dict for config.json / metrics, including the derived numbers."""
-    return {"bp": self.bp, "n": self.n, "m": self.m, "batch": self.batch,
-            "compute": self.compute}
+    """Plain dict for config.json / metrics, including the derived numbers.
+
+    "n_est" appears only for a decoupled point, so the dicts of other points
+    (and the config.json files they go into) are as they always were.
+    """
+    out = {"bp": self.bp, "n": self.n, "m": self.m, "batch": self.batch,
+           "compute": self.compute}
+    if self.n_est is not None:
+      out["n_est"] = self.n_est
+    return out
 
   @property
   def name(self) -> str:
-    """A stable, filesystem-safe name, e.g. 'bp32_n64_m100'."""
-    return f"bp{self.bp}_n{self.n}_m{self.m}"
+    """A stable, filesystem-safe name, e.g. 'bp32_n64_m100' ('bp32_n64e256_m100')."""
+    est = "" if self.n_est is None else f"e{self.n_est}"
+    return f"bp{self.bp}_n{self.n}{est}_m{self.m}"
 
 
 def sweep_grid(bp_values: Iterable, n_values: Iterable, *, b_max,
@@ -147,6 +186,25 @@ def sweep_grid(bp_values: Iterable, n_values: Iterable, *, b_max,
         f"no feasible budget point: every Bp*n in Bp={bp_values} x n={n_values} "
         f"exceeds b_max={b_max} or the budget C={[_fmt(c) for c in budgets]}")
   return list(dict.fromkeys(points))
+
+
+# Response-length cap of a study whose config says sampler.max_tokens = 0: the
+# synthetic task's answer + EOS fit in 8 tokens; the paper's runs (App. A, §3)
+# allow 8,192 for Qwen2.5-7B-Instruct and the other real models.
+SYNTHETIC_MAX_TOKENS = 8
+PAPER_MAX_TOKENS = 8192
+
+
+def study_max_tokens(max_tokens: int, model_path: str) -> int:
+  """sampler.max_tokens with 0 resolved: 8 on the committed tiny model (model.path
+  empty, the synthetic task), the paper's 8,192 on a real model; any value > 0 is
+  kept as given."""
+  if max_tokens < 0 or isinstance(max_tokens, bool):
+    raise ValueError(f"config.sampler.max_tokens={max_tokens!r} must be >= 0 (0: the "
+                     f"study's length)")
+  if max_tokens:
+    return int(max_tokens)
+  return PAPER_MAX_TOKENS if model_path else SYNTHETIC_MAX_TOKENS
 
 
 def estimate_tokens(point: BudgetPoint, mean_response_tokens: float,

@@ -36,6 +36,7 @@ from absl import logging
 from isojax import budget as budget_lib
 from isojax import checkpoint as ckpt_lib
 from isojax import metrics as metrics_lib
+from isojax import run_setup
 from isojax.rollout.memory import check_run_split
 from isojax.run_setup import RunParts, build_parts, model_of, nonfinite_step_message
 
@@ -43,8 +44,9 @@ CONFIG_FILE = "config.json"
 DONE_FILE = "DONE"
 CHECKPOINT_DIR = "checkpoints"
 
-# Streams of seed-derived randomness (see `derive_seed`).
-_TRAIN, _VAL, _TRAIN_EVAL = 0, 1, 2
+# Streams of seed-derived randomness (see `derive_seed`). Validation set i > 0
+# (data.val's i-th set) uses stream _VAL_EXTRA + i.
+_TRAIN, _VAL, _TRAIN_EVAL, _TRAIN_ROWS, _VAL_EXTRA = 0, 1, 2, 3, 100
 
 
 class NonFiniteLossError(RuntimeError):
@@ -56,17 +58,23 @@ class RunPlan:
   """What `config` asks for, derived once and frozen (the config is never written).
 
   Attributes:
-    point: the budget point (Bp, n, M) from config.bp, config.n, config.budget.
+    point: the budget point (Bp, n, M) from config.bp, config.n, config.budget
+      (and config.rl.n_est: a decoupled baseline samples n_est per problem).
     loss: the isojax.rl LossConfig.
     optim: the isojax.rl OptimConfig.
     lr: the peak learning rate the optimiser's rule gives for B = Bp * n.
     micro_batch: rollouts per gradient-accumulation chunk (B when 0 in config).
+    max_tokens: the response-length cap, config.sampler.max_tokens with 0
+      resolved (`isojax.budget.study_max_tokens`).
+    val_sets: data.val's (name, source) pairs, the primary first.
   """
   point: budget_lib.BudgetPoint
   loss: object
   optim: object
   lr: float
   micro_batch: int
+  max_tokens: int = budget_lib.SYNTHETIC_MAX_TOKENS
+  val_sets: tuple = ()
 
 
 def _off_if_zero(x):
@@ -82,11 +90,20 @@ def plan(config) -> RunPlan:
   """
   from isojax.rl import LossConfig, OptimConfig, learning_rate  # lazy: JAX import
 
-  batch = config.bp * config.n
+  from isojax.data.problem_sets import check_data_config
+
+  n_est = config.rl.n_est or None
+  per = n_est or config.n
+  batch = config.bp * per
   if batch > config.b_max:
-    raise ValueError(f"infeasible budget point: Bp*n = {config.bp}*{config.n} = {batch} "
+    what = "Bp*n" if n_est is None else "Bp*n_est"
+    raise ValueError(f"infeasible budget point: {what} = {config.bp}*{per} = {batch} "
                      f"exceeds b_max = {config.b_max} (budget C={config.budget:g})")
-  point = budget_lib.BudgetPoint.from_budget(config.budget, bp=config.bp, n=config.n)
+  if n_est is not None and n_est < config.n:
+    raise ValueError(f"config.rl.n_est={n_est} must be 0 (off) or >= n={config.n}: the "
+                     f"baseline is estimated from n_est rollouts, n of them trained on")
+  point = budget_lib.BudgetPoint.from_budget(config.budget, bp=config.bp, n=config.n,
+                                             n_est=n_est)
   for name in ("eval_every", "checkpoint_every", "keep_checkpoints",
                "max_consecutive_skips"):
     if config[name] < 1:
@@ -94,12 +111,13 @@ def plan(config) -> RunPlan:
   if config.sampler.backend not in ("jax", "vllm"):
     raise ValueError(f"config.sampler.backend={config.sampler.backend!r}; expected "
                      f"'jax' or 'vllm'")
-  if config.sampler.max_tokens < 1 or config.eval.k < 1:
-    raise ValueError(f"config.sampler.max_tokens={config.sampler.max_tokens} and "
-                     f"config.eval.k={config.eval.k} must be >= 1")
+  max_tokens = budget_lib.study_max_tokens(config.sampler.max_tokens, config.model.path)
+  if config.eval.k < 1:
+    raise ValueError(f"config.eval.k={config.eval.k} must be >= 1")
   if config.data.reward not in ("exact", "math"):
     raise ValueError(f"config.data.reward={config.data.reward!r}; expected 'exact' or "
                      f"'math'")
+  val_sets = check_data_config(config.data, run_setup.ASSETS_DIR / "splits")
   rl = config.rl
   loss = LossConfig(
       kind=rl.kind, clip_low=rl.clip_low, clip_high=rl.clip_high,
@@ -116,19 +134,22 @@ def plan(config) -> RunPlan:
     raise ValueError(f"config.rl.micro_batch={micro} does not divide B = Bp*n = "
                      f"{point.batch}")
   return RunPlan(point=point, loss=loss, optim=optim,
-                 lr=learning_rate(optim, point.batch), micro_batch=micro)
+                 lr=learning_rate(optim, point.batch), micro_batch=micro,
+                 max_tokens=max_tokens, val_sets=tuple(val_sets))
 
 
 def resolved_config(config, run_plan: RunPlan) -> dict:
   """config.json's content: the config plus the derived point (analysis reads it).
 
-  "budget" becomes {"requested", "bp", "n", "m", "batch", "compute"}, and bp, n,
-  m sit at top level too; "lr" is the derived peak learning rate.
+  "budget" becomes {"requested", "bp", "n", "m", "batch", "compute"} (and
+  "n_est" for a decoupled baseline), and bp, n, m sit at top level too; "lr" is
+  the derived peak learning rate and "max_tokens" the response-length cap used.
   """
   out = config.to_dict()
   out["budget"] = {"requested": config.budget, **run_plan.point.to_dict()}
   out["m"] = run_plan.point.m
   out["lr"] = run_plan.lr
+  out["max_tokens"] = run_plan.max_tokens
   return json.loads(json.dumps(out))  # tuples -> lists, as a reload would see them
 
 
@@ -181,17 +202,25 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def evaluate_step(parts: RunParts, config) -> tuple[dict, np.ndarray | None]:
-  """Validation avg/best/worst@k and the training set's pass@1 histogram."""
+  """Validation avg/best/worst@k of every set and the training set's pass@1 histogram.
+
+  The primary set logs val/avg@k etc., set NAME val/NAME/avg@k etc.
+  """
   from isojax import evaluate as ev
+  from isojax.data.problem_sets import metric_prefix
 
   kwargs = dict(k=config.eval.k, temperature=config.eval.temperature,
-                max_tokens=config.sampler.max_tokens, top_p=config.sampler.top_p,
+                max_tokens=parts.max_tokens, top_p=config.sampler.top_p,
                 reward_fn=parts.reward_fn, chat_template=config.data.chat_template,
                 batch_size=config.eval.batch_problems or None)
-  val = ev.evaluate(parts.sampler, parts.val_problems, parts.tokenizer, prefix="val/",
-                    seed=derive_seed(config.seed, _VAL), **kwargs)
-  out = dict(val.metrics)
-  out["val/response_len"] = val.mean_response_tokens
+  out = {}
+  for i, (name, problems) in enumerate(parts.val_sets.items()):
+    prefix = metric_prefix(i, name)
+    val = ev.evaluate(parts.sampler, problems, parts.tokenizer, prefix=prefix,
+                      seed=derive_seed(config.seed, _VAL if i == 0 else _VAL_EXTRA + i),
+                      **kwargs)
+    out.update(val.metrics)
+    out[f"{prefix}response_len"] = val.mean_response_tokens
   counts = None
   if parts.train_eval_problems:
     tr = ev.evaluate(parts.sampler, parts.train_eval_problems, parts.tokenizer,
@@ -209,35 +238,50 @@ def sample_and_update(parts: RunParts, config, state, step: int):
   from isojax.evaluate import score_rollouts
 
   n = config.n
+  n_est = config.rl.n_est or n  # rollouts sampled per problem
   problems = parts.loader.next_batch()
   prompt_ids = [parts.prompt_ids[p.id] for p in problems]
   rollouts = parts.sampler.generate(
-      prompt_ids, n=n, max_tokens=config.sampler.max_tokens,
+      prompt_ids, n=n_est, max_tokens=parts.max_tokens,
       temperature=config.sampler.temperature, top_p=config.sampler.top_p,
       top_k=config.sampler.top_k or None, stop_token_ids=parts.stop_token_ids,
       seed=derive_seed(config.seed, _TRAIN, step))
-  rewards_B = score_rollouts(rollouts, [p.answer for p in problems], n, parts.tokenizer,
-                             parts.reward_fn)
+  rewards_B = score_rollouts(rollouts, [p.answer for p in problems], n_est,
+                             parts.tokenizer, parts.reward_fn)
+  sampled, baseline_B = rollouts, None
+  if n_est > n:
+    # App. G: every sampled reward feeds the baseline; n per problem are trained on.
+    rows = batching.train_rows(len(problems), n_est, n,
+                               seed=derive_seed(config.seed, _TRAIN_ROWS, step))
+    baseline_B, rewards_B = rewards_B, rewards_B[rows]
+    rollouts = batching.take_rollouts(rollouts, rows)
   batch = batching.build_batch(prompt_ids, rollouts, rewards_B, n=n,
                                prompt_width=parts.prompt_width,
-                               max_tokens=config.sampler.max_tokens, pad_id=parts.pad_id)
+                               max_tokens=parts.max_tokens, pad_id=parts.pad_id,
+                               baseline_rewards_B=baseline_B)
   state, step_metrics = parts.train_step(state, batch)
   step_metrics = {f"train/{k}": float(v) for k, v in jax.device_get(step_metrics).items()}
-  r_BpxN = rewards_B.reshape(-1, n)
-  zero_var_B = np.repeat(np.all(r_BpxN == r_BpxN[:, :1], axis=1), n)
+  # A group is dropped when its baseline rewards are all equal (the step's rule);
+  # every rollout sampled for it was paid for and none trained on.
+  base_BpxN = (rewards_B if baseline_B is None else baseline_B).reshape(-1, n_est)
+  zero_var_B = np.repeat(np.all(base_BpxN == base_BpxN[:, :1], axis=1), n_est)
   host = {"train/reward": float(np.mean(rewards_B)),
           "train/response_len": float(np.mean(rollouts.lengths_B)),
           "train/truncated_frac": float(np.mean(rollouts.finish_reason_B == "length"))}
+  if baseline_B is not None:
+    host["train/baseline_reward"] = float(np.mean(baseline_B))
   # Rollouts a filter drops from the loss were still paid for (the ledger says so).
   dropped = int(zero_var_B.sum()) if config.rl.zero_var_filter == "all" else 0
-  return state, {**host, **step_metrics}, rollouts, dropped
+  return state, {**host, **step_metrics}, sampled, dropped
 
 
 def run(config, workdir: str | os.PathLike) -> dict:
   """Trains the budget point of `config` in `workdir`; resumes or skips if done.
 
   Returns:
-    the last metrics record (that of the final step).
+    the last metrics record (that of the final step). With a decoupled baseline
+    (config.rl.n_est > n) the ledger, and so "rollouts", counts all n_est
+    rollouts sampled per problem, not only the n trained on.
 
   Raises:
     ValueError: before any work, for an infeasible point or a bad config, and if
@@ -266,8 +310,9 @@ def run(config, workdir: str | os.PathLike) -> dict:
   t0 = time.time()
   parts = build_parts(config, run_plan)
   state = parts.init_state()
-  split = check_run_split(config, model_of(parts, state).cfg, state, rollouts=point.batch,
-                          max_len=parts.prompt_width + config.sampler.max_tokens)
+  split = check_run_split(config, model_of(parts, state).cfg, state,
+                          rollouts=point.bp * (config.rl.n_est or config.n),
+                          max_len=parts.prompt_width + parts.max_tokens)
   if split is not None:
     logging.info("memory per device: trainer state %.2f GiB + sampler KV cache %.2f GiB "
                  "(%d rows) of %.2f GiB", split["trainer_gib"], split["kv_gib"],

@@ -20,7 +20,6 @@ from isojax.rollout.jax_sampler import JaxSampler
 
 ASSETS_DIR = pathlib.Path(__file__).resolve().parent / "assets"
 BASE_MODEL_DIR = ASSETS_DIR / "base_model"
-SYNTHETIC_PREFIX = "synthetic"
 REWARDS = {"exact": "exact_match", "math": "math_verify"}
 
 
@@ -32,10 +31,12 @@ class RunParts:
   rest: Any  # the model's non-parameter state (e.g. RoPE tables)
   tokenizer: Any
   train_problems: list
-  val_problems: list
+  val_problems: list  # the primary validation set
+  val_sets: dict[str, list]  # every validation set by name, primary first
   train_eval_problems: list
   prompt_ids: dict[str, list[int]]  # problem id -> prompt token ids (train set)
   prompt_width: int
+  max_tokens: int  # response-length cap (config.sampler.max_tokens, 0 resolved)
   pad_id: int
   stop_token_ids: tuple[int, ...]
   loader: Any
@@ -68,42 +69,16 @@ def model_path(config) -> pathlib.Path:
   return pathlib.Path(config.model.path) if config.model.path else BASE_MODEL_DIR
 
 
-def _synthetic_split_file(name: str) -> pathlib.Path:
-  return ASSETS_DIR / "splits" / f"{name}.jsonl"
+def load_problem_sets(config) -> tuple[list, dict[str, list]]:
+  """(train, {name: val problems}, primary first) from config.data.
 
-
-def load_problem_sets(config) -> tuple[list, list]:
-  """(train, val) problems from config.data.
-
-  data.train is "synthetic" (generated from data.split_seed), "synthetic:NAME"
-  (a committed difficulty split of the synthetic task under isojax/assets/splits)
-  or a JSONL/Parquet/`datasets` path. data.val is a path, or "" to hold out
-  data.num_val problems of the training source: a fixed permutation of
-  data.split_seed, so every run of a sweep (any seed) sees the same val set.
+  The source forms (synthetic, synthetic:NAME splits under isojax/assets/splits,
+  mixtures, files), data.num_train and the validation-set mapping are those of
+  `isojax.data.problem_sets`.
   """
-  from isojax import data as data_lib
+  from isojax.data import problem_sets
 
-  d = config.data
-  if d.train == SYNTHETIC_PREFIX:
-    return data_lib.synthetic_splits(d.num_train, d.num_val, seed=d.split_seed)
-  if d.train.startswith(SYNTHETIC_PREFIX + ":"):
-    path = _synthetic_split_file(d.train.split(":", 1)[1])
-    if not path.exists():
-      raise ValueError(
-          f"config.data.train={d.train!r}: no split file {path}; write the splits of "
-          f"the base model with `python -m isojax.data.splits --num 16384 --out "
-          f"{path.parent}`, or use data.train='synthetic' or a problem file")
-  else:
-    path = pathlib.Path(d.train)
-  train = data_lib.load_problems(path)
-  if d.val:
-    return train, data_lib.load_problems(d.val)
-  if len(train) <= d.num_val:
-    raise ValueError(f"{path}: {len(train)} problems cannot give data.num_val="
-                     f"{d.num_val} held-out problems and a training set")
-  order = np.random.default_rng(d.split_seed).permutation(len(train))
-  val = [train[i] for i in order[:d.num_val]]
-  return [train[i] for i in np.sort(order[d.num_val:])], val
+  return problem_sets.load_problem_sets(config.data, ASSETS_DIR / "splits")
 
 
 def _mesh(config):
@@ -140,7 +115,7 @@ def build_parts(config, run_plan) -> RunParts:
       rules=sharding.DEFAULT_RULES, compute_dtype=jnp.dtype(config.model.dtype),
       remat=config.model.remat)
   tokenizer = models.Tokenizer.from_pretrained(path)
-  train, val = load_problem_sets(config)
+  train, val_sets = load_problem_sets(config)
   ids = data_lib.encode_prompts(tokenizer, train, chat_template=config.data.chat_template)
   prompt_ids = {p.id: x for p, x in zip(train, ids)}
   if len(prompt_ids) != len(train):
@@ -158,9 +133,11 @@ def build_parts(config, run_plan) -> RunParts:
   eos = tokenizer.eos_token_id
   return RunParts(
       mesh=mesh, graphdef=graphdef, rest=rest, tokenizer=tokenizer,
-      train_problems=train, val_problems=val, train_eval_problems=train_eval,
+      train_problems=train, val_problems=next(iter(val_sets.values())),
+      val_sets=val_sets, train_eval_problems=train_eval,
       prompt_ids=prompt_ids,
       prompt_width=batching.prompt_bucket(max(len(x) for x in ids)),
+      max_tokens=run_plan.max_tokens,
       pad_id=int(tokenizer.pad_token_id or 0),
       stop_token_ids=() if eos is None else (int(eos),),
       loader=loader, sampler=_sampler(config, model, mesh),

@@ -63,3 +63,35 @@ def test_bad_inputs_are_named():
 
 def test_prompt_bucket():
   assert [batching.prompt_bucket(x) for x in (1, 16, 17, 100)] == [16, 16, 32, 128]
+
+
+def test_train_rows_pick_n_of_each_prompts_n_est():
+  rows = batching.train_rows(bp=3, n_est=8, n=3, seed=5)
+  assert rows.shape == (9,)
+  groups = rows.reshape(3, 3)
+  for i, g in enumerate(groups):
+    # Inside prompt i's block, distinct, increasing: prompt-major groups of n.
+    assert np.all((g >= i * 8) & (g < (i + 1) * 8)) and np.all(np.diff(g) > 0)
+  assert batching.train_rows(3, 8, 3, seed=5).tolist() == rows.tolist()
+  assert batching.train_rows(3, 8, 3, seed=6).tolist() != rows.tolist()
+  assert batching.train_rows(2, 4, 4, seed=0).tolist() == list(range(8))
+  with pytest.raises(ValueError, match="n=5, n_est=4"):
+    batching.train_rows(2, 4, 5, seed=0)
+
+
+def test_decoupled_batch_keeps_the_trained_rows_and_all_baseline_rewards():
+  seqs = [[10 + i, 2] if i % 2 else [10 + i] for i in range(8)]  # 2 prompts x n_est 4
+  r = Rollouts.from_sequences(seqs, [[-0.5] * len(s) for s in seqs], ["stop"] * 8)
+  rewards_B = np.arange(8, dtype=np.float32)
+  rows = np.array([1, 3, 4, 6])
+  sub = batching.take_rollouts(r, rows)
+  assert sub.num_rollouts == 4 and sub.num_generated_tokens == 2 + 2 + 1 + 1
+  assert sub.tokens_BxT[:, 0].tolist() == [11, 13, 14, 16]
+  b = batching.build_batch([[1, 2], [3]], sub, rewards_B[rows], n=2, prompt_width=4,
+                           max_tokens=3, pad_id=0, baseline_rewards_B=rewards_B)
+  assert b.rewards_B.tolist() == [1, 3, 4, 6]
+  assert b.baseline_rewards_B.tolist() == list(range(8))
+  assert b.input_ids_BxT[0].tolist() == [0, 0, 1, 2, 11, 2, 0]
+  with pytest.raises(ValueError, match=r"baseline_rewards_B has shape \(3,\)"):
+    batching.build_batch([[1, 2], [3]], sub, rewards_B[rows], n=2, prompt_width=4,
+                         max_tokens=3, pad_id=0, baseline_rewards_B=rewards_B[:3])

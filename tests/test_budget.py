@@ -153,3 +153,30 @@ def test_budget_does_not_import_jax():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        check=True)
   assert out.stdout.strip() == "False"
+
+
+def test_decoupled_point_charges_n_est():
+  # App. G: Bp=128, n=64 trained of n_est=256 sampled; C counts sampled rollouts.
+  p = BudgetPoint.from_budget(2e6, bp=128, n=64, n_est=256)
+  assert p.m == 2_000_000 // (128 * 256) == 61
+  assert p.batch == 128 * 64 and p.sampled_batch == 128 * 256
+  assert p.compute == 128 * 256 * 61
+  assert p.to_dict() == {"bp": 128, "n": 64, "m": 61, "batch": 8192,
+                         "compute": 128 * 256 * 61, "n_est": 256}
+  assert p.name == "bp128_n64e256_m61"
+  # n_est = n is the ordinary point, with the same dict as before.
+  same = BudgetPoint.from_budget(2e6, bp=128, n=64, n_est=64)
+  assert same == BudgetPoint.from_budget(2e6, bp=128, n=64)
+  assert "n_est" not in same.to_dict()
+  with pytest.raises(ValueError, match="n_est=32 .* >= n=64"):
+    BudgetPoint.from_budget(2e6, bp=128, n=64, n_est=32)
+  with pytest.raises(ValueError, match=r"Bp\*n_est = 128\*256 = 32768"):
+    BudgetPoint.from_budget(30_000, bp=128, n=64, n_est=256)
+
+
+def test_study_max_tokens():
+  assert budget.study_max_tokens(0, "") == budget.SYNTHETIC_MAX_TOKENS == 8
+  assert budget.study_max_tokens(0, "/ckpt/Qwen2.5-7B-Instruct") == 8192
+  assert budget.study_max_tokens(512, "/ckpt/Qwen2.5-7B-Instruct") == 512
+  with pytest.raises(ValueError, match="max_tokens=-1"):
+    budget.study_max_tokens(-1, "")

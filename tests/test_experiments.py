@@ -15,7 +15,9 @@ FILES = sorted(p for p in (ROOT / "experiments").glob("*.py")
                if p.name not in ("__init__.py", "common.py"))
 STUDY_FILES = [ROOT / "experiments" / f"{split}_{study}.py" for split in ("easy", "hard")
                for study in ("n_vs_m", "fixed_batch", "joint")]
-DOCUMENTED = [ROOT / "experiments" / "tiny.py", *STUDY_FILES]
+AXIS_FILES = [ROOT / "experiments" / f"{name}.py"
+              for name in ("data_size", "decoupled_baseline", "difficulty_mix")]
+DOCUMENTED = [ROOT / "experiments" / "tiny.py", *STUDY_FILES, *AXIS_FILES]
 
 
 def _load(spec: str, *overrides: str):
@@ -112,3 +114,35 @@ def test_impossible_points_fail_in_preflight(monkeypatch):
     run.plan(_load("experiments/tiny.py:bp=32,n=16,budget=4096"))
   with pytest.raises(ValueError, match=r"C=16 .* 8\*4 = 32.*M = .* = 0"):
     run.plan(_load("experiments/tiny.py:bp=8,n=4,budget=16"))
+
+
+@pytest.mark.parametrize("path", STUDY_FILES + AXIS_FILES, ids=lambda p: p.stem)
+def test_study_length_follows_the_model(path, monkeypatch):
+  # max_tokens 0 = the study's length: 8 on the tiny model (the synthetic task),
+  # the paper's 8,192 once model.path names a real model; an explicit value wins.
+  monkeypatch.chdir(ROOT)
+  spec = f"experiments/{path.name}"
+  assert _load(spec).sampler.max_tokens == 0
+  assert run.plan(_load(spec)).max_tokens == 8
+  real = run.plan(_load(spec, "--config.model.path=/ckpt/Qwen2.5-7B-Instruct"))
+  assert real.max_tokens == 8192
+  assert run.plan(_load(spec, "--config.model.path=/ckpt/m",
+                        "--config.sampler.max_tokens=4096")).max_tokens == 4096
+
+
+def test_axis_files(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  small = _load("experiments/data_size.py:d=500")
+  assert small.data.num_train == 500 and small.data.difficulty == "easy_d500"
+  assert _load("experiments/data_size.py").data.num_train == 0
+  dec = run.plan(_load("experiments/decoupled_baseline.py:setting=decoupled,budget=2e6"))
+  assert (dec.point.bp, dec.point.n, dec.point.n_est, dec.point.m) == (128, 64, 256, 61)
+  large = run.plan(_load("experiments/decoupled_baseline.py:setting=large,budget=2e6"))
+  assert (large.point.n, large.point.m) == (256, 61)  # same M as decoupled
+  with pytest.raises(Exception, match="n is set by setting="):
+    _load("experiments/decoupled_baseline.py:n=8")
+  for mix, weights in (("hard", "extremely_hard:1.0"),
+                       ("tri", "extremely_hard:0.5,easy_pass128:0.25,very_easy:0.25")):
+    c = _load(f"experiments/difficulty_mix.py:mix={mix}")
+    assert c.data.train == f"mix:{weights}" and c.data.num_train == 320
+    assert [name for name, _ in run.plan(c).val_sets] == ["hard", "easy", "very_easy"]

@@ -275,12 +275,13 @@ def test_problem_file_with_held_out_validation(tmp_path):
   problems = [Problem(id=f"p{i}", prompt=f"{i}+1=", answer=str(i + 1)) for i in range(20)]
   write_jsonl(problems, tmp_path / "train.jsonl")
   config = tiny_config(**{"data.train": str(tmp_path / "train.jsonl"), "data.num_val": 5})
-  train, val = run_setup.load_problem_sets(config)
+  train, sets = run_setup.load_problem_sets(config)
+  val = sets["val"]
   assert len(train) == 15 and len(val) == 5
   assert not {p.id for p in train} & {p.id for p in val}
   # The held-out set depends on data.split_seed only, never on the run's seed.
   config.seed = 7
-  assert run_setup.load_problem_sets(config)[1] == val
+  assert run_setup.load_problem_sets(config)[1]["val"] == val
   config.data.num_val = 20
   with pytest.raises(ValueError, match=r"20 problems cannot give data.num_val=20"):
     run_setup.load_problem_sets(config)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import matplotlib
 
 from isojax.analysis import law_points, pipeline, recipes, report
-from isojax.analysis.runs import UNITS, read_runs
+from isojax.analysis.runs import UNITS, eval_metrics, read_runs
 
 
 def _budgets(text: str) -> list[float]:
@@ -37,7 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("runs_dir", help="directory holding run directories (searched recursively)")
   p.add_argument("--out", required=True, help="report directory to write")
   p.add_argument("--metric", default=None,
-                 help="validation metric to optimise (default: val/avg@4, else avg@k)")
+                 help="validation metric to optimise (default: val/avg@4, else avg@k); "
+                 "a run's further validation set NAME logs val/NAME/avg@4 etc.")
   p.add_argument("--bin-width", type=float, default=0.005,
                  help="reward bin of the record-breaking extraction (per run)")
   p.add_argument("--tie-tol", type=float, default=0.0,
@@ -106,6 +107,11 @@ def _analyze(args, loaded) -> Callable[[str], dict]:
         bin_width=args.bin_width, n_boot=args.n_boot, seed=args.seed)
     return functools.partial(report.write_recipe_report, comparison,
                              root=args.runs_dir, load_problems=loaded.problems)
+  logged = set(eval_metrics(runs))
+  if args.metric and args.metric not in logged:
+    # A named validation set logs val/NAME/avg@k; list what the runs hold.
+    raise ValueError(f"--metric {args.metric!r} is logged by none of the runs; they "
+                     f"log {sorted(logged)}")
   analysis = pipeline.analyze(
       runs, root=args.runs_dir, metric=args.metric, bin_width=args.bin_width,
       tie_tol=args.tie_tol, law_points=args.law_points, law_window=args.law_window,

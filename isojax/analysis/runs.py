@@ -76,8 +76,9 @@ class Run:
 
   @property
   def batch(self) -> int:
-    """Rollouts per update, B = Bp * n."""
-    return self.bp * self.n
+    """Rollouts sampled per update: Bp * n, or Bp * n_est for a decoupled baseline."""
+    n_est = _find(self.config, "n_est")
+    return self.bp * (n_est if isinstance(n_est, int) and n_est > self.n else self.n)
 
   def get(self, dotted: str, default=None):
     """A config field by dotted path, e.g. run.get("rl.kl_coef")."""

@@ -1,12 +1,18 @@
 """Difficulty splits like the paper's, from per-problem pass counts under a base model.
 
 Difficulty is relative to the base model (playbook §3, Factor 1): avg@16, the mean
-accuracy over 16 samples, decides
+accuracy over 16 samples, decides the main experiments' splits
   easy       avg@16 in [0.3, 0.6]
   hard       avg@16 in [0, 0.0625]
-  very_easy  avg@16 in [0.6, 0.9]     (the "Very Easy" set of §5.3)
-and "extremely hard" problems are those with pass@128 = 0 (no success in 128 samples).
-Mixtures (e.g. 50 % hard + 50 % easy, §5.3) draw from the splits without replacement.
+and the 128-sample estimates of §5.3 (Fig. 14) decide its three levels
+  extremely_hard  pass@128 = 0            (Fig. 14's "Hard")
+  easy_pass128    pass@128 in [0.3, 0.6]  (Fig. 14's "Easy")
+  very_easy       pass@128 in [0.6, 0.9]  (Fig. 14's "Very Easy")
+where, as in Fig. 14's caption, pass@128 of a set is read per problem as the share of
+its 128 samples that are correct (a range such as [0.6, 0.9] only makes sense for a
+rate; "= 0" means no success). Both need `extreme_counts_P`: counts out of >= 128
+samples for every problem. Mixtures (e.g. 50 % hard + 50 % easy, §5.3) draw from the
+splits without replacement.
 
 The split logic is pure functions over counts; `estimate_counts` and `main` draw the
 samples through a `Sampler` (`python -m isojax.data.splits --help`).
@@ -23,7 +29,11 @@ import numpy as np
 
 from isojax.data.sources import Problem, write_jsonl
 
-SPLIT_RANGES = {"easy": (0.3, 0.6), "hard": (0.0, 0.0625), "very_easy": (0.6, 0.9)}
+SPLIT_RANGES = {"easy": (0.3, 0.6), "hard": (0.0, 0.0625)}
+# Selected on the >= 128-sample rate (Fig. 14), not on avg@16. At 128 samples no
+# count has rate exactly 0.6, so the two are disjoint (easy and very_easy, on
+# different sample counts, are not).
+EXTREME_RANGES = {"easy_pass128": (0.3, 0.6), "very_easy": (0.6, 0.9)}
 EXTREME_SAMPLES = 128
 
 
@@ -50,8 +60,9 @@ def split_indices(counts_P, n: int, ranges: Mapping[str, tuple[float, float]] = 
   Args:
     counts_P, n: correct counts out of n samples per problem (n = 16 in the paper).
     ranges: name -> closed avg@n range.
-    extreme_counts_P, extreme_n: counts out of extreme_n >= 128 samples; when given,
-      adds "extremely_hard" = problems with no success among them.
+    extreme_counts_P, extreme_n: counts out of extreme_n >= 128 samples for every
+      problem; when given, adds "easy_pass128" and "very_easy" (rates in
+      EXTREME_RANGES) and "extremely_hard" (no success among them).
   """
   out = {name: indices_in_range(counts_P, n, lo, hi) for name, (lo, hi) in ranges.items()}
   if extreme_counts_P is not None:
@@ -62,6 +73,8 @@ def split_indices(counts_P, n: int, ranges: Mapping[str, tuple[float, float]] = 
     if extreme.shape != np.shape(counts_P):
       raise ValueError(f"extreme_counts_P shape {extreme.shape} != counts_P shape "
                        f"{np.shape(counts_P)}")
+    for name, (lo, hi) in EXTREME_RANGES.items():
+      out[name] = indices_in_range(extreme, extreme_n, lo, hi)
     out["extremely_hard"] = np.flatnonzero(extreme == 0)
   return out
 
@@ -126,6 +139,7 @@ def write_splits(out_dir: str, problems: Sequence[Problem], counts_P, n: int,
       row = {f"avg@{n}": float(counts_P[i] / n)}
       if extreme_counts_P is not None:
         row[f"pass@{extreme_n}"] = float(extreme_counts_P[i] > 0)
+        row[f"avg@{extreme_n}"] = float(extreme_counts_P[i] / extreme_n)
       extra.append(row)
     write_jsonl([problems[i] for i in idx], os.path.join(out_dir, f"{name}.jsonl"),
                 extra=extra)
@@ -150,7 +164,8 @@ def main(argv=None) -> None:
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--samples", type=int, default=16)
   ap.add_argument("--extreme_samples", type=int, default=0,
-                  help=f"e.g. {EXTREME_SAMPLES}: also write extremely_hard.jsonl")
+                  help=f"e.g. {EXTREME_SAMPLES}: also write very_easy.jsonl and "
+                       f"extremely_hard.jsonl (selected on this many samples)")
   ap.add_argument("--temperature", type=float, default=0.6)
   ap.add_argument("--max_tokens", type=int, default=16)
   ap.add_argument("--reward", default="exact_match")
@@ -183,14 +198,17 @@ def main(argv=None) -> None:
   print(format_histogram(counts, args.samples))
   extreme = None
   if args.extreme_samples:
-    # Only problems with no success so far can have pass@extreme = 0; top them up.
-    zero = np.flatnonzero(counts == 0)
+    # Every problem is topped up to extreme_samples. The problems with no success
+    # so far go first, in a call of their own, so that extremely_hard is drawn
+    # exactly as it was when only they were topped up; the rest follow with
+    # another seed (very_easy needs their 128-sample rate).
     extreme = counts.copy()
-    if len(zero):
-      more = estimate_counts(sampler, [problems[i] for i in zero], tokenizer,
-                             n=args.extreme_samples - args.samples,
-                             seed=args.seed + 1, **kw)
-      extreme[zero] += more
+    for seed, idx in ((args.seed + 1, np.flatnonzero(counts == 0)),
+                      (args.seed + 2, np.flatnonzero(counts > 0))):
+      if len(idx):
+        extreme[idx] += estimate_counts(sampler, [problems[i] for i in idx], tokenizer,
+                                        n=args.extreme_samples - args.samples,
+                                        seed=seed, **kw)
   splits = split_indices(counts, args.samples, extreme_counts_P=extreme,
                          extreme_n=args.extreme_samples or None)
   for spec in args.mix:

@@ -232,3 +232,38 @@ def test_readme_recipe_command_and_snippet(readme, tmp_path):
   exec(compile("\n".join(body), "README.md", "exec"), namespace)  # pylint: disable=exec-used
   passed = eval(last.split("#")[0], namespace)  # pylint: disable=eval-used
   assert passed == {label: True for label in fake_runs.RECIPES}
+
+
+def test_metric_of_a_named_validation_set(tmp_path):
+  # Runs with a second validation set "ood" whose reward is 0.6x the primary's:
+  # --metric val/ood/avg@4 fits that set's curves and frontier.
+  root = tmp_path / "runs"
+  fake_runs.make_sweep(root, configs=fake_runs.bp8_configs(), budget=8 * 64 * 2000,
+                       n_evals=60, difficulty="easy")
+  for d in os.listdir(root):
+    path = root / d / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:
+      for m in ("avg@4", "best@4", "worst@4"):
+        r[f"val/ood/{m}"] = 0.6 * r[f"val/{m}"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  out = tmp_path / "ood"
+  assert main([str(root), "--out", str(out), "--n-boot", "0",
+               "--metric", "val/ood/avg@4"]) == 0
+  fits = json.loads((out / "fits.json").read_text())
+  primary = next(s for s in fits["groups"]["easy"]["sweeps"] if s["primary"])
+  assert primary["metric"] == "val/ood/avg@4"
+  for n, p in fake_runs.TRUE_PARAMS.items():
+    assert primary["curves"][f"n={n}"]["a"] == pytest.approx(0.6 * p["a"], abs=0.02)
+  assert "val/ood/avg@4" in (out / "report.md").read_text()
+  # A set no run logged is named, with the metrics the runs do log.
+  assert main([str(root), "--out", str(tmp_path / "x"), "--n-boot", "0",
+               "--metric", "val/aime/avg@4"]) == 1
+
+
+def test_unknown_metric_lists_the_logged_ones(tmp_path, runs_dir, capsys):
+  assert main([str(runs_dir), "--out", str(tmp_path / "o"), "--n-boot", "0",
+               "--metric", "val/ood/avg@4"]) == 1
+  err = capsys.readouterr().err
+  assert "--metric 'val/ood/avg@4' is logged by none of the runs" in err
+  assert "'val/avg@4'" in err

@@ -121,15 +121,16 @@ def test_committed_splits_match_their_ranges():
   split_dir = ASSET.parent / "splits"
   summary = json.loads((split_dir / "summary.json").read_text())
   assert "--model" not in summary["command"] or str(ASSET) in summary["command"]
-  ranges = {"easy": (0.3, 0.6), "hard": (0.0, 0.0625), "very_easy": (0.6, 0.9)}
+  ranges = {"easy": ("avg@16", 0.3, 0.6), "hard": ("avg@16", 0.0, 0.0625),
+            "very_easy": ("avg@128", 0.6, 0.9), "easy_pass128": ("avg@128", 0.3, 0.6)}
   families = {}
   for name, count in summary["splits"].items():
     rows = [json.loads(l) for l in (split_dir / f"{name}.jsonl").read_text().splitlines()]
     assert len(rows) == count > 0
     assert len(load_problems(split_dir / f"{name}.jsonl", id_field="id")) == count
     if name in ranges:
-      lo, hi = ranges[name]
-      assert all(lo - 1e-9 <= r["avg@16"] <= hi + 1e-9 for r in rows), name
+      key, lo, hi = ranges[name]
+      assert all(lo - 1e-9 <= r[key] <= hi + 1e-9 for r in rows), name
     families[name] = {family_of(Problem(r["id"], r["prompt"], r["answer"]))
                       for r in rows}
   assert all(r["pass@128"] == 0.0 for r in map(json.loads, (

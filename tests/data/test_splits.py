@@ -16,16 +16,22 @@ def test_paper_ranges_on_counts_of_16():
   assert s["hard"].tolist() == [0, 1]
   # easy: [0.3, 0.6] -> c/16 in {5/16=.3125, ..., 9/16=.5625}.
   assert s["easy"].tolist() == [5, 6, 7, 8, 9]
-  # very easy: [0.6, 0.9] -> {10/16=.625, ..., 14/16=.875}.
-  assert s["very_easy"].tolist() == [10, 11, 12, 13, 14]
-  assert "extremely_hard" not in s
+  # very easy and extremely hard are chosen on 128 samples (Fig. 14), not on 16.
+  assert "very_easy" not in s and "extremely_hard" not in s
 
 
-def test_extremely_hard_needs_128_samples():
-  counts16 = np.array([0, 0, 0, 3])
-  counts128 = np.array([0, 2, 0, 30])
+def test_extremely_hard_and_very_easy_need_128_samples():
+  counts16 = np.array([0, 0, 0, 3, 12, 11, 15])
+  # Rates over 128: 0, 2/128, 0, 30/128, 0.59.., 0.6, 0.9 .
+  counts128 = np.array([0, 2, 0, 30, 76, 77, 116])
   s = split_indices(counts16, 16, extreme_counts_P=counts128, extreme_n=128)
   assert s["extremely_hard"].tolist() == [0, 2]
+  # pass@128 in [0.6, 0.9]: problem 4 (avg@16 = 0.75, but 76/128 < 0.6) is out,
+  # 5 (11/16 = 0.69, 77/128 = 0.602) and 6 (15/16 > 0.9, 116/128 = 0.906) are in
+  # and out on the 128-sample rate alone.
+  assert s["very_easy"].tolist() == [5]
+  # Fig. 14's Easy, pass@128 in [0.3, 0.6]: 76/128 = 0.594 only.
+  assert s["easy_pass128"].tolist() == [4]
   with pytest.raises(ValueError, match="128"):
     split_indices(counts16, 16, extreme_counts_P=counts16, extreme_n=16)
 
@@ -90,7 +96,7 @@ def test_estimate_and_write_splits(tmp_path):
   assert counts.tolist() == correct
   splits = split_indices(counts, 16)
   summary = write_splits(str(tmp_path), problems, counts, 16, splits)
-  assert summary["splits"] == {"easy": 3, "hard": 3, "very_easy": 1}
+  assert summary["splits"] == {"easy": 3, "hard": 3}
   rows = [json.loads(l) for l in (tmp_path / "easy.jsonl").read_text().splitlines()]
   assert [r["id"] for r in rows] == ["p2", "p3", "p6"]
   assert rows[0]["avg@16"] == pytest.approx(5 / 16)
@@ -130,5 +136,11 @@ def test_driver_on_the_base_model(tmp_path):
   for r in rows["hard"]:
     assert r["avg@16"] <= 0.0625
   for r in rows["extremely_hard"]:
-    assert r["avg@16"] == 0 and r["pass@128"] == 0.0
+    assert r["avg@16"] == 0 and r["pass@128"] == 0.0 and r["avg@128"] == 0.0
+  for r in rows["very_easy"]:
+    assert 0.6 <= r["avg@128"] <= 0.9
+  assert len(rows["very_easy"]) == summary["splits"]["very_easy"]
+  # Every problem has its 128-sample rate, at least its 16-sample successes.
+  for r in rows["easy"] + rows["hard"]:
+    assert r["avg@128"] * 128 >= r["avg@16"] * 16
   assert len(rows["hard_easy"]) == 2 * min(len(rows["hard"]), len(rows["easy"]))

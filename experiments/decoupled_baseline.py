@@ -1,0 +1,52 @@
+r"""Decoupled baseline (App. G, Fig. 26): is large n's gain a better baseline?
+
+Three settings at a fixed Bp (128 in the paper) on the easy set:
+  large      n = 256 rollouts per problem, baseline and gradient from all 256
+  small      n = 64
+  decoupled  256 rollouts sampled (config.rl.n_est = 256), the group baseline from
+             all of them, 64 picked at random per problem for the gradient
+The ledger counts every sampled rollout, so a decoupled point spends
+C = Bp * n_est * M and gets M = floor(C / (Bp * n_est)) updates, like `large`.
+The paper finds large >> decoupled ~ small: the gain from n is exploration, not
+a lower-variance baseline. Run one setting from the repo root:
+
+  python -m isojax.main --config=experiments/decoupled_baseline.py:setting=decoupled,budget=2e6 --workdir=runs/decoupled_baseline/decoupled
+
+Laptop scale (tiny base model, Bp = 8, n = 16 / 4 / 4 of 16):
+
+  python -m isojax.main --config=experiments/decoupled_baseline.py:smoke,setting=decoupled --workdir=/tmp/isojax/decoupled_baseline/decoupled
+
+Args: setting (large | small | decoupled), bp, budget, smoke (n is the setting's). The decoupled runs
+carry the analysis label data.difficulty = "easy_decoupled" (the others "easy"), so
+the analysis never pools a 64-of-256 run with a plain n = 64 one; compare the
+settings' reward-vs-rollouts curves (metrics "rollouts" and "val/avg@4").
+
+Recipe: the easy-set recipe (experiments/easy_n_vs_m.py); the paper's setting is
+Qwen2.5-7B-Instruct with the flags listed there. (sampler.max_tokens is 0, "the
+study's length": 8 tokens on the tiny model, 8,192 with a real model.path.)
+"""
+
+from experiments import common
+
+# setting -> (n, n_est) at paper scale and at laptop scale.
+SETTINGS = {"large": (256, 0), "small": (64, 0), "decoupled": (64, 256)}
+SMOKE_SETTINGS = {"large": (16, 0), "small": (4, 0), "decoupled": (4, 16)}
+PAPER_BP = 128
+
+
+def get_config(arg=None):
+  a, rest = common.split_arg(arg, setting="decoupled", bp=0, n=0, smoke=False)
+  if a.n:
+    raise ValueError(f"n={a.n}: n is set by setting= ({sorted(SETTINGS)})")
+  settings = SMOKE_SETTINGS if a.smoke else SETTINGS
+  if a.setting not in settings:
+    raise ValueError(f"setting={a.setting!r}; expected one of {sorted(settings)}")
+  n, n_est = settings[a.setting]
+  bp = a.bp or (common.SMOKE_SCALE["bp"] if a.smoke else PAPER_BP)
+  c = common.study_config("easy", "n_vs_m", ",".join(
+      [rest, f"bp={bp},n={n}"] + (["smoke"] if a.smoke else [])).strip(","))
+  c.rl.n_est = n_est
+  c.data.difficulty = "easy_decoupled" if n_est else "easy"
+  c.sweep.study = "decoupled_baseline"
+  c.sweep.n_values = sorted({v for v, _ in settings.values()})
+  return c
