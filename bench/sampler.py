@@ -8,6 +8,9 @@ and are timed in this process; the result is printed as tokens/s and ratios.
     python bench/sampler.py            # 512 x 32 (under ~3 min on 2 cores)
     python bench/sampler.py --small    # 64 x 16, a quick smoke run
     VLLM_VENV=.venv-vllm python bench/sampler.py   # adds the vLLM CPU server
+    python bench/sampler.py --gpu      # Qwen2.5 shapes on an accelerator (see below)
+    python bench/sampler.py --gpu --small   # the same path at toy sizes (runs on CPU)
+    python bench/sampler.py --memory_check   # 1.5B x 512 x 8192 memory, compiled on CPU
 
 "jax (n=1)" passes every sequence as its own prompt (no prefill shared between
 the n samples of a prompt), like `generate` on the repeated rows does.
@@ -15,11 +18,23 @@ Each backend is warmed up (compilation, first-call overheads) and then run
 `--repeats` times; the best time is used (the machine may be shared; the best run
 is the least disturbed). The JAX model is a 2-layer d=128 Qwen2 with head_dim 32
 (the size of the committed tiny base model) and random weights.
+
+`--gpu` runs the Qwen2.5-0.5B shape (random bf16 weights, 64 prompts x n=8 x 512
+new tokens, prompt length 128, temperature 1) beside `transformers` generate, then
+the Qwen2.5-1.5B shape with 512 rollouts x 8192 new tokens inside a KV budget
+(`--kv_budget_gib`, continuous batching). Each line prints tokens/s, ms per decode
+step, the HBM-bandwidth bound from the bytes a step reads (weights + the filled
+cache blocks, `--hbm_gbps`) and the peak device memory.
+
+`--memory_check` compiles the 1.5B x 512 x 8192 sampler from shapes only (no
+weights) with the KV budget and prints XLA's memory analysis: what one device must
+hold, against the dense cache that would not fit.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
@@ -31,6 +46,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import numpy as np  # pylint: disable=g-import-not-at-top
+
+GIB = 1 << 30
+# Qwen2.5 shapes (config.json of the released checkpoints; weights are random).
+QWEN25 = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def qwen25_config(size: str) -> dict:
+  return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+          "vocab_size": 151936, "hidden_act": "silu", "max_position_embeddings": 32768,
+          "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "torch_dtype": "bfloat16",
+          **QWEN25[size]}
 
 
 def model_config(vocab: int) -> dict:
@@ -88,11 +119,13 @@ def bench_jax_rows(path, prompts, n, max_tokens, repeats):
                    label="jax (n=1)")
 
 
-def bench_transformers(path, prompts, n, max_tokens, repeats, threads):
+def bench_transformers(path, prompts, n, max_tokens, repeats, threads, device="cpu"):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   torch.set_num_threads(threads)
-  model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+  dtype = torch.float32 if device == "cpu" else torch.bfloat16  # as the weights are
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      path, dtype=dtype, attn_implementation="sdpa").to(device)
   model.eval()
   model.generation_config.eos_token_id = None
   model.generation_config.pad_token_id = 0
@@ -102,13 +135,15 @@ def bench_transformers(path, prompts, n, max_tokens, repeats, threads):
   mask = np.zeros_like(ids)
   for i, p in enumerate(rows):  # left padding, as generate expects
     ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-  ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
+  ids, mask = torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
   def run(seed):
     torch.manual_seed(seed + 1)
     with torch.inference_mode():
       out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                            top_p=1.0, max_new_tokens=max_tokens, min_new_tokens=max_tokens)
+    if device != "cpu":
+      torch.cuda.synchronize()
     return int((out.shape[1] - width) * out.shape[0])
 
   return time_runs(run, repeats)
@@ -127,6 +162,118 @@ def bench_vllm(path, prompts, n, max_tokens, repeats):
     return time_runs(run, repeats)
 
 
+def _decode_bound_s(cfg, rows, prompt_len, max_tokens, hbm_gbps, waves=1):
+  """Seconds the HBM bandwidth allows: every decode step reads all weights and the
+  filled cache blocks of every row (KVCache.attend reads whole blocks)."""
+  from isojax.models.kv_cache import block_size  # pylint: disable=g-import-not-at-top
+  from isojax.rollout.memory import kv_bytes_per_row  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  d, f, v, l = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+  qkvo = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * d
+  weights = (l * (qkvo + 3 * d * f) + v * d) * jnp.dtype(cfg.param_dtype).itemsize
+  blk = block_size(prompt_len + max_tokens)
+  per_slot = kv_bytes_per_row(cfg, blk) / blk
+  kv = sum(-(-(prompt_len + i) // blk) * blk for i in range(max_tokens)) * per_slot * rows
+  return waves * (max_tokens * weights + kv) / (hbm_gbps * 1e9)
+
+
+def torch_device() -> str:
+  import torch  # pylint: disable=g-import-not-at-top
+  return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bench_gpu(args):
+  """The issue's accelerator shapes: JaxSampler beside transformers generate."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from isojax.models import Decoder, ModelConfig, save_pretrained  # pylint: disable=g-import-not-at-top
+  from isojax.rollout.jax_sampler import JaxSampler  # pylint: disable=g-import-not-at-top
+  dev = jax.devices()[0]
+  print(f"device: {dev.device_kind}; HBM bound at {args.hbm_gbps:g} GB/s")
+  shapes = [("0.5b", 64, 8, 512, None), ("1.5b", 64, 8, 8192, args.kv_budget_gib)]
+  shrink = {}
+  if args.small:  # the same code path at toy sizes (e.g. on CPU)
+    shapes = [("0.5b", 4, 2, 16, None), ("1.5b", 4, 2, 64, 0.0005)]
+    shrink = dict(num_hidden_layers=2, vocab_size=512)
+  print(f"{'shape':<7}{'rollouts':>9}{'new':>6}{'rows':>6}{'s':>9}{'tok/s':>10}"
+        f"{'ms/step':>9}{'bound s':>9}{'roofline':>9}{'peak GiB':>10}")
+  for size, prompts_n, n, max_tokens, budget in shapes:
+    cfg = ModelConfig.from_hf_dict({**qwen25_config(size), **shrink}, dtype=jnp.bfloat16,
+                                   param_dtype=jnp.bfloat16)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, 128).tolist() for _ in range(prompts_n)]
+    sampler = JaxSampler(model, kv_budget_gib=budget)
+    rows = sampler.num_rows(prompts_n * n, 128 + max_tokens)
+    run = lambda seed: sampler.generate(prompts, n=n, max_tokens=max_tokens, temperature=1.0,
+                                        seed=seed).num_generated_tokens
+    best, _, tokens = time_runs(run, 1 if max_tokens > 1024 else args.repeats)
+    waves = -(-prompts_n * n // rows)
+    bound = _decode_bound_s(cfg, rows, 128, max_tokens, args.hbm_gbps, waves)
+    peak = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / GIB
+    print(f"{size:<7}{prompts_n * n:>9}{max_tokens:>6}{rows:>6}{best:>9.2f}"
+          f"{tokens / best:>10.0f}{1e3 * best / (waves * max_tokens):>9.2f}{bound:>9.2f}"
+          f"{bound / best:>9.2f}{peak:>10.1f}")
+    if size == "0.5b" and not args.skip_transformers:
+      with tempfile.TemporaryDirectory(prefix="isojax_bench_") as tmp:
+        save_pretrained(model, cfg, tmp)
+        del sampler, model
+        best_t, _, tok_t = bench_transformers(tmp, prompts, n, max_tokens, args.repeats,
+                                              args.torch_threads, device=torch_device())
+      print(f"{'  transformers (sdpa)':<28}{best_t:>9.2f}s {tok_t / best_t:>10.0f} tok/s; "
+            f"jax speed-up {best_t / best:.2f}x")
+
+
+def memory_check(args):
+  """1.5B x 512 rollouts x 8192 tokens inside the KV budget, compiled from shapes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from isojax.models import Decoder, ModelConfig  # pylint: disable=g-import-not-at-top
+  from isojax.rollout import memory  # pylint: disable=g-import-not-at-top
+  from isojax.rollout import decode  # pylint: disable=g-import-not-at-top
+  cfg = ModelConfig.from_hf_dict(qwen25_config("1.5b"), dtype=jnp.bfloat16,
+                                 param_dtype=jnp.bfloat16)
+  rollouts, prompt_len, max_tokens = 512, 256, 8192
+  cache_len = prompt_len + max_tokens
+  abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # no parameters made
+  rows = min(rollouts, memory.rows_for_budget(cfg, args.kv_budget_gib, cache_len))
+  # Compiled as JaxSampler compiles it (decode state donated).
+  jitted = jax.jit(functools.partial(decode.admit_and_decode, nnx.graphdef(abstract)),
+                   static_argnums=0, donate_argnums=(2, 3))
+  dense = rollouts * memory.kv_bytes_per_row(cfg, cache_len) / GIB
+  print(f"Qwen2.5-1.5B shape, {rollouts} rollouts x {max_tokens} new tokens (prompt "
+        f"bucket {prompt_len}): dense cache {dense:.1f} GiB; kv_budget_gib="
+        f"{args.kv_budget_gib:g} -> {rows} rows")
+  s = decode.Static(max_tokens=max_tokens, greedy=False, top_k=0, use_top_p=False)
+  state = nnx.state(abstract)
+  rows_out, out = jax.eval_shape(lambda: decode.empty(cfg, s, rows, cache_len, rollouts))
+  # The widest read extent (the whole cache), as the last chunks of a request run.
+  rows_out = (rows_out._replace(cache=rows_out.cache.with_read_len(rows_out.cache.max_len)),
+              out)
+  a, q = rows, rows // 8
+  sds = jax.ShapeDtypeStruct
+  i32 = lambda *shape: sds(shape, jnp.int32)
+  f32 = sds((), jnp.float32)
+  t0 = time.perf_counter()
+  compiled = jitted.lower(
+      s, state, *rows_out, i32(q, prompt_len), i32(q, prompt_len), i32(a), i32(a), i32(a),
+      sds((a,), bool), sds((cfg.vocab_size,), bool), jax.eval_shape(lambda: jax.random.key(0)),
+      f32, f32, i32(), i32()).compile()
+  mem = compiled.memory_analysis()
+  params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / GIB
+  total = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+           - mem.alias_size_in_bytes) / GIB
+  print(f"  compiled in {time.perf_counter() - t0:.0f}s; arguments "
+        f"{mem.argument_size_in_bytes / GIB:.2f} GiB (params {params:.2f}, cache + outputs), "
+        f"temporaries {mem.temp_size_in_bytes / GIB:.2f} GiB, outputs not aliased "
+        f"{(mem.output_size_in_bytes - mem.alias_size_in_bytes) / GIB:.2f} GiB")
+  print(f"  one device holds {total:.1f} GiB ({'fits' if total <= args.device_gib else 'does NOT fit'}"
+        f" in {args.device_gib:g} GiB; the dense cache alone would need {dense:.1f} GiB)")
+  return total
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--small", action="store_true", help="64 sequences x 16 tokens")
@@ -140,7 +287,21 @@ def main(argv=None):
   ap.add_argument("--torch_threads", type=int, default=os.cpu_count() or 1,
                   help="torch intra-op threads (default: all cores; on a machine "
                   "shared with other jobs 1 can be much faster)")
+  ap.add_argument("--gpu", action="store_true", help="the Qwen2.5 shapes on an accelerator")
+  ap.add_argument("--memory_check", action="store_true",
+                  help="compile 1.5B x 512 x 8192 with the KV budget, print its memory")
+  ap.add_argument("--kv_budget_gib", type=float, default=40.0)
+  ap.add_argument("--device_gib", type=float, default=80.0)
+  ap.add_argument("--hbm_gbps", type=float, default=3350.0, help="H100 SXM: 3350")
   args = ap.parse_args(argv)
+  if args.memory_check:
+    memory_check(args)
+    return
+  if args.gpu:
+    if os.environ.get("JAX_PLATFORMS") == "cpu":  # the CPU default set above
+      del os.environ["JAX_PLATFORMS"]
+    bench_gpu(args)
+    return
   if args.small:
     args.num_prompts, args.n, args.max_tokens, args.repeats = 8, 8, 16, 3
 

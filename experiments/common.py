@@ -142,6 +142,12 @@ def base_config() -> ml_collections.ConfigDict:
   # committed tiny model (model.path ""), the paper's 8,192 when model.path names
   # a real model (isojax.budget.study_max_tokens). Any value > 0 overrides it.
   c.sampler.max_tokens = 0
+  # In-process sampler on the trainer's accelerator: its KV-cache share. It decodes
+  # at most max_rows rollouts at once (0 = all of a batch), fewer if the rows of
+  # prompt + max_tokens positions do not fit in kv_budget_gib (0 = no budget);
+  # finished rows are refilled. The run checks trainer + cache <= device memory.
+  c.sampler.max_rows = 0
+  c.sampler.kv_budget_gib = 0.0
   c.sampler.vllm_url = "http://127.0.0.1:8000"
   # Where the weight snapshots pushed to the server go; the server must read
   # them under the same path. "" = a temp dir on this host, removed at the end.

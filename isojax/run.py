@@ -39,6 +39,7 @@ from isojax import files
 from isojax import metrics as metrics_lib
 from isojax import run_setup
 from isojax.errors import IsojaxError, disk_full_as
+from isojax.rollout.memory import check_run_split
 from isojax.run_setup import RunParts, build_parts, model_of, nonfinite_step_message
 
 CONFIG_FILE = "config.json"
@@ -332,6 +333,13 @@ def run(config, workdir: str | os.PathLike) -> dict:
   parts = build_parts(config, run_plan)
   state = parts.init_state()
   files.check_not_link(workdir / CHECKPOINT_DIR)
+  split = check_run_split(config, model_of(parts, state).cfg, state,
+                          rollouts=point.bp * (config.rl.n_est or config.n),
+                          max_len=parts.prompt_width + parts.max_tokens)
+  if split is not None:
+    logging.info("memory per device: trainer state %.2f GiB + sampler KV cache %.2f GiB "
+                 "(%d rows) of %.2f GiB", split["trainer_gib"], split["kv_gib"],
+                 split["rows"], split["device_gib"])
   ckpt = ckpt_lib.RunCheckpointer(workdir / CHECKPOINT_DIR,
                                   max_to_keep=config.keep_checkpoints)
   ledger, skips, start = budget_lib.Ledger(), 0, ckpt.latest_step()

@@ -95,7 +95,8 @@ def _mesh(config):
 def _sampler(config, model, mesh):
   # Each backend is imported only when chosen: the vLLM client needs `requests`.
   if config.sampler.backend == "jax":
-    return JaxSampler(model, mesh=mesh)
+    return JaxSampler(model, mesh=mesh, max_rows=config.sampler.get("max_rows") or None,
+                      kv_budget_gib=config.sampler.get("kv_budget_gib") or None)
   from isojax.rollout.vllm_client import VLLMSampler  # pylint: disable=g-import-not-at-top
   s = config.sampler
   sampler = VLLMSampler(s.vllm_url, weights_root=s.vllm_weights_dir or None,

@@ -97,11 +97,12 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = _rotate(q, cos_BxTxH, sin_BxTxH), _rotate(k, cos_BxTxH, sin_BxTxH)
-    if cache is not None:
-      cache, k, v = cache.write(layer, k, v, index)
-    o = attention(q, k, v, kv_valid_BxS, q_offset=0 if cache is None else index,
-                  implementation=cfg.attention, cached=cache is not None)
-    out = _dense(o.reshape(B * T, N * H), self.o_kernel, 2, dt)
+    if cache is not None:  # attends over the cache's filled blocks only
+      cache, o_NxNH = cache.attend(layer, q, k, v, index, H ** -0.5)
+    else:
+      o_NxNH = attention(q, k, v, kv_valid_BxS, implementation=cfg.attention
+                         ).reshape(B * T, N * H)
+    out = _dense(o_NxNH, self.o_kernel, 2, dt)
     return out.reshape(B, T, D), cache
 
 
@@ -260,12 +261,10 @@ class Decoder(nnx.Module):
                          cfg.head_dim, cfg.dtype)
 
   def _cached_hidden(self, ids_BxT, mask_BxT, cache: KVCache):
-    T = ids_BxT.shape[1]
-    cache, pos_BxT, _ = cache.start(mask_BxT)  # its [B, T, S] mask is left unused
-    index = cache.index - T
+    cache, pos_BxT, first_B = cache.start(mask_BxT)
     x, cos, sin = self._embed_and_rope(ids_BxT, pos_BxT)
     for i, layer in enumerate(self.layers):
-      x, cache = layer(x, cos, sin, cache.valid_BxS, cache, i, index)
+      x, cache = layer(x, cos, sin, None, cache, i, first_B)
     return self.norm(x), cache
 
   def prefill(self, input_ids_BxT: jax.Array, attention_mask_BxT: jax.Array,

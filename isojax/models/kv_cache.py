@@ -1,38 +1,94 @@
 """KVCache: a fixed-shape key/value cache that lives inside jit and lax.while_loop.
 
 All layers are stacked into one array per k and v so the cache is five leaves
-whatever the depth, and every update is a `lax.dynamic_update_slice` at a traced
-write index (no shape ever depends on how many tokens were written).
+whatever the depth. Each row has its own fill level (`lengths_B`, the next slot
+it writes): rows of one batch may hold sequences of different lengths, and a
+row can be emptied and refilled with a new sequence while the others go on
+(continuous batching). New keys/values are scattered at each row's own slots.
 
-Slots are written left to right for the whole batch at once. Left-padded prompts
-leave invalid slots, tracked by `valid_BxS`; each sequence's RoPE position is its own
-count of real tokens (`positions_B`), so padding never shifts positions.
+Attention reads only what was written, not all `max_len` slots. The slots are
+grouped in blocks of `block` positions; by default `attend` loops
+(lax.fori_loop with a traced trip count) over the blocks up to the fullest row
+with an online softmax. A caller that knows a bound on the fill (a sampler
+between jitted chunks of decode steps) sets a static `read_len` instead, and
+attention reads exactly those slots with no control flow.
+
+Left-padded prompts leave invalid slots, tracked by `valid_BxS`; each sequence's
+RoPE position is its own count of real tokens (`positions_B`), so padding never
+shifts positions.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+# Largest block of slots one attention iteration reads. Larger blocks mean fewer
+# loop iterations (launch overhead on GPUs), smaller ones less over-read past
+# the fill level.
+DEFAULT_BLOCK = 256
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def block_size(max_len: int, block: int = DEFAULT_BLOCK) -> int:
+  """The block a cache of `max_len` slots uses: `block`, or the whole (8-rounded)
+  length when that is shorter (a short cache is one block)."""
+  return min(int(block), _round_up(max(int(max_len), 1), 8))
+
+
+def _storage(dtype):
+  """How keys/values of `dtype` are stored: 16-bit floats as their uint16 bits.
+
+  XLA:CPU widens a 16-bit float scatter or dynamic slice of the cache to float32
+  over the whole array (full-size temporaries per layer and step); on integer
+  bits it updates and slices in place. Accelerators are indifferent."""
+  return jnp.uint16 if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(dtype)
+
+
+def _to_storage(x: jax.Array, dtype) -> jax.Array:
+  x = x.astype(dtype)
+  return jax.lax.bitcast_convert_type(x, jnp.uint16) if _storage(dtype) == jnp.uint16 else x
+
+
+def _from_storage(x: jax.Array, dtype) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
+
 
 @struct.dataclass
 class KVCache:
-  """Keys/values of every layer plus bookkeeping.
+  """Keys/values of every layer plus per-row bookkeeping.
 
   Attributes:
-    k_LxBxSxKxH, v_LxBxSxKxH: cached keys/values (S = max_len, K = kv heads,
-      H = head_dim), in the compute dtype.
-    positions_B: int32, the RoPE position the next token of each sequence gets.
-    valid_BxS: bool, slot s holds a real token of sequence b.
-    index: int32 scalar, the next slot to write (same for the whole batch).
+    k_LxBxSxKxH, v_LxBxSxKxH: cached keys/values (S = max_len rounded up to a
+      whole number of blocks, K = kv heads, H = head_dim); values of `dtype`,
+      stored as raw uint16 bits when `dtype` is a 16-bit float.
+    positions_B: int32, the RoPE position the next token of each row gets.
+    valid_BxS: bool, slot s holds a real token of row b.
+    lengths_B: int32, the next slot each row writes (slots [0, lengths_B) are
+      filled, padding included).
+    block: static, slots per attention block (S is a multiple of it).
+    dtype: static, the dtype of keys/values (the model's compute dtype).
+    read_len: static; None: attention loops over the blocks up to the fullest
+      row (a traced trip count). A whole number of blocks: attention reads
+      exactly slots [0, read_len), with no loop; the caller keeps every row's
+      fill (after the write) within it, e.g. stepping it up between jitted
+      chunks of decode steps (`with_read_len`).
   """
 
   k_LxBxSxKxH: jax.Array
   v_LxBxSxKxH: jax.Array
   positions_B: jax.Array
   valid_BxS: jax.Array
-  index: jax.Array
+  lengths_B: jax.Array
+  block: int = struct.field(pytree_node=False, default=DEFAULT_BLOCK)
+  dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
+  read_len: int | None = struct.field(pytree_node=False, default=None)
 
   @property
   def max_len(self) -> int:
@@ -40,42 +96,126 @@ class KVCache:
 
   @classmethod
   def zeros(cls, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int,
-            head_dim: int, dtype) -> KVCache:
-    shape = (num_layers, batch_size, max_len, num_kv_heads, head_dim)
+            head_dim: int, dtype, block: int = DEFAULT_BLOCK) -> KVCache:
+    blk = block_size(max_len, block)
+    shape = (num_layers, batch_size, _round_up(max_len, blk), num_kv_heads, head_dim)
     return cls(
-        k_LxBxSxKxH=jnp.zeros(shape, dtype), v_LxBxSxKxH=jnp.zeros(shape, dtype),
+        k_LxBxSxKxH=jnp.zeros(shape, _storage(dtype)),
+        v_LxBxSxKxH=jnp.zeros(shape, _storage(dtype)),
         positions_B=jnp.zeros((batch_size,), jnp.int32),
-        valid_BxS=jnp.zeros((batch_size, max_len), bool),
-        index=jnp.zeros((), jnp.int32))
+        valid_BxS=jnp.zeros((batch_size, shape[2]), bool),
+        lengths_B=jnp.zeros((batch_size,), jnp.int32), block=blk, dtype=dtype)
+
+  def with_read_len(self, read_len: int | None) -> KVCache:
+    """This cache with attention reading slots [0, read_len) (see read_len)."""
+    if read_len is not None and (read_len % self.block or not 0 < read_len <= self.max_len):
+      raise ValueError(f"KVCache.with_read_len: {read_len} is not a whole number of "
+                       f"{self.block}-slot blocks within {self.max_len} slots")
+    return self.replace(read_len=read_len)
+
+  @staticmethod
+  def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    """Bytes one row's keys + values take per cached position (all layers)."""
+    return 2 * num_layers * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
   def start(self, mask_BxT: jax.Array) -> tuple[KVCache, jax.Array, jax.Array]:
-    """Book T new slots [index, index+T) for tokens whose real-ness is `mask_BxT`.
+    """Book T new slots [lengths_B, lengths_B + T) per row for tokens whose
+    real-ness is `mask_BxT`.
 
-    Returns the updated bookkeeping (k/v untouched), the RoPE positions of the new
-    tokens [B, T] and the attention mask of the new queries over all slots
-    [B, T, S]. Writing past max_len is not checked (shapes are static inside jit):
-    callers size the cache for prompt + completion.
+    Returns the updated bookkeeping (k/v untouched), the RoPE positions of the
+    new tokens [B, T] and each row's first new slot [B] (what `attend` takes).
+    Writing past max_len is not checked (shapes are static inside jit; such
+    writes are dropped): callers size the cache for prompt + completion.
     """
     mask_BxT = mask_BxT.astype(bool)
-    _, T = mask_BxT.shape
+    B, T = mask_BxT.shape
     # Padding tokens get the position of the previous real token (clipped at the
     # first); they are never attended to, so their position only has to be finite.
     pos_BxT = self.positions_B[:, None] + jnp.cumsum(mask_BxT, axis=1, dtype=jnp.int32) - 1
     pos_BxT = jnp.maximum(pos_BxT, 0)
-    valid_BxS = jax.lax.dynamic_update_slice(self.valid_BxS, mask_BxT, (0, self.index))
-    slot_T = self.index + jnp.arange(T, dtype=jnp.int32)
-    causal_TxS = jnp.arange(self.max_len, dtype=jnp.int32)[None, :] <= slot_T[:, None]
-    attend_BxTxS = valid_BxS[:, None, :] & causal_TxS[None]
+    slot_BxT = self.lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    valid_BxS = self.valid_BxS.at[jnp.arange(B)[:, None], slot_BxT].set(mask_BxT)
     new = self.replace(positions_B=self.positions_B + mask_BxT.sum(1, dtype=jnp.int32),
-                       valid_BxS=valid_BxS, index=self.index + T)
-    return new, pos_BxT, attend_BxTxS
+                       valid_BxS=valid_BxS, lengths_B=self.lengths_B + T)
+    return new, pos_BxT, self.lengths_B
 
-  def write(self, layer: int, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
-            index: jax.Array) -> tuple[KVCache, jax.Array, jax.Array]:
-    """Write one layer's new keys/values at slot `index`; return the layer's full k/v."""
-    at = (layer, 0, index, 0, 0)
-    k = jax.lax.dynamic_update_slice(self.k_LxBxSxKxH, k_BxTxKxH[None].astype(
-        self.k_LxBxSxKxH.dtype), at)
-    v = jax.lax.dynamic_update_slice(self.v_LxBxSxKxH, v_BxTxKxH[None].astype(
-        self.v_LxBxSxKxH.dtype), at)
-    return self.replace(k_LxBxSxKxH=k, v_LxBxSxKxH=v), k[layer], v[layer]
+  def insert(self, dest_A: jax.Array, src: KVCache, src_A: jax.Array) -> KVCache:
+    """Replaces rows dest_A with rows src_A of `src` (e.g. a prefill's cache with
+    fewer slots): its slots go first, the rest become invalid. Rows whose dest is
+    out of range (>= B) are skipped, so padding entries write nothing."""
+    s_src = src.max_len
+    if s_src > self.max_len:
+      raise ValueError(f"KVCache.insert: source rows have {s_src} slots, more than "
+                       f"this cache's {self.max_len}")
+    valid_AxS = jnp.zeros((src_A.shape[0], self.max_len), bool).at[:, :s_src].set(
+        src.valid_BxS[src_A])
+    index = (slice(None), dest_A, slice(0, s_src))
+    return self.replace(
+        k_LxBxSxKxH=self.k_LxBxSxKxH.at[index].set(src.k_LxBxSxKxH[:, src_A], mode="drop"),
+        v_LxBxSxKxH=self.v_LxBxSxKxH.at[index].set(src.v_LxBxSxKxH[:, src_A], mode="drop"),
+        positions_B=self.positions_B.at[dest_A].set(src.positions_B[src_A], mode="drop"),
+        valid_BxS=self.valid_BxS.at[dest_A].set(valid_AxS, mode="drop"),
+        lengths_B=self.lengths_B.at[dest_A].set(src.lengths_B[src_A], mode="drop"))
+
+  def attend(self, layer: int, q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array,
+             v_BxTxKxH: jax.Array, first_B: jax.Array, scale: float
+             ) -> tuple[KVCache, jax.Array]:
+    """Writes one layer's new keys/values at slots [first_B, first_B + T) and
+    attends the new queries over the filled blocks (causal, valid slots only).
+
+    Grouped-query: query head n uses kv head n // (N/K). Returns the cache and
+    the attention output [B*T, N*H] in the compute dtype. A query with nothing
+    to attend to (a left-pad token) gets zeros.
+    """
+    B, T, N, H = q_BxTxNxH.shape
+    K = k_BxTxKxH.shape[2]
+    G = N // K
+    dt = self.dtype
+    row_Bx1 = jnp.arange(B)[:, None]
+    slot_BxT = first_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    index = (layer, row_Bx1, slot_BxT)
+    k_all = self.k_LxBxSxKxH.at[index].set(_to_storage(k_BxTxKxH, dt))
+    v_all = self.v_LxBxSxKxH.at[index].set(_to_storage(v_BxTxKxH, dt))
+
+    blk = self.block
+    q_BxKxGxTxH = (q_BxTxNxH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
+                   * jnp.asarray(scale, q_BxTxNxH.dtype))
+    num_blocks = jnp.minimum(-(-jnp.max(first_B + T) // blk), self.max_len // blk)
+
+    def read(start, size, carry):
+      """Online-softmax update with slots [start, start + size)."""
+      m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxH, k_all, v_all = carry
+      at = (layer, 0, start, 0, 0)
+      k_BxCxKxH = _from_storage(jax.lax.dynamic_slice(k_all, at, (1, B, size, K, H))[0], dt)
+      v_BxCxKxH = _from_storage(jax.lax.dynamic_slice(v_all, at, (1, B, size, K, H))[0], dt)
+      valid_BxC = jax.lax.dynamic_slice_in_dim(self.valid_BxS, start, size, axis=1)
+      slot_C = start + jnp.arange(size, dtype=jnp.int32)
+      ok_BxTxC = valid_BxC[:, None, :] & (slot_C[None, None, :] <= slot_BxT[:, :, None])
+      s = jnp.einsum("bkgth,bckh->bkgtc", q_BxKxGxTxH, k_BxCxKxH,
+                     preferred_element_type=jnp.float32)
+      ok = ok_BxTxC[:, None, None]
+      m_new = jnp.maximum(m_BxKxGxT, jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1))
+      # Rows with nothing valid yet keep m = -inf; shift by 0 there (p is 0 anyway).
+      shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+      p = jnp.where(ok, jnp.exp(s - shift[..., None]), 0.0)
+      corr = jnp.exp(m_BxKxGxT - shift)
+      l_new = l_BxKxGxT * corr + p.sum(-1)
+      pv = jnp.einsum("bkgtc,bckh->bkgth", p.astype(dt), v_BxCxKxH,
+                      preferred_element_type=jnp.float32)
+      return m_new, l_new, acc_BxKxGxTxH * corr[..., None] + pv, k_all, v_all
+
+    init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
+            jnp.zeros((B, K, G, T), jnp.float32),
+            jnp.zeros((B, K, G, T, H), jnp.float32), k_all, v_all)
+    if self.read_len is not None or self.max_len == blk:
+      # A static extent: plain attention over it, no control flow (a loop costs a
+      # device->host sync per iteration on some backends, and dominates short caches).
+      _, l_BxKxGxT, acc, k_all, v_all = read(0, self.read_len or blk, init)
+    else:
+      # The cache arrays ride through the loop carry: closed over while also
+      # live after the loop, XLA would copy them (the whole cache, per layer).
+      _, l_BxKxGxT, acc, k_all, v_all = jax.lax.fori_loop(
+          0, num_blocks, lambda j, c: read(j * blk, blk, c), init)
+    o_BxKxGxTxH = acc / jnp.maximum(l_BxKxGxT, 1e-30)[..., None]
+    o = o_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(B * T, N * H).astype(q_BxTxNxH.dtype)
+    return self.replace(k_LxBxSxKxH=k_all, v_LxBxSxKxH=v_all), o

@@ -1,5 +1,7 @@
 """KV-cache prefill + decode steps against the full (uncached) forward."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,14 +20,17 @@ def _left_pad(seqs, T):
   return ids, mask
 
 
-@jax.jit
-def _generate_with_cache(graphdef, state, prompt_BxP, mask_BxP, new_BxN):
+@functools.partial(jax.jit, static_argnums=5)
+def _generate_with_cache(graphdef, state, prompt_BxP, mask_BxP, new_BxN, block):
   """Prefill, then feed the given tokens one at a time inside lax.while_loop (as a
   sampler does); returns prefill logits and the logits of every decode step."""
   model = nnx.merge(graphdef, state)
   B, P = prompt_BxP.shape
   N = new_BxN.shape[1]
-  cache = model.init_cache(B, P + N + 3)  # spare slots: unwritten slots must not matter
+  cfg = model.cfg
+  # Spare slots: unwritten slots must not matter.
+  cache = KVCache.zeros(cfg.num_layers, B, P + N + 3, cfg.num_kv_heads, cfg.head_dim,
+                        cfg.dtype, block=block)
   prefill_BxPxV, cache = model.prefill(prompt_BxP, mask_BxP, cache)
 
   def body(carry):
@@ -38,8 +43,10 @@ def _generate_with_cache(graphdef, state, prompt_BxP, mask_BxP, new_BxN):
   return prefill_BxPxV, out_NxBxV.transpose(1, 0, 2), cache
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_prefill_and_decode_equal_full_forward(hf_dir, family):
+@pytest.mark.parametrize("family,block", [("llama3", 256), ("qwen3", 8)])
+def test_prefill_and_decode_equal_full_forward(hf_dir, family, block):
+  """block=8: the 21 slots span 3 blocks, so prefill and decode attention run the
+  online softmax across block boundaries (and the last block partly filled)."""
   _, path = hf_dir(family)
   model, cfg = load_pretrained(path)
   rng = np.random.RandomState(0)
@@ -49,7 +56,8 @@ def test_prefill_and_decode_equal_full_forward(hf_dir, family):
   new_BxN = rng.randint(0, 128, (3, N)).astype(np.int32)
 
   graphdef, state = nnx.split(model)
-  prefill, decode, cache = _generate_with_cache(graphdef, state, prompt_BxP, mask_BxP, new_BxN)
+  prefill, decode, cache = _generate_with_cache(graphdef, state, prompt_BxP, mask_BxP, new_BxN,
+                                                block)
 
   full_ids = np.concatenate([prompt_BxP, new_BxN], 1)
   full_mask = np.concatenate([mask_BxP, np.ones_like(new_BxN)], 1)
@@ -59,10 +67,45 @@ def test_prefill_and_decode_equal_full_forward(hf_dir, family):
   np.testing.assert_allclose(np.asarray(decode), full[:, P:], atol=1e-5, rtol=0)
   # Bookkeeping: positions count real tokens only; slots past the end stay invalid.
   np.testing.assert_array_equal(np.asarray(cache.positions_B), [12 + N, 7 + N, 3 + N])
-  assert int(cache.index) == P + N
+  np.testing.assert_array_equal(np.asarray(cache.lengths_B), P + N)
+  assert cache.max_len == 24  # P + N + 3 rounded up to whole blocks of 8
   valid = np.asarray(cache.valid_BxS)
   np.testing.assert_array_equal(valid[:, :P], real)
   assert valid[:, P:P + N].all() and not valid[:, P + N:].any()
+
+
+def test_rows_at_different_fill_levels(hf_dir):
+  """Rows prefilled separately (unpadded, so each row's next slot differs) and then
+  decoded together equal each sequence's full forward: writes and the causal mask
+  follow each row's own fill level, as when a sampler refills a finished row."""
+  _, path = hf_dir("qwen2")
+  model, cfg = load_pretrained(path)
+  rng = np.random.RandomState(2)
+  prompts = [rng.randint(0, 128, n).astype(np.int32) for n in (11, 3, 6)]
+  N = 5
+  new_BxN = rng.randint(0, 128, (3, N)).astype(np.int32)
+  zeros = lambda b: KVCache.zeros(cfg.num_layers, b, 24, cfg.num_kv_heads, cfg.head_dim,
+                                  cfg.dtype, block=8)
+  prefill = jax.jit(lambda m, i, c: m.prefill(i, jnp.ones_like(i), c))
+  rows = [prefill(model, p[None], zeros(1))[1] for p in prompts]
+  cache = jax.tree.map(lambda *x: jnp.concatenate(x, axis=1 if x[0].ndim == 5 else 0),
+                       *rows)
+  np.testing.assert_array_equal(np.asarray(cache.lengths_B), [11, 3, 6])
+  step = jax.jit(lambda m, t, c: m.decode_step(t, c))
+  got = []
+  for i in range(N):
+    logits_BxV, cache = step(model, new_BxN[:, i], cache)
+    got.append(np.asarray(logits_BxV))
+  # References: each sequence alone, right-padded to one width (one compilation;
+  # causal attention makes trailing padding irrelevant).
+  seqs = [np.concatenate([p, new_BxN[b]]) for b, p in enumerate(prompts)]
+  ids = np.zeros((3, 16), np.int32)
+  for b, seq in enumerate(seqs):
+    ids[b, :len(seq)] = seq
+  full = np.asarray(jax.jit(lambda m, i: m(i))(model, ids))
+  for b, p in enumerate(prompts):
+    np.testing.assert_allclose(np.stack(got)[:, b], full[b, len(p):len(p) + N], atol=1e-5,
+                               rtol=0)
 
 
 def test_prefill_last_only_and_chunked_prefill(hf_dir):
@@ -87,5 +130,6 @@ def test_init_cache_shapes(hf_dir):
   cache = model.init_cache(4, 32)
   assert isinstance(cache, KVCache) and cache.max_len == 32
   assert cache.k_LxBxSxKxH.shape == (cfg.num_layers, 4, 32, cfg.num_kv_heads, cfg.head_dim)
-  assert cache.v_LxBxSxKxH.dtype == jnp.bfloat16
+  # bf16 keys/values are stored as their uint16 bits (in-place updates on XLA:CPU).
+  assert cache.dtype == jnp.bfloat16 and cache.v_LxBxSxKxH.dtype == jnp.uint16
   assert len(jax.tree.leaves(cache)) == 5  # a pytree: passes through jit / while_loop

@@ -301,3 +301,86 @@ def test_mesh_of_8_devices_matches_one_device(model, sampler):
   # Parameters really are split over the mesh.
   emb = sharded._state["embed"][...]
   assert emb.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+
+
+def _stop_token(free, rows):
+  """A token that ends about half of `free`'s rows early (a short completion)."""
+  rows_with = np.array([(free.tokens_BxT == v).any(1).sum() for v in range(VOCAB)])
+  stop = int(np.argmin(np.abs(rows_with - rows // 2)))
+  assert 0 < rows_with[stop] < rows
+  return stop
+
+
+@pytest.mark.parametrize("max_rows", [3, 4])
+def test_refilled_rows_equal_a_row_per_rollout(model, sampler, max_rows):
+  """max_rows < rollouts: rows freed by short (stopped) completions are refilled
+  with waiting rollouts; every rollout equals the one decoded in its own row."""
+  kw = dict(n=4, max_tokens=10, temperature=1.0, seed=6, top_p=0.9)
+  stop = _stop_token(sampler.generate(PROMPTS[:2], **kw), 8)
+  ref = sampler.generate(PROMPTS[:2], stop_token_ids=(stop,), **kw)
+  assert (ref.lengths_B < 10).any() and (ref.lengths_B == 10).any()
+
+  bounded = JaxSampler(model, max_rows=max_rows)
+  admitted = []  # (rows, pairs) of every admission
+  real = bounded._jit
+
+  def spy(s, state, rows, out, prompt, mask, src, dest, pair, active, *rest):
+    live = np.asarray(active)
+    admitted.append((np.asarray(dest)[live], np.asarray(pair)[live]))
+    return real(s, state, rows, out, prompt, mask, src, dest, pair, active, *rest)
+
+  bounded._jit = spy
+  got = bounded.generate(PROMPTS[:2], stop_token_ids=(stop,), **kw)
+  np.testing.assert_array_equal(got.tokens_BxT, ref.tokens_BxT)
+  np.testing.assert_allclose(got.logprobs_BxT, ref.logprobs_BxT, atol=1e-5)
+  np.testing.assert_array_equal(got.lengths_B, ref.lengths_B)
+  np.testing.assert_array_equal(got.finish_reason_B, ref.finish_reason_B)
+  # Never more than max_rows at once, every rollout admitted exactly once, and
+  # some row that held a stopped (short) rollout was reused by a later one.
+  rows_used = np.concatenate([d for d, _ in admitted])
+  assert rows_used.max() < max_rows and len(admitted) > 1
+  np.testing.assert_array_equal(np.sort(np.concatenate([p for _, p in admitted])),
+                                np.arange(8))
+  holder, reused_short = {}, False
+  for dest, pairs in admitted:
+    for d, p in zip(dest, pairs):
+      if d in holder and ref.lengths_B[holder[d]] < 10:
+        reused_short = True
+      holder[d] = p
+  assert reused_short
+  # Whole prompts are admitted together (one prefill for their n samples) when
+  # max_rows holds n rows.
+  if max_rows >= 4:
+    assert all(len(np.unique(p // 4)) * 4 == len(p) for _, p in admitted)
+
+
+def test_kv_budget_sets_the_rows(model):
+  from isojax.rollout import memory
+  cfg = model.cfg
+  # A request of <= 16-token prompts and 8 new tokens: 24 cache positions a row,
+  # 2 layers x 1 kv head x 32 dims x (k, v) x 4 bytes + 1 valid byte per position.
+  per_row = 24 * (2 * 2 * 1 * 32 * 4 + 1)
+  assert memory.kv_bytes_per_row(cfg, 24) == per_row
+  budget = 5.5 * per_row / memory.GIB
+  s = JaxSampler(model, kv_budget_gib=budget)
+  assert s.num_rows(64, 24) == 5 and s.num_rows(3, 24) == 3
+  assert JaxSampler(model, kv_budget_gib=budget, max_rows=2).num_rows(64, 24) == 2
+  with pytest.raises(ValueError, match=r"kv_budget_gib=1e-07 holds no cache row of 24 "
+                     r"positions \(0\.000 GiB per row: 2 layers x 1 kv heads"):
+    JaxSampler(model, kv_budget_gib=1e-7).generate([[1, 2]], n=2, max_tokens=8,
+                                                   temperature=0.0)
+  with pytest.raises(ValueError, match="max_rows=0"):
+    JaxSampler(model, max_rows=0)
+
+
+def test_read_extent_grows_between_chunks(model, sampler):
+  """With 4-slot cache blocks, attention reads 32 slots (8 blocks) while every live
+  row fits, then the whole 48-slot cache: decoding pauses, the extent is widened and
+  decoding resumes (rows are refilled meanwhile). Same rollouts as one extent."""
+  kw = dict(n=2, max_tokens=30, temperature=1.0, seed=1)
+  ref = sampler.generate(PROMPTS[:2], **kw)
+  small = JaxSampler(model, cache_block=4, max_rows=3)
+  got = small.generate(PROMPTS[:2], **kw)
+  np.testing.assert_array_equal(got.tokens_BxT, ref.tokens_BxT)
+  np.testing.assert_allclose(got.logprobs_BxT, ref.logprobs_BxT, atol=1e-5)
+  assert small._jit._cache_size() == 2  # two read extents: 32 and 48 slots

@@ -1,0 +1,213 @@
+"""The jitted pieces of the in-process sampler: sampling one token, admitting
+prompts into free cache rows, and decoding until enough rows are free.
+
+A fixed set of R cache rows decodes (prompt, sample) pairs, indexed
+prompt-major (pair p is sample p % n of prompt p // n). Admission prefills each
+distinct prompt once, copies its cache row to every row that decodes one of its
+samples, and samples their first tokens; decoding then runs all R rows in a
+lax.while_loop until every row is done or, when more pairs wait, until
+`min_free` rows are done (the host refills them and calls again). Each pair's
+outputs go to its own row of the output arrays, wherever it was decoded.
+
+Randomness is keyed by pair, not by row: pair p draws its uniforms from
+fold_in(key, p), one per token, so a rollout is the same whatever row, chunk or
+batch size decoded it (and the decode loop runs no random-number generator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from isojax.models.kv_cache import DEFAULT_BLOCK, KVCache
+
+PAD_ID = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """Everything the compiled functions are specialised on besides array shapes."""
+  max_tokens: int  # power-of-two bucket; the request's own limit is an argument
+  greedy: bool
+  top_k: int  # 0 = no top-k filtering
+  use_top_p: bool
+  cache_block: int = DEFAULT_BLOCK  # slots per attention block of the cache
+  # With a mesh: the sharding of rollout rows (R, P) and of their KV cache.
+  rows: Any = None
+  cache_rows: Any = None
+
+
+class Rows(NamedTuple):
+  """The decode state of the R cache rows. A done row (finished, or never
+  filled) is free: it is refilled by the next admission."""
+  cache: KVCache
+  prev_R: jax.Array  # int32, the token the row feeds next
+  pair_R: jax.Array  # int32, the pair the row decodes
+  step_R: jax.Array  # int32, tokens the row has emitted
+  done_R: jax.Array  # bool
+  u_RxT: jax.Array  # float32 in (0, 1], the row's pair's uniform per token
+
+
+class Out(NamedTuple):
+  """Per pair (P of them): what was sampled."""
+  tokens_PxT: jax.Array
+  logp_PxT: jax.Array
+  lengths_P: jax.Array
+  stopped_P: jax.Array  # a stop / EOS token ended the pair
+
+
+def sample_token(logits_BxV, u_B, temperature, top_p, s: Static):
+  """Draws one token per row; returns (token_B int32, logprob_B float32).
+
+  Sampling is by inverse CDF with one uniform u_B in (0, 1] per row, which
+  costs far less per step than a full-vocabulary Gumbel draw.
+  """
+  logits_BxV = logits_BxV.astype(jnp.float32)
+  if s.greedy:
+    tok_B = jnp.argmax(logits_BxV, axis=-1)
+    logp_B = (jnp.take_along_axis(logits_BxV, tok_B[:, None], axis=-1)[:, 0]
+              - jax.nn.logsumexp(logits_BxV, axis=-1))
+    return tok_B.astype(jnp.int32), logp_B
+
+  scaled_BxV = logits_BxV / temperature
+  if s.top_k:
+    # Work in the (sorted, descending) top-k space from here on: top-p then
+    # needs no full-vocabulary sort.
+    cand_BxK, ids_BxK = jax.lax.top_k(scaled_BxV, s.top_k)
+  elif s.use_top_p:
+    ids_BxK = jnp.argsort(-scaled_BxV, axis=-1)
+    cand_BxK = jnp.take_along_axis(scaled_BxV, ids_BxK, axis=-1)
+  else:
+    cand_BxK, ids_BxK = scaled_BxV, None
+  if s.use_top_p:
+    probs_BxK = jax.nn.softmax(cand_BxK, axis=-1)
+    mass_before_BxK = jnp.cumsum(probs_BxK, axis=-1) - probs_BxK
+    # Keep the smallest prefix whose mass reaches top_p (the first token always).
+    cand_BxK = jnp.where(mass_before_BxK < top_p, cand_BxK, -jnp.inf)
+
+  lse_B = jax.nn.logsumexp(cand_BxK, axis=-1)
+  probs_BxK = jnp.exp(cand_BxK - lse_B[:, None])
+  cdf_BxK = jnp.cumsum(probs_BxK, axis=-1)
+  # u > 0, so a zero-probability (filtered) token is never chosen.
+  x_B = u_B * cdf_BxK[:, -1]
+  idx_B = jnp.sum(cdf_BxK < x_B[:, None], axis=-1)
+  idx_B = jnp.minimum(idx_B, cdf_BxK.shape[-1] - 1)
+  logp_B = jnp.take_along_axis(cand_BxK, idx_B[:, None], axis=-1)[:, 0] - lse_B
+  tok_B = idx_B if ids_BxK is None else jnp.take_along_axis(ids_BxK, idx_B[:, None], axis=-1)[:, 0]
+  return tok_B.astype(jnp.int32), logp_B
+
+
+def _constrain(s: Static, rows: Rows, out: Out) -> tuple[Rows, Out]:
+  """Rollout rows are split over the mesh, never replicated."""
+  if s.rows is None:
+    return rows, out
+  c = jax.lax.with_sharding_constraint
+  cache = rows.cache
+  cache = cache.replace(
+      k_LxBxSxKxH=c(cache.k_LxBxSxKxH, s.cache_rows),
+      v_LxBxSxKxH=c(cache.v_LxBxSxKxH, s.cache_rows),
+      positions_B=c(cache.positions_B, s.rows), valid_BxS=c(cache.valid_BxS, s.rows),
+      lengths_B=c(cache.lengths_B, s.rows))
+  rows = Rows(cache, *(c(x, s.rows) for x in rows[1:]))
+  return rows, Out(*(c(x, s.rows) for x in out))
+
+
+def empty(cfg, s: Static, num_rows: int, max_len: int, num_pairs: int) -> tuple[Rows, Out]:
+  """R free rows with a cache of `max_len` slots each, and empty outputs for P pairs."""
+  r, t = num_rows, s.max_tokens
+  cache = KVCache.zeros(cfg.num_layers, r, max_len, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
+                        block=s.cache_block)
+  rows = Rows(cache=cache, prev_R=jnp.zeros((r,), jnp.int32),
+              pair_R=jnp.full((r,), num_pairs, jnp.int32),
+              step_R=jnp.zeros((r,), jnp.int32), done_R=jnp.ones((r,), bool),
+              u_RxT=jnp.ones((r, t), jnp.float32))
+  out = Out(tokens_PxT=jnp.zeros((num_pairs, t), jnp.int32),
+            logp_PxT=jnp.zeros((num_pairs, t), jnp.float32),
+            lengths_P=jnp.zeros((num_pairs,), jnp.int32),
+            stopped_P=jnp.zeros((num_pairs,), bool))
+  return _constrain(s, rows, out)
+
+
+def _emit(out: Out, live_R, pair_R, step_R, tok_R, logp_R, hit_R) -> Out:
+  """Records token `step_R` of every live row under its pair (others dropped)."""
+  at_R = jnp.where(live_R, pair_R, out.lengths_P.shape[0])  # out of range: dropped
+  return Out(tokens_PxT=out.tokens_PxT.at[at_R, step_R].set(tok_R, mode="drop"),
+             logp_PxT=out.logp_PxT.at[at_R, step_R].set(logp_R, mode="drop"),
+             lengths_P=out.lengths_P.at[at_R].set(step_R + 1, mode="drop"),
+             stopped_P=out.stopped_P.at[at_R].set(hit_R, mode="drop"))
+
+
+def admit_and_decode(graphdef, s: Static, state, rows: Rows, out: Out, prompt_QxL, mask_QxL,
+                     src_A, dest_A, pair_A, active_A, stop_V, key, temperature, top_p,
+                     max_tokens, min_free) -> tuple[Rows, Out]:
+  """Admits A pairs, then decodes.
+
+  Args:
+    prompt_QxL, mask_QxL: the distinct prompts of the admitted pairs, left-padded.
+    src_A: the prompt (row of prompt_QxL) of each admitted pair.
+    dest_A: the free cache row each pair goes to.
+    pair_A: the pair's index (selects its outputs and its random stream).
+    active_A: False for padding entries (ignored).
+    min_free: decode stops once this many rows are done (R + 1: run until all are).
+      It also stops before a live row would write past the cache's read extent.
+  """
+  model = nnx.merge(graphdef, state)
+  num_rows = rows.prev_R.shape[0]
+  t_max = s.max_tokens
+  dest_A = jnp.where(active_A, dest_A, num_rows)  # padding entries write nothing
+
+  # Admission: one prefill per distinct prompt, copied to its pairs' rows.
+  q, l = prompt_QxL.shape
+  cfg = model.cfg
+  pre = KVCache.zeros(cfg.num_layers, q, l, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
+                      block=s.cache_block)
+  logits_QxV, pre = model.prefill(prompt_QxL, mask_QxL, pre, last_only=True)
+  c = rows.cache.insert(dest_A, pre, src_A)  # pre's slots fit: l <= l + max_tokens
+  u_AxT = 1.0 - jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(key, p), (t_max,)))(
+      pair_A)
+  tok_A, logp_A = sample_token(logits_QxV[src_A], u_AxT[:, 0], temperature, top_p, s)
+  hit_A = stop_V[tok_A]
+  zero_A = jnp.zeros_like(pair_A)
+  out = _emit(out, active_A, pair_A, zero_A, tok_A, logp_A, hit_A)
+  put = lambda x_R, x_A: x_R.at[dest_A].set(x_A, mode="drop")
+  rows = Rows(cache=c, prev_R=put(rows.prev_R, tok_A), pair_R=put(rows.pair_R, pair_A),
+              step_R=put(rows.step_R, zero_A + 1),
+              done_R=put(rows.done_R, hit_A | (max_tokens <= 1)),
+              u_RxT=put(rows.u_RxT, u_AxT))
+  rows, out = _constrain(s, rows, out)
+
+  read_len = rows.cache.read_len or rows.cache.max_len
+
+  def cond(carry):
+    rows, _ = carry
+    # A step writes slot lengths_R of every live row and attends up to it: it
+    # must be inside the read extent (the host widens it and calls again).
+    fill = jnp.max(jnp.where(rows.done_R, 0, rows.cache.lengths_B))
+    return (~jnp.all(rows.done_R) & (jnp.sum(rows.done_R, dtype=jnp.int32) < min_free)
+            & (fill < read_len))
+
+  def body(carry):
+    rows, out = carry
+    before = rows.cache
+    logits_RxV, cache = model.decode_step(rows.prev_R, before)
+    # Done rows do not advance: they rewrite one spare slot until refilled, so
+    # the filled length (what attention reads) never grows past the live rows'.
+    cache = cache.replace(
+        lengths_B=jnp.where(rows.done_R, before.lengths_B, cache.lengths_B),
+        positions_B=jnp.where(rows.done_R, before.positions_B, cache.positions_B))
+    step_R = jnp.minimum(rows.step_R, t_max - 1)
+    u_R = jnp.take_along_axis(rows.u_RxT, step_R[:, None], axis=1)[:, 0]
+    tok_R, logp_R = sample_token(logits_RxV, u_R, temperature, top_p, s)
+    live_R = ~rows.done_R
+    hit_R = live_R & stop_V[tok_R]
+    out = _emit(out, live_R, rows.pair_R, step_R, tok_R, logp_R, hit_R)
+    step_R = rows.step_R + live_R.astype(jnp.int32)
+    rows = rows._replace(cache=cache, prev_R=tok_R, step_R=step_R,
+                         done_R=rows.done_R | hit_R | (step_R >= max_tokens))
+    return rows, out
+
+  return jax.lax.while_loop(cond, body, (rows, out))

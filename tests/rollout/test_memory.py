@@ -1,0 +1,114 @@
+"""The sampler's KV-cache sizing and the trainer + sampler memory-split check."""
+
+import jax.numpy as jnp
+import ml_collections
+import pytest
+
+from isojax.models import ModelConfig
+from isojax.rollout import memory
+
+
+def _cfg(dtype=jnp.float32, **kw):
+  hf = dict(architectures=["Qwen2ForCausalLM"], vocab_size=32, hidden_size=64,
+            intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32, max_position_embeddings=64)
+  hf.update(kw)
+  return ModelConfig.from_hf_dict(hf, dtype=dtype)
+
+
+def test_bytes_per_row_from_the_formula():
+  # 2 layers x 1 kv head x 32 dims x (k, v) x 4 bytes + 1 valid byte per position.
+  assert memory.kv_bytes_per_row(_cfg(), 24) == 24 * (2 * 2 * 1 * 32 * 4 + 1)
+  # Whole blocks of 256 past one block: 300 positions take 512 slots.
+  assert memory.cache_slots(300) == 512 and memory.cache_slots(20) == 24
+  # Qwen2.5-1.5B in bf16: 28 layers x 2 kv heads x 128 dims, 28 KiB per position;
+  # 512 rollouts x (256 prompt + 8192 new) positions is ~116 GiB dense.
+  qwen = _cfg(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+              num_key_value_heads=2, head_dim=128, dtype=jnp.bfloat16)
+  per_row = memory.kv_bytes_per_row(qwen, 256 + 8192)
+  assert per_row == 8448 * (28 * 2 * 2 * 128 * 2 + 1)
+  assert 115 < 512 * per_row / memory.GIB < 117
+  assert memory.rows_for_budget(qwen, 24.0, 256 + 8192) == 24 * memory.GIB // per_row
+
+
+def test_memory_split_check_names_the_numbers():
+  cfg = _cfg()
+  per_row = memory.kv_bytes_per_row(cfg, 24)
+  ok = memory.check_memory_split(cfg, max_len=24, device_gib=1.0, trainer_gib=0.5,
+                                 rollouts=100)
+  assert ok["rows"] == 100 and ok["kv_gib"] == pytest.approx(100 * per_row / memory.GIB)
+  with pytest.raises(ValueError, match=r"trainer \(0\.90 GiB\) \+ sampler KV cache "
+                     r"\(0\.20 GiB = \d+ rows x 24 positions.*> device memory 1\.00 GiB; "
+                     r"set sampler.kv_budget_gib <= 0\.10"):
+    memory.check_memory_split(cfg, max_len=24, device_gib=1.0, trainer_gib=0.9,
+                              kv_budget_gib=0.2, rollouts=10**9)
+  # max_rows caps the cache below the budget: fits.
+  fit = memory.check_memory_split(cfg, max_len=24, device_gib=1.0, trainer_gib=0.9,
+                                  kv_budget_gib=0.2, max_rows=16, rollouts=10**9)
+  assert fit["rows"] == 16
+
+
+def test_run_split_counts_the_train_state_on_the_device():
+  config = ml_collections.ConfigDict(
+      {"sampler": {"backend": "jax", "max_rows": 0, "kv_budget_gib": 0.0}})
+  state = {"params": jnp.zeros((1024, 1024), jnp.float32),  # 4 MiB
+           "opt": [jnp.zeros((1024, 512), jnp.float32)] * 2}  # 2 x 2 MiB
+  cfg = _cfg()
+  per_row = memory.kv_bytes_per_row(cfg, 64)
+  split = memory.check_run_split(config, cfg, state, rollouts=64, max_len=64,
+                                 device_memory_gib=1.0)
+  assert split["trainer_gib"] == pytest.approx(8 / 1024)
+  assert split["kv_gib"] == pytest.approx(64 * per_row / memory.GIB)
+  # 8 MiB of state + 64 rows x 32 KiB = 10 MiB > 9 MiB.
+  with pytest.raises(ValueError, match=r"trainer \(0\.01 GiB\) \+ sampler KV cache "
+                     r"\(0\.00 GiB = 64 rows x 64 positions x 0\.03 MiB per row\)"):
+    memory.check_run_split(config, cfg, state, rollouts=64, max_len=64,
+                           device_memory_gib=9 / 1024)
+  config.sampler.backend = "vllm"  # the server's memory is not this device's
+  assert memory.check_run_split(config, cfg, state, rollouts=64, max_len=64,
+                                device_memory_gib=1.0) is None
+
+
+def test_compiled_sampler_holds_the_budgeted_cache_once():
+  """Compiled from shapes with a KV budget (as bench/sampler.py --memory_check does
+  for Qwen2.5-1.5B x 512 x 8192): the arguments are the parameters plus the
+  budget's rows of cache, and the decode loop updates the cache in place (no
+  cache-sized temporary, e.g. a float32 widening of a bf16 cache)."""
+  import functools
+
+  import jax
+  from flax import nnx
+
+  from isojax.models import Decoder
+  from isojax.rollout import decode
+
+  cfg = _cfg(dtype=jnp.bfloat16, num_hidden_layers=4, max_position_embeddings=1 << 16)
+  prompt_len, max_tokens, pairs = 128, 4096, 512
+  cache_len = prompt_len + max_tokens
+  rows = memory.rows_for_budget(cfg, 0.125, cache_len)
+  per_row = memory.kv_bytes_per_row(cfg, cache_len)
+  assert rows == int(0.125 * memory.GIB // per_row) < pairs
+  abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+  s = decode.Static(max_tokens=max_tokens, greedy=False, top_k=0, use_top_p=False)
+  state = nnx.state(abstract)
+  rows_out, out = jax.eval_shape(lambda: decode.empty(cfg, s, rows, cache_len, pairs))
+  # The widest read extent (the whole cache), as the last chunks of a request run.
+  rows_out = (rows_out._replace(cache=rows_out.cache.with_read_len(rows_out.cache.max_len)),
+              out)
+  sds = jax.ShapeDtypeStruct
+  i32 = lambda *shape: sds(shape, jnp.int32)
+  f32 = sds((), jnp.float32)
+  jitted = jax.jit(functools.partial(decode.admit_and_decode, nnx.graphdef(abstract)),
+                   static_argnums=0, donate_argnums=(2, 3))
+  mem = jitted.lower(
+      s, state, *rows_out, i32(8, prompt_len), i32(8, prompt_len), i32(rows), i32(rows),
+      i32(rows), sds((rows,), bool), sds((cfg.vocab_size,), bool),
+      jax.eval_shape(lambda: jax.random.key(0)), f32, f32, i32(), i32()
+  ).compile().memory_analysis()
+  cache = rows * per_row
+  params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  outputs = pairs * max_tokens * 8 + rows * max_tokens * 4  # tokens + logps, uniforms
+  assert cache < mem.argument_size_in_bytes < cache + params + outputs + (1 << 20)
+  # At most one layer's keys + values as attention reads them (a slice of the
+  # cache), never a cache-sized temporary.
+  assert mem.temp_size_in_bytes < cache * (2 / cfg.num_layers + 0.1)
