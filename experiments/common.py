@@ -29,7 +29,7 @@ SMOKE_SCALE = dict(b_max=256, bp=8, n=4, budget=2048.0, batch=32,
 # The committed tiny base model (isojax/assets/base_model) was stopped early,
 # while sharp: Adam steps above ~3e-5 made GRPO collapse on it. CPU configs
 # anchor the sqrt rule at 2e-5 for B = 32 (4e-5 at B = 128, still stable over
-# the tests' runs); measured in the run helper's report.
+# the tests' runs).
 TINY_LR_BASE = 2e-5
 TINY_B_BASE = 32
 

@@ -10,7 +10,7 @@ problem pool launch/demo.py writes from STUDY["data"] before its sweep).
 The study (playbook §4.1, on a laptop): Bp fixed, several n, every run trained to the
 same rollout budget C, validation avg@4 logged along the way; the analysis reads each
 run's curve as the reward of (Bp, n, M) at every smaller budget too. What makes it the
-paper's protocol rather than the earlier throwaway attempts (issue 7):
+paper's protocol rather than a toy sweep:
   * a FIXED, finite problem pool reused over epochs (§4.1, §5.2); the validation set is
     held out of it, the same for every run;
   * the √B learning-rate rule, η = η_base·sqrt(Bp·n / B_base) (§3), so a larger n gets a

@@ -26,6 +26,7 @@ from jax.experimental.compilation_cache import compilation_cache as cc
 from experiments import tiny
 from isojax import batching, checkpoint as ckpt_lib, metrics as metrics_lib, run
 from isojax import run_setup
+from tests.config_overrides import set_fields
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The tiny config at n = 16 (B = 128), M = 12: n = 4 leaves most groups with
@@ -58,13 +59,7 @@ def tiny_config(arg=POINT, **overrides):
   c = tiny.get_config(arg)
   c.eval_every = 6
   c.checkpoint_every = 6
-  for key, value in overrides.items():
-    node = c
-    *path, last = key.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = value
-  return c
+  return set_fields(c, overrides)
 
 
 def _records(workdir):

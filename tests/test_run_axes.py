@@ -19,6 +19,7 @@ import pytest
 from experiments import difficulty_mix, tiny
 from isojax import metrics as metrics_lib, run
 from isojax.data import Problem, write_jsonl
+from tests.config_overrides import set_fields
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,13 +48,7 @@ def _config(arg="bp=4,n=4,budget=48", **overrides):
   c.eval.num_train = 0
   c.eval_every = 2
   c.checkpoint_every = 100
-  for key, value in overrides.items():
-    node = c
-    *path, last = key.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = value
-  return c
+  return set_fields(c, overrides)
 
 
 def _records(workdir):

@@ -26,6 +26,7 @@ import pytest
 from experiments import tiny
 from isojax import checkpoint as ckpt_lib, metrics as metrics_lib, run
 from isojax.errors import DiskFullError, UnsafePathError
+from tests.config_overrides import set_fields
 
 # M = 4 updates of B = 8; a small eval so that a whole run takes seconds.
 POINT = "bp=4,n=2,budget=32"
@@ -35,13 +36,7 @@ def small_config(arg=POINT, **overrides):
   c = tiny.get_config(arg)
   c.eval_every, c.checkpoint_every = 4, 2
   c.data.num_val, c.eval.num_train = 8, 0
-  for key, value in overrides.items():
-    node = c
-    *path, last = key.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = value
-  return c
+  return set_fields(c, overrides)
 
 
 def test_n_below_the_estimators_minimum_fails_before_any_work(tmp_path):
