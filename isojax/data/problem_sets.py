@@ -6,7 +6,7 @@
 Training sources (`data.train`):
   "synthetic"                 data.num_train generated problems (0: 4096)
   "synthetic:NAME"            a difficulty split of the synthetic task
-                              (`split_dir/NAME.jsonl`, written by isojax.data.splits)
+                              (`split_dir/NAME.jsonl`, written by launch/difficulty_splits.py)
   "mix:NAME:W,NAME:W,..."     a mixture of those splits (§5.3, Fig. 14): data.num_train
                               problems in all, round(W * num_train) from each split
   a JSONL/Parquet/`datasets` path
@@ -101,7 +101,7 @@ def split_file(split_dir: str | os.PathLike, name: str) -> pathlib.Path:
 def _missing_split(field: str, source: str, path: pathlib.Path) -> ValueError:
   return ValueError(
       f"{field}={source!r}: no split file {path}; write the splits of the base model "
-      f"with `python -m isojax.data.splits --num 4096 --extreme_samples 128 --out "
+      f"with `python launch/difficulty_splits.py --num 4096 --extreme_samples 128 --out "
       f"{path.parent}`, or use data.train='synthetic' or a problem file")
 
 

@@ -14,15 +14,14 @@ rate; "= 0" means no success). Both need `extreme_counts_P`: counts out of >= 12
 samples for every problem. Mixtures (e.g. 50 % hard + 50 % easy, §5.3) draw from the
 splits without replacement.
 
-The split logic is pure functions over counts; `estimate_counts` and `main` draw the
-samples through a `Sampler` (`python -m isojax.data.splits --help`).
+The split logic here is pure functions over counts; launch/difficulty_splits.py draws
+the samples through a `Sampler` and writes the split files with `write_splits`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -111,19 +110,6 @@ def mixture_indices(splits: Mapping[str, np.ndarray], weights: Mapping[str, floa
   return rng.permutation(out)
 
 
-def estimate_counts(sampler, problems: Sequence[Problem], tokenizer, *, n: int = 16,
-                    temperature: float = 0.6, max_tokens: int = 16, reward_fn=None,
-                    seed: int = 0, batch_size: int = 256, chat_template: bool = False
-                    ) -> np.ndarray:
-  """Correct counts out of n samples per problem under `sampler` (the base model)."""
-  from isojax.evaluate import evaluate
-
-  result = evaluate(sampler, problems, tokenizer, k=n, temperature=temperature,
-                    max_tokens=max_tokens, reward_fn=reward_fn, seed=seed,
-                    batch_size=batch_size, chat_template=chat_template, prefix="")
-  return result.counts_P
-
-
 def write_splits(out_dir: str, problems: Sequence[Problem], counts_P, n: int,
                  splits: Mapping[str, np.ndarray], extreme_counts_P=None,
                  extreme_n: int | None = None, command: str | None = None) -> dict:
@@ -151,77 +137,6 @@ def write_splits(out_dir: str, problems: Sequence[Problem], counts_P, n: int,
   return summary
 
 
-def main(argv=None) -> None:
-  """Estimate avg@16 (and pass@128 for the zeros) and write split files."""
-  import argparse
-
-  ap = argparse.ArgumentParser(prog="python -m isojax.data.splits", description=main.__doc__)
-  ap.add_argument("--model", default=os.path.normpath(os.path.join(
-      os.path.dirname(__file__), "..", "assets", "base_model")))
-  ap.add_argument("--source", default="synthetic",
-                  help="'synthetic' or a .jsonl/.parquet/datasets path")
-  ap.add_argument("--num", type=int, default=1024, help="synthetic problems to draw")
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--samples", type=int, default=16)
-  ap.add_argument("--extreme_samples", type=int, default=0,
-                  help=f"e.g. {EXTREME_SAMPLES}: also write very_easy.jsonl and "
-                       f"extremely_hard.jsonl (selected on this many samples)")
-  ap.add_argument("--temperature", type=float, default=0.6)
-  ap.add_argument("--max_tokens", type=int, default=16)
-  ap.add_argument("--reward", default="exact_match")
-  ap.add_argument("--chat_template", action="store_true")
-  ap.add_argument("--mix", action="append", default=[],
-                  help="a mixture file NAME=SPLIT:W,SPLIT:W (e.g. "
-                       "hard_easy=hard:0.5,easy:0.5), as large as its smallest part allows")
-  ap.add_argument("--out", required=True)
-  args = ap.parse_args(argv)
-  if args.extreme_samples and args.extreme_samples <= args.samples:
-    ap.error(f"--extreme_samples={args.extreme_samples} must exceed "
-             f"--samples={args.samples}")
-
-  from isojax.data.rewards import get_reward_fn
-  from isojax.data.sources import load_problems
-  from isojax.data.synthetic import synthetic_problems
-  from isojax.evaluate import format_histogram
-  from isojax.models import Tokenizer, load_pretrained
-  from isojax.rollout.jax_sampler import JaxSampler
-
-  problems = (synthetic_problems(args.num, seed=args.seed) if args.source == "synthetic"
-              else load_problems(args.source))
-  model, _ = load_pretrained(args.model)
-  tokenizer = Tokenizer.from_pretrained(args.model)
-  sampler = JaxSampler(model)
-  kw = dict(temperature=args.temperature, max_tokens=args.max_tokens,
-            reward_fn=get_reward_fn(args.reward), chat_template=args.chat_template)
-  counts = estimate_counts(sampler, problems, tokenizer, n=args.samples, seed=args.seed,
-                           **kw)
-  print(format_histogram(counts, args.samples))
-  extreme = None
-  if args.extreme_samples:
-    # Every problem is topped up to extreme_samples. The problems with no success
-    # so far go first, in a call of their own, so that extremely_hard is drawn
-    # exactly as it was when only they were topped up; the rest follow with
-    # another seed (very_easy needs their 128-sample rate).
-    extreme = counts.copy()
-    for seed, idx in ((args.seed + 1, np.flatnonzero(counts == 0)),
-                      (args.seed + 2, np.flatnonzero(counts > 0))):
-      if len(idx):
-        extreme[idx] += estimate_counts(sampler, [problems[i] for i in idx], tokenizer,
-                                        n=args.extreme_samples - args.samples,
-                                        seed=seed, **kw)
-  splits = split_indices(counts, args.samples, extreme_counts_P=extreme,
-                         extreme_n=args.extreme_samples or None)
-  for spec in args.mix:
-    name, weights = parse_mix(spec)
-    splits[name] = mixture_indices(splits, weights, mixture_size(splits, weights),
-                                   seed=args.seed)
-  summary = write_splits(args.out, problems, counts, args.samples, splits,
-                         extreme_counts_P=extreme, extreme_n=args.extreme_samples or None,
-                         command=" ".join(["python -m isojax.data.splits",
-                                           *(sys.argv[1:] if argv is None else argv)]))
-  print(json.dumps(summary))
-
-
 def parse_mix(spec: str) -> tuple[str, dict[str, float]]:
   """'hard_easy=hard:0.5,easy:0.5' -> ('hard_easy', {'hard': 0.5, 'easy': 0.5})."""
   try:
@@ -239,6 +154,3 @@ def mixture_size(splits: Mapping[str, np.ndarray], weights: Mapping[str, float])
     raise ValueError(f"mixture names unknown splits {sorted(unknown)}")
   return int(min(len(splits[k]) / w for k, w in weights.items() if w > 0))
 
-
-if __name__ == "__main__":
-  main()

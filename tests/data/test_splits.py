@@ -1,12 +1,18 @@
-"""Difficulty splits and mixtures (isojax/data/splits.py) on synthetic counts."""
+"""Difficulty splits and mixtures (isojax/data/splits.py) on synthetic counts, and the
+launcher that samples them (launch/difficulty_splits.py)."""
 
 import json
+import os
+import sys
 
 import numpy as np
 import pytest
 
 from isojax.data import Problem, indices_in_range, mixture_indices, split_indices
-from isojax.data.splits import estimate_counts, write_splits
+from isojax.data.splits import write_splits
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from launch.difficulty_splits import estimate_counts, main  # noqa: E402
 
 
 def test_paper_ranges_on_counts_of_16():
@@ -118,8 +124,6 @@ def test_mix_spec_and_size():
 
 def test_driver_on_the_base_model(tmp_path):
   """The CLI end to end: JaxSampler on the committed base model, a tiny pool."""
-  from isojax.data.splits import main
-
   main(["--num", "12", "--seed", "5", "--samples", "16", "--extreme_samples", "128",
         "--max_tokens", "8", "--mix", "hard_easy=hard:0.5,easy:0.5",
         "--out", str(tmp_path)])
