@@ -15,9 +15,21 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from isojax.errors import IsojaxError
+
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 _FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH)
+
+
+# The server's error types live here, not in vllm_client, because both the client
+# and weight_sync (which the client imports) raise them.
+class VLLMError(IsojaxError):
+  """The vLLM server was unreachable or answered with an error."""
+
+
+class VLLMResponseError(VLLMError):
+  """The vLLM server answered 200 but the JSON lacks or mangles a field."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,20 +36,12 @@ from typing import Any
 import requests
 from absl import logging
 
-from isojax.errors import IsojaxError
 from isojax.rollout import weight_sync
-from isojax.rollout.base import FINISH_LENGTH, FINISH_STOP, Rollouts, validate_request
+from isojax.rollout.base import (FINISH_LENGTH, FINISH_STOP, Rollouts, VLLMError,
+                                 VLLMResponseError, validate_request)
 
 _SEED_STRIDE = 1_000_003
 _SEED_MOD = 2**62
-
-
-class VLLMError(IsojaxError):
-  """The vLLM server was unreachable or answered with an error."""
-
-
-class VLLMResponseError(VLLMError):
-  """The vLLM server answered 200 but the JSON lacks or mangles a field."""
 
 
 class VLLMSampler:

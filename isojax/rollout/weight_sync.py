@@ -27,6 +27,8 @@ import time
 import weakref
 from typing import Any
 
+from isojax.rollout.base import VLLMError
+
 _SNAPSHOT = "weights_{:06d}"
 _SNAPSHOT_RE = re.compile(r"^weights_(\d{6,})$")
 
@@ -122,7 +124,6 @@ class WeightSync:
   def _reset_prefix_cache(self, attempts: int = 20) -> None:
     # vLLM refuses ({"success": false}) while KV blocks are still held; after a
     # pause in "wait" mode they are normally free, so a few short retries do.
-    from isojax.rollout.vllm_client import VLLMError  # pylint: disable=g-import-not-at-top
     for _ in range(attempts):
       answer = self.client.request("POST", "/reset_prefix_cache")
       if not isinstance(answer, dict) or answer.get("success", True):
