@@ -1,14 +1,18 @@
-"""The committed tiny base model (isojax/assets/base_model) and the script that makes it."""
+"""The committed tiny base model (isojax/assets/base_model) and the script that makes it
+(launch/make_base_model.py)."""
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
 import isojax
-from isojax.assets import make_base_model as mbm
 from isojax.data import Problem, synthetic_problems
 from isojax.data.synthetic import VOCAB
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from launch import make_base_model as mbm  # noqa: E402  (launch/ is not a package)
 
 ASSET = Path(isojax.__file__).parent / "assets" / "base_model"
 

@@ -1,6 +1,6 @@
 """Make the committed tiny base model: SFT of a 2-layer Qwen2 on the synthetic tasks.
 
-    python -m isojax.assets.make_base_model --out isojax/assets/base_model --seed 0
+    python launch/make_base_model.py --out isojax/assets/base_model --seed 0
 
 Writes an HF directory (config.json, model.safetensors, tokenizer files) that
 `isojax.models.load_pretrained`, `transformers` and a vLLM CPU server load, plus
@@ -24,13 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
 
-from isojax.data.synthetic import (BOS, DEFAULT_DIGITS, DEFAULT_FAMILIES, EOS, PAD, UNK,
-                                   FAMILIES, VOCAB, digit_ranges, family_of,
-                                   synthetic_problems)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from isojax.data.synthetic import (  # noqa: E402  (needs the repo root on sys.path)
+    BOS, DEFAULT_DIGITS, DEFAULT_FAMILIES, EOS, PAD, UNK, FAMILIES, VOCAB, digit_ranges,
+    family_of, synthetic_problems)
 
 DEFAULT_SFT_WEIGHTS = {"add": 0.3, "sub": 0.3, "mul": 0.2, "rev": 0.1, "sort": 0.1}
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
@@ -283,7 +286,7 @@ def train(args) -> dict:
                       "pass@1": float(counts.mean() / 16)}
 
   summary = {
-      "command": f"python -m isojax.assets.make_base_model --out {args.out} "
+      "command": f"python launch/make_base_model.py --out {args.out} "
                  f"--seed {args.seed}",
       "args": vars(args), "steps": step, "stop_reason": stop_reason,
       "train_seconds": round(train_s, 1), "final_loss": float(loss),
@@ -301,7 +304,7 @@ def train(args) -> dict:
 
 
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(prog="python -m isojax.assets.make_base_model",
+  ap = argparse.ArgumentParser(prog="python launch/make_base_model.py",
                                description=__doc__.split("\n")[0])
   ap.add_argument("--out", required=True)
   ap.add_argument("--seed", type=int, default=0)
