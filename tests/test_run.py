@@ -262,7 +262,7 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
 def test_missing_split_file_is_named(monkeypatch, tmp_path):
   monkeypatch.setattr(run_setup, "ASSETS_DIR", tmp_path)
   config = tiny_config(**{"data.train": "synthetic:easy"})
-  with pytest.raises(ValueError, match=r"no split file .*easy\.jsonl; .*isojax\.data\.splits"):
+  with pytest.raises(ValueError, match=r"no split file .*easy\.jsonl; .*launch/difficulty_splits\.py"):
     run_setup.load_problem_sets(config)
 
 
