@@ -21,12 +21,12 @@ import time
 import jax
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache as cc
 
 from experiments import tiny
 from isojax import batching, checkpoint as ckpt_lib, metrics as metrics_lib, run
 from isojax import run_setup
 from tests.config_overrides import set_fields
+from tests.xla_cache import persistent_compilation_cache
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The tiny config at n = 16 (B = 128), M = 12: n = 4 leaves most groups with
@@ -41,17 +41,8 @@ def compilation_cache(tmp_path_factory):
   but the first load the step and sampler executables instead of compiling
   (the killed subprocess gets it through JAX_COMPILATION_CACHE_DIR). A cached
   executable is the compiled one, so results are bitwise unchanged."""
-  path = str(tmp_path_factory.mktemp("jax_cache"))
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  old = {k: getattr(jax.config, k) for k in names}
-  for k, v in zip(names, (path, 0, 0)):
-    jax.config.update(k, v)
-  cc.reset_cache()
-  yield path
-  for k, v in old.items():
-    jax.config.update(k, v)
-  cc.reset_cache()
+  with persistent_compilation_cache(str(tmp_path_factory.mktemp("jax_cache"))) as path:
+    yield path
 
 
 def tiny_config(arg=POINT, **overrides):

@@ -20,25 +20,14 @@ from experiments import difficulty_mix, tiny
 from isojax import metrics as metrics_lib, run
 from isojax.data import Problem, write_jsonl
 from tests.config_overrides import set_fields
+from tests.xla_cache import persistent_compilation_cache
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compilation_cache(tmp_path_factory):
   """Shared XLA cache: the runs below reuse the step and sampler shapes."""
-  import jax
-  from jax.experimental.compilation_cache import compilation_cache as cc
-
-  path = str(tmp_path_factory.mktemp("jax_cache"))
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  old = {k: getattr(jax.config, k) for k in names}
-  for k, v in zip(names, (path, 0, 0)):
-    jax.config.update(k, v)
-  cc.reset_cache()
-  yield
-  for k, v in old.items():
-    jax.config.update(k, v)
-  cc.reset_cache()
+  with persistent_compilation_cache(str(tmp_path_factory.mktemp("jax_cache"))):
+    yield
 
 
 def _config(arg="bp=4,n=4,budget=48", **overrides):
