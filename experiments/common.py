@@ -1,30 +1,17 @@
-"""Shared defaults for experiment configs: the run schema and the paper's recipe.
+"""What every experiment file shares: the run schema with the paper's base recipe.
 
-Every experiment file builds on `base_config()` and overrides a few fields; the
-run (isojax/run.py) reads exactly these fields. Derived numbers (M from the
-budget, the learning rate from B) are computed by the run into frozen objects and
-never written back here.
+An experiment file calls `base_config()` and fills in its own study: budget point
+and grids, B_max, learning-rate rule, regularisers, lengths, data. The run
+(isojax/run.py) reads exactly these fields. Derived numbers (M from the budget,
+the learning rate from B) are computed by the run into frozen objects and never
+written back here.
 """
 
 import ast
 
 import ml_collections
 
-# Paper grid and recipe (IsoCompute playbook §3-4, Table 1, App. A).
-PAPER_BP_VALUES = tuple(2**e for e in range(5, 11))  # 32 .. 1024
-PAPER_N_VALUES = tuple(2**e for e in range(3, 12))   # 8 .. 2048
-PAPER_B_MAX = {"easy": 65_536, "hard": 16_384}
-PAPER_FIXED_BATCHES = (4096, 8192, 16_384)  # App. B, Figs. 18-19
-PAPER_FIXED_BP = 32                          # §4.1, Fig. 6
-
-# Per-split defaults of a study at paper scale (App. A) and at laptop scale.
-PAPER_SCALE = {
-    split: dict(b_max=b_max, bp=PAPER_FIXED_BP, n=64, budget=2e6,
-                batch=PAPER_FIXED_BATCHES[1], bp_values=PAPER_BP_VALUES,
-                n_values=PAPER_N_VALUES)
-    for split, b_max in PAPER_B_MAX.items()}
-SMOKE_SCALE = dict(b_max=256, bp=8, n=4, budget=2048.0, batch=32,
-                   bp_values=(4, 8, 16), n_values=(2, 4, 8, 16))
+from isojax import budget
 
 # The committed tiny base model (isojax/assets/base_model) was stopped early,
 # while sharp: Adam steps above ~3e-5 made GRPO collapse on it. CPU configs
@@ -68,8 +55,8 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
 def split_arg(arg: str | None, **extra) -> tuple[ml_collections.ConfigDict, str]:
   """Parses the keys of `extra` out of `arg`; returns them and the rest of `arg`.
 
-  For study files that add arguments to `study_config`'s: "mix=tri,n=8,smoke"
-  with extra mix="hard" gives ({mix: "tri"}, "n=8,smoke").
+  For a file that builds on another study file and adds arguments to its:
+  "mix=tri,n=8,smoke" with extra mix="hard" gives ({mix: "tri"}, "n=8,smoke").
   """
   mine, rest = [], []
   for item in filter(None, (s.strip() for s in (arg or "").split(","))):
@@ -197,69 +184,47 @@ def base_config() -> ml_collections.ConfigDict:
   c.sweep = ml_collections.ConfigDict()
   c.sweep.study = ""
   c.sweep.split = ""
-  c.sweep.bp_values = list(PAPER_BP_VALUES)
-  c.sweep.n_values = list(PAPER_N_VALUES)
+  c.sweep.bp_values = list(budget.PAPER_BP_VALUES)
+  c.sweep.n_values = list(budget.PAPER_N_VALUES)
   c.sweep.budgets = [2e5]
   c.sweep.batch = 0  # the fixed B of a fixed_batch study
   return c
 
 
-# Table 1: the one recipe difference between splits. Easy sets collapse without
-# regularisation; on hard sets KL + entropy drive entropy/length explosion. The
-# paper gives no coefficients; these are veRL's GRPO example values (the
-# framework it used).
-SPLIT_REGULARIZERS = {"easy": dict(kl_coef=1e-3, entropy_coef=1e-3),
-                      "hard": dict(kl_coef=0.0, entropy_coef=0.0)}
-STUDIES = ("n_vs_m", "fixed_batch", "joint")
+def smoke_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Shrinks `c` to the committed tiny base model on one CPU (a study's `smoke`).
 
-
-def study_config(split: str, study: str, arg: str | None) -> ml_collections.ConfigDict:
-  """A budget point of one of the paper's studies on `split` ("easy" | "hard").
-
-  `arg` keys: bp, n, budget, batch (fixed_batch only: the fixed B, which sets
-  bp = batch / n; without it B is this point's bp * n), smoke (shrink to a
-  laptop: tiny grid and budget, CPU learning rate). A key left out takes the
-  study's default at that scale.
+  Sets what every study shrinks alike (validation and histogram sizes, eval and
+  checkpoint cadence, one device, the tiny model's learning-rate anchor); the
+  study file sets its own small grid, B_max and budget. Returns `c`.
   """
-  if study not in STUDIES or split not in SPLIT_REGULARIZERS:
-    raise ValueError(f"study={study!r}, split={split!r}; expected a study in "
-                     f"{STUDIES} and a split in {tuple(SPLIT_REGULARIZERS)}")
-  a = parse_arg(arg, bp=0, n=0, budget=0.0, batch=0, smoke=False)
-  scale = SMOKE_SCALE if a.smoke else PAPER_SCALE[split]
-  c = base_config()
-  c.b_max = scale["b_max"]
-  c.rl.update(SPLIT_REGULARIZERS[split])
-  c.data.train = f"synthetic:{split}"
-  # sampler.max_tokens stays 0, the study's length: 8 tokens for the synthetic
-  # task, App. A's 8,192 once --config.model.path names a real model.
-  c.sweep.study = study
-  c.sweep.split = split
-  c.sweep.n_values = list(scale["n_values"])
-  c.n = a.n or scale["n"]
-  c.budget = a.budget or scale["budget"]
-  c.sweep.budgets = [c.budget]
-  if study == "fixed_batch":
-    batch = a.batch or (a.bp * c.n if a.bp else scale["batch"])
-    if batch % c.n or (a.bp and a.bp * c.n != batch):
-      raise ValueError(f"fixed_batch study: batch={batch} must equal bp*n with "
-                       f"n={c.n}" + (f", bp={a.bp}" if a.bp else ""))
-    c.sweep.batch = batch
-    c.bp = batch // c.n
-    # The study's points are the pairs with bp * n == batch exactly (a launcher
-    # expanding bp_values x n_values must keep only those).
-    c.sweep.bp_values = [batch // n for n in c.sweep.n_values if batch % n == 0]
-  else:
-    if a.batch:
-      raise ValueError(f"batch= is only for the fixed_batch study, not {study}")
-    c.bp = a.bp or scale["bp"]
-    c.sweep.bp_values = [c.bp] if study == "n_vs_m" else list(scale["bp_values"])
-  if a.smoke:
-    c.data.num_val = 64
-    c.eval.num_train = 64
-    c.eval_every = 4
-    c.checkpoint_every = 8
-    c.mesh.fsdp = 1
-    c.rl.lr_base = TINY_LR_BASE
-    c.rl.batch_base = TINY_B_BASE
-    c.rl.warmup_steps = 2
+  c.data.num_val = 64
+  c.eval.num_train = 64
+  c.eval_every = 4
+  c.checkpoint_every = 8
+  c.mesh.fsdp = 1
+  c.rl.lr_base = TINY_LR_BASE
+  c.rl.batch_base = TINY_B_BASE
+  c.rl.warmup_steps = 2
+  return c
+
+
+def fix_batch(c: ml_collections.ConfigDict, batch: int,
+              bp: int = 0) -> ml_collections.ConfigDict:
+  """Makes `c` a point of a fixed-batch study (§4.2): B = Bp * n = `batch`.
+
+  Sets c.bp = batch / c.n, records B in c.sweep.batch and keeps in
+  c.sweep.bp_values only the Bp of the grid's n with Bp * n == B exactly (so a
+  launcher expanding bp_values x n_values stays on the study's line). Returns `c`.
+
+  Raises:
+    ValueError: naming the numbers, if c.n does not divide `batch`, or if a given
+      `bp` (nonzero) disagrees with it.
+  """
+  if batch % c.n or (bp and bp * c.n != batch):
+    raise ValueError(f"fixed_batch study: batch={batch} must equal bp*n with n={c.n}"
+                     + (f", bp={bp}" if bp else ""))
+  c.sweep.batch = batch
+  c.bp = batch // c.n
+  c.sweep.bp_values = [batch // n for n in c.sweep.n_values if batch % n == 0]
   return c

@@ -14,27 +14,25 @@ them held out, so d=0 trains on 456 and d=40 on a twelfth of them, the paper's
 
   python -m isojax.main --config=experiments/data_size.py:smoke,d=40 --workdir=/tmp/isojax/data_size/d40
 
-Args: d (training problems; 0 = all), bp, n, budget, smoke. Sweep grid (config.sweep,
-for launch/): n in 8..2048 at Bp = 32, once per D. Runs of each D carry the
-analysis label data.difficulty = "easy_d<D>" ("easy_dall" for d=0), so one
+Args: d (training problems; 0 = all) and those of experiments/easy_n_vs_m.py (bp, n,
+budget, smoke), whose study, grid and recipe this is, once per D. Runs of each D
+carry the analysis label data.difficulty = "easy_d<D>" ("easy_dall" for d=0), so one
 `python -m isojax.analysis` over both sweeps draws one frontier per D.
 
-Recipe: the easy-set recipe of experiments/easy_n_vs_m.py. The paper's setting is
-Qwen2.5-7B-Instruct on its Guru-Math easy split (6k problems):
+The paper's setting is Qwen2.5-7B-Instruct on its Guru-Math easy split (6k problems):
   --config.model.path=/ckpt/Qwen2.5-7B-Instruct --config.sampler.backend=vllm
   --config.data.train=/data/guru_easy_train.jsonl
   --config.data.val=/data/guru_easy_val.jsonl --config.data.chat_template=True
   --config.data.reward=math
-(sampler.max_tokens is 0, "the study's length": 8 tokens on the tiny model,
-the paper's 8,192 once model.path names a real model; set it to override.)
 """
 
-from experiments import common
+from experiments import common, easy_n_vs_m
 
 
 def get_config(arg=None):
+  """One budget point of the easy n-vs-M study trained on `d` problems."""
   a, rest = common.split_arg(arg, d=0)
-  c = common.study_config("easy", "n_vs_m", rest)
+  c = easy_n_vs_m.get_config(rest)
   c.data.num_train = a.d
   c.data.difficulty = f"easy_d{a.d or 'all'}"
   c.sweep.study = "data_size"

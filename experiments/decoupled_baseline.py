@@ -21,20 +21,21 @@ carry the analysis label data.difficulty = "easy_decoupled" (the others "easy"),
 the analysis never pools a 64-of-256 run with a plain n = 64 one; compare the
 settings' reward-vs-rollouts curves (metrics "rollouts" and "val/avg@4").
 
-Recipe: the easy-set recipe (experiments/easy_n_vs_m.py); the paper's setting is
-Qwen2.5-7B-Instruct with the flags listed there. (sampler.max_tokens is 0, "the
-study's length": 8 tokens on the tiny model, 8,192 with a real model.path.)
+Study, recipe and lengths: experiments/easy_n_vs_m.py at the setting's n; the paper's
+setting is Qwen2.5-7B-Instruct with the flags listed there.
 """
 
-from experiments import common
+from experiments import common, easy_n_vs_m
 
 # setting -> (n, n_est) at paper scale and at laptop scale.
 SETTINGS = {"large": (256, 0), "small": (64, 0), "decoupled": (64, 256)}
 SMOKE_SETTINGS = {"large": (16, 0), "small": (4, 0), "decoupled": (4, 16)}
 PAPER_BP = 128
+SMOKE_BP = 8
 
 
 def get_config(arg=None):
+  """One setting's budget point of the easy n-vs-M study."""
   a, rest = common.split_arg(arg, setting="decoupled", bp=0, n=0, smoke=False)
   if a.n:
     raise ValueError(f"n={a.n}: n is set by setting= ({sorted(SETTINGS)})")
@@ -42,8 +43,8 @@ def get_config(arg=None):
   if a.setting not in settings:
     raise ValueError(f"setting={a.setting!r}; expected one of {sorted(settings)}")
   n, n_est = settings[a.setting]
-  bp = a.bp or (common.SMOKE_SCALE["bp"] if a.smoke else PAPER_BP)
-  c = common.study_config("easy", "n_vs_m", ",".join(
+  bp = a.bp or (SMOKE_BP if a.smoke else PAPER_BP)
+  c = easy_n_vs_m.get_config(",".join(
       [rest, f"bp={bp},n={n}"] + (["smoke"] if a.smoke else [])).strip(","))
   c.rl.n_est = n_est
   c.data.difficulty = "easy_decoupled" if n_est else "easy"

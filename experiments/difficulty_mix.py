@@ -27,14 +27,12 @@ synthetic Hard split has 426, 100 held out for validation; the paper used 5k). R
 carry the analysis label data.difficulty = "mix_<mix>"; draw a set's frontier with
 `python -m isojax.analysis RUNS --out R --metric val/easy/avg@4`.
 
-Recipe: the hard-set recipe (KL and entropy off; at least half of every mixture is
-hard). With a real model, point data.train at a mixture file and data.val at named
-sets, e.g. --config.data.val=hard=/data/hard_val.jsonl,easy=/data/easy_val.jsonl
-(sampler.max_tokens is 0, "the study's length": 8 tokens on the tiny model,
-8,192 with a real model.path).
+Study and recipe: experiments/hard_n_vs_m.py (KL and entropy off: at least half of
+every mixture is hard). With a real model, point data.train at a mixture file and data.val at named
+sets, e.g. --config.data.val=hard=/data/hard_val.jsonl,easy=/data/easy_val.jsonl.
 """
 
-from experiments import common
+from experiments import common, hard_n_vs_m
 
 MIXES = {"hard": "mix:extremely_hard:1.0",
          "dual": "mix:extremely_hard:0.5,easy_pass128:0.5",
@@ -46,10 +44,11 @@ NUM_VAL = 100
 
 
 def get_config(arg=None):
+  """One budget point of the hard n-vs-M study trained on the mixture `mix`."""
   a, rest = common.split_arg(arg, mix="dual")
   if a.mix not in MIXES:
     raise ValueError(f"mix={a.mix!r}; expected one of {sorted(MIXES)}")
-  c = common.study_config("hard", "n_vs_m", rest)
+  c = hard_n_vs_m.get_config(rest)
   c.data.train = MIXES[a.mix]
   c.data.val = VAL_SETS
   c.data.num_train = NUM_TRAIN

@@ -9,27 +9,45 @@ Laptop scale (tiny base model, B_max 256, 2048 rollouts, CPU learning rate):
 
   python -m isojax.main --config=experiments/easy_joint.py:smoke --workdir=/tmp/isojax/easy_joint
 
-Args: bp, n, budget (rollouts), smoke.
-Sweep grid (config.sweep, for launch/): every (Bp, n) in {32..1024} x {8..2048}
-with Bp*n <= B_max; M from the budget.
+Args: bp, n, budget (rollouts), smoke; a key left out takes the study's default.
 
-Recipe (IsoCompute playbook Table 1, App. A): GRPO with truncated importance
-sampling, KL + entropy regularisation ON (entropy collapse is the easy set's
-failure mode), no zero-variance filter, sqrt(B) learning rate with eta_base =
-1e-6 at B = 1024, temperature 0.6, top-p 1.0, B_max = 65,536.
-
-The built-in default is the synthetic task with the committed tiny base model.
-The paper's setting is Qwen2.5-7B-Instruct on the Guru-Math easy split:
+The built-in default is the synthetic task with the committed tiny base model;
+the paper's setting is Qwen2.5-7B-Instruct on the Guru-Math easy split:
   --config.model.path=/ckpt/Qwen2.5-7B-Instruct --config.sampler.backend=vllm
   --config.data.train=/data/guru_easy_train.jsonl
   --config.data.val=/data/guru_easy_val.jsonl --config.data.chat_template=True
   --config.data.reward=math
-(sampler.max_tokens is 0, "the study's length": 8 tokens on the tiny model,
-the paper's 8,192 once model.path names a real model; set it to override.)
 """
 
 from experiments import common
+from isojax import budget
 
 
 def get_config(arg=None):
-  return common.study_config("easy", "joint", arg)
+  """One budget point of the study (see the module docstring for `arg`)."""
+  a = common.parse_arg(arg, bp=0, n=0, budget=0.0, smoke=False)
+  c = common.base_config()
+  c.data.train = "synthetic:easy"  # base-model avg@16 in [0.3, 0.6] (§3)
+  # 0 = the study's length: 8 tokens for the synthetic task on the tiny model,
+  # App. A's 8,192 once --config.model.path names a real model.
+  c.sampler.max_tokens = 0
+  # The sqrt(B) rule (§3, Fig. 4): eta = 1e-6 * sqrt(Bp * n / 1024).
+  c.rl.lr_rule, c.rl.lr_base, c.rl.batch_base = "sqrt", 1e-6, 1024
+  # Table 1: KL + entropy on; entropy collapse is the easy set's failure mode. The
+  # paper gives no coefficients: these are veRL's GRPO example values.
+  c.rl.kl_coef = 1e-3
+  c.rl.entropy_coef = 1e-3
+  c.sweep.study, c.sweep.split = "joint", "easy"
+  if a.smoke:
+    common.smoke_scale(c)
+    c.b_max = 256
+    c.bp, c.n, c.budget = a.bp or 8, a.n or 4, a.budget or 2048.0
+    c.sweep.bp_values, c.sweep.n_values = [4, 8, 16], [2, 4, 8, 16]
+  else:
+    c.b_max = budget.PAPER_B_MAX_EASY
+    c.bp, c.n, c.budget = a.bp or 32, a.n or 64, a.budget or 2e6
+    c.sweep.bp_values = list(budget.PAPER_BP_VALUES)  # 32 .. 1024
+    c.sweep.n_values = list(budget.PAPER_N_VALUES)    # 8 .. 2048
+  # Every (Bp, n) of the grids with Bp * n <= b_max; M from the budget.
+  c.sweep.budgets = [c.budget]
+  return c

@@ -104,7 +104,8 @@ def test_bad_arguments_are_named(monkeypatch):
   monkeypatch.chdir(ROOT)
   with pytest.raises(Exception, match="unknown config argument 'bq'"):
     _load("experiments/tiny.py:bq=8")
-  with pytest.raises(Exception, match="batch= is only for the fixed_batch study"):
+  # Only the fixed-batch studies take a fixed B.
+  with pytest.raises(Exception, match="unknown config argument 'batch'"):
     _load("experiments/easy_joint.py:batch=64")
 
 
