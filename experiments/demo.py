@@ -36,8 +36,9 @@ from experiments import common
 from isojax import budget as budget_lib
 
 # The study: one fixed Bp, these n, every run to `budget` rollouts, `seeds` per point.
-# Measured on the committed base model (demo_findings / README): every n reaches the
-# same plateau (val avg@4 ~0.57) by ~40k rollouts, so 65k is past it for small n.
+# Measured on the committed base model (README, "The demo's finding"): every n
+# reaches the same plateau (val avg@4 ~0.57) by ~40k rollouts, so 65k is past it
+# for small n.
 STUDY = dict(
     bp=16, n_values=(2, 4, 8, 16, 32), budget=65536.0, seeds=(0, 1), b_max=512,
     n_boot=100,
@@ -65,57 +66,19 @@ def study_spec(smoke: bool = False) -> dict:
   return dict(SMOKE if smoke else STUDY)
 
 
-def base_model_digits(model_dir: str | None = None):
-  """The digit ranges the base model was trained on (its make_base_model.json), so
-  the pool sits at the model's own difficulty; the synthetic default if unrecorded."""
-  import json
-  import os
+def early_eval_steps(bp: int, n: int, budget: float, evals: int) -> tuple[int, ...]:
+  """Update steps of the extra evaluations below the first regular one.
 
-  from isojax.data.synthetic import DEFAULT_DIGITS
-  from isojax.sweep import BASE_MODEL_DIR
-  path = os.path.join(model_dir or BASE_MODEL_DIR, "make_base_model.json")
-  if not os.path.exists(path):
-    return DEFAULT_DIGITS
-  with open(path, encoding="utf-8") as f:
-    digits = json.load(f).get("args", {}).get("digits")
-  return json.loads(digits) if isinstance(digits, str) else (digits or DEFAULT_DIGITS)
-
-
-def write_problems(path: str, data: dict, model_dir: str | None = None) -> str:
-  """Writes the study's fixed problem pool (a function of `data` and the base model's
-  digit ranges) as JSONL.
-
-  A study's runs must all read one pool: when `path` exists it must already hold
-  exactly these problems (then nothing is written).
-
-  Raises:
-    ValueError: if `path` holds a different pool (the spec or the base model's digits
-      changed since the study started): start a fresh root instead.
+  Log-spaced in compute (C/evals/2, /4, ...) at rollout counts that every n of the
+  study reaches at a whole update (multiples of Bp * max n), so the small-C end of
+  the frontier is observed for all n alike.
   """
-  import json
-  import os
-
-  from isojax.data import synthetic_problems, write_jsonl
-  problems = synthetic_problems(
-      data["num"], seed=data["seed"], families=data["families"],
-      digits=data["digits"] or base_model_digits(model_dir), weights=data["weights"],
-      id_prefix="demo")
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      if [json.loads(line) for line in f if line.strip()] == [p.to_dict() for p in problems]:
-        return path
-    raise ValueError(f"{path} holds a different problem pool than experiments/demo.py "
-                     f"now makes ({len(problems)} problems from {data}); its runs were "
-                     "trained on the old one. Use a fresh --root (or delete that study).")
-  write_jsonl(problems, path)
-  return path
-
-
-def run_args(spec: dict, data_path: str) -> list[str]:
-  """The `--config.*` arguments every run of the study gets."""
-  return [f"--config.data.train={data_path}",
-          f"--config.data.num_val={spec['data']['num_val']}",
-          f"--config.eval.num_train={spec['eval_num_train']}"]
+  step_c, max_n = bp * n, max(max(STUDY["n_values"]), n)
+  extra_c, c_eval = [], budget / evals / 2
+  while c_eval >= bp * max_n and c_eval == int(c_eval):
+    extra_c.append(int(c_eval))
+    c_eval /= 2
+  return tuple(sorted(x // step_c for x in extra_c if x % step_c == 0))
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:
@@ -133,15 +96,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   # of different n are compared at matched compute; checkpoint four times a run.
   m = budget_lib.BudgetPoint.from_budget(a.budget, bp=a.bp, n=a.n).m
   c.eval_every = max(1, m // a.evals)
-  # Below the first of those, log-spaced extra evaluations (C/evals/2, /4, ...) at
-  # rollout counts that every n of the study reaches at a whole update (multiples of
-  # Bp * max n), so the small-C end of the frontier is observed for all n alike.
-  step_c, max_n = a.bp * a.n, max(max(STUDY["n_values"]), a.n)
-  extra_c, c_eval = [], a.budget / a.evals / 2
-  while c_eval >= a.bp * max_n and c_eval == int(c_eval):
-    extra_c.append(int(c_eval))
-    c_eval /= 2
-  c.eval_steps = tuple(sorted(x // step_c for x in extra_c if x % step_c == 0))
+  c.eval_steps = early_eval_steps(a.bp, a.n, a.budget, a.evals)
   c.checkpoint_every = max(1, m // 4)
   c.max_consecutive_skips = 3
 
@@ -153,7 +108,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
 
   # Pinned (not common.TINY_LR_BASE) so the demo's reported numbers stay reproducible:
   # η = 2e-5 at B = 32, i.e. 2e-5 (n=2) ... 8e-5 (n=32) at Bp = 16. Measured: 1e-5 and
-  # 3e-5 give the same picture (demo_findings), and n=32 at 8e-5 did not collapse.
+  # 3e-5 give the same picture, and n=32 at 8e-5 did not collapse.
   c.rl.lr_base = LR_BASE
   c.rl.batch_base = B_BASE
   c.rl.warmup_steps = 2

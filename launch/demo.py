@@ -15,19 +15,29 @@ r"""The main job (`make demo`): a small IsoCompute study on a CPU, then its repo
 
 Rerunning the same command resumes: finished points are skipped, unfinished ones go on
 from their last checkpoint, and the analysis is redone. The study itself (Bp, n values,
-budget, seeds, data, recipe) lives in experiments/demo.py; this file only drives it.
+budget, seeds, the pool's spec, recipe) is the config experiments/demo.py; this file
+writes the pool from that spec and drives the study.
 """
 
+import json
 import os
 import sys
 import time
 
+import matplotlib
+import numpy as np
 from absl import app, flags
+
+matplotlib.use("Agg")  # the report's figures go to files only
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments import demo as study  # noqa: E402  (needs the repo root on sys.path)
+# noqa: E402 below: these need the repo root on sys.path.
+from experiments import demo as study  # noqa: E402
 from isojax import sweep  # noqa: E402
+from isojax.analysis import pipeline, read_runs, report  # noqa: E402
+from isojax.data import synthetic_problems, write_jsonl  # noqa: E402
+from isojax.data.synthetic import DEFAULT_DIGITS  # noqa: E402
 
 EXPERIMENT = os.path.join("experiments", "demo.py")
 
@@ -50,12 +60,56 @@ def _fmt_s(seconds: float) -> str:
   return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def base_model_digits(model_dir: str | None = None):
+  """The digit ranges the base model was trained on (its make_base_model.json), so
+  the pool sits at the model's own difficulty; the synthetic default if unrecorded."""
+  path = os.path.join(model_dir or sweep.BASE_MODEL_DIR, "make_base_model.json")
+  if not os.path.exists(path):
+    return DEFAULT_DIGITS
+  with open(path, encoding="utf-8") as f:
+    digits = json.load(f).get("args", {}).get("digits")
+  return json.loads(digits) if isinstance(digits, str) else (digits or DEFAULT_DIGITS)
+
+
+def write_problems(path: str, data: dict, model_dir: str | None = None) -> str:
+  """Writes the study's fixed problem pool (a function of `data` and the base model's
+  digit ranges) as JSONL.
+
+  A study's runs must all read one pool: when `path` exists it must already hold
+  exactly these problems (then nothing is written).
+
+  Raises:
+    ValueError: if `path` holds a different pool (the spec or the base model's digits
+      changed since the study started): start a fresh root instead.
+  """
+  problems = synthetic_problems(
+      data["num"], seed=data["seed"], families=data["families"],
+      digits=data["digits"] or base_model_digits(model_dir), weights=data["weights"],
+      id_prefix="demo")
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      if [json.loads(line) for line in f if line.strip()] == [p.to_dict() for p in problems]:
+        return path
+    raise ValueError(f"{path} holds a different problem pool than experiments/demo.py "
+                     f"now makes ({len(problems)} problems from {data}); its runs were "
+                     "trained on the old one. Use a fresh --root (or delete that study).")
+  write_jsonl(problems, path)
+  return path
+
+
+def run_args(spec: dict, data_path: str) -> list[str]:
+  """The `--config.*` arguments every run of the study gets."""
+  return [f"--config.data.train={data_path}",
+          f"--config.data.num_val={spec['data']['num_val']}",
+          f"--config.eval.num_train={spec['eval_num_train']}"]
+
+
 def run_sweep(spec: dict, root: str, *, model: str, max_concurrent: int | None,
               status_every: float, dry_run: bool = False) -> sweep.SweepReport | None:
   """Writes the problem pool, then trains every point of `spec` under root/runs
   (with `dry_run`, only prints the points)."""
   data_path = os.path.join(root, "data", "problems.jsonl")
-  extra = study.run_args(spec, data_path) + ([f"--config.model.path={model}"] if model
+  extra = run_args(spec, data_path) + ([f"--config.model.path={model}"] if model
                                              else [])
   plan, config = sweep.plan_sweep(
       EXPERIMENT, os.path.join(root, "runs"), bp=[spec["bp"]], n=list(spec["n_values"]),
@@ -67,7 +121,7 @@ def run_sweep(spec: dict, root: str, *, model: str, max_concurrent: int | None,
         flush=True)
   if dry_run:
     return None
-  study.write_problems(data_path, spec["data"], model or None)
+  write_problems(data_path, spec["data"], model or None)
   # A tiny CPU run is mostly one busy thread (dispatch, sampling loop), so one
   # single-threaded run per core beats the sweep's default of two cores per run.
   concurrent = max_concurrent or (sweep.default_concurrency() if sweep.has_accelerator()
@@ -78,10 +132,6 @@ def run_sweep(spec: dict, root: str, *, model: str, max_concurrent: int | None,
 
 def analyse(root: str, *, n_boot: int):
   """Analyses root/runs into root/report; returns (analysis, runs, report dir)."""
-  import matplotlib
-  matplotlib.use("Agg")  # figures go to files only
-  from isojax.analysis import pipeline, read_runs, report
-
   runs_dir, report_dir = os.path.join(root, "runs"), os.path.join(root, "report")
   loaded = read_runs(runs_dir)
   for problem in loaded.problems:
@@ -97,8 +147,6 @@ def analyse(root: str, *, n_boot: int):
 def mean_by_n(runs, metric: str):
   """(ns, computes, means_CxN): `metric` averaged over seeds, per n, at every compute
   that all n evaluated (the demo evaluates every n at the same rollout counts)."""
-  import numpy as np
-
   by_n: dict[int, dict[int, list[float]]] = {}
   for r in runs:
     c, y = r.points(metric)

@@ -165,12 +165,12 @@ def test_matched_compute_table_marks_the_best_mean(tmp_path):
 def test_a_resumed_study_refuses_a_different_pool(tmp_path):
   data = study.study_spec(smoke=True)["data"]
   path = str(tmp_path / "problems.jsonl")
-  study.write_problems(path, data)
+  driver.write_problems(path, data)
   before = open(path).read()
-  study.write_problems(path, data)  # same pool: accepted, file untouched
+  driver.write_problems(path, data)  # same pool: accepted, file untouched
   assert open(path).read() == before
   with pytest.raises(ValueError, match="holds a different problem pool"):
-    study.write_problems(path, dict(data, seed=data["seed"] + 1))
+    driver.write_problems(path, dict(data, seed=data["seed"] + 1))
   assert open(path).read() == before
 
 
