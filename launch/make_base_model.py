@@ -22,19 +22,32 @@ Everything is a function of --seed (same machine and JAX version: same bytes).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from isojax.data.synthetic import (  # noqa: E402  (needs the repo root on sys.path)
+from isojax import models as isojax_models  # noqa: E402  (needs the repo root on sys.path)
+from isojax.data.synthetic import (  # noqa: E402
     BOS, DEFAULT_DIGITS, DEFAULT_FAMILIES, EOS, PAD, UNK, FAMILIES, VOCAB, digit_ranges,
     family_of, synthetic_problems)
+from isojax.evaluate import format_histogram, pass_rate_histogram  # noqa: E402
 
+# A fixed SFT mixture that favours the slow (arithmetic) families, so that all of them
+# are partly learned when the fast ones (reversal, sorting) are; changing the mixture
+# during training made the fast ones forget and oscillate.
 DEFAULT_SFT_WEIGHTS = {"add": 0.3, "sub": 0.3, "mul": 0.2, "rev": 0.1, "sort": 0.1}
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
@@ -45,9 +58,6 @@ def build_tokenizer():
   Whitespace is dropped, every other character is one token, BOS is prepended when
   special tokens are added, and decoding concatenates tokens with no spaces.
   """
-  from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-  from transformers import PreTrainedTokenizerFast
-
   vocab = {tok: i for i, tok in enumerate(VOCAB)}
   tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
   tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -128,10 +138,6 @@ def make_sampler(graphdef, max_tokens: int, eos_id: int):
   sample(states, ids_BxP, mask_BxP, key, temperature) -> tokens_BxN, where `states`
   is the tuple of nnx states split from the model; after EOS a row keeps emitting EOS.
   """
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
   @jax.jit
   def sample(states, ids_BxP, mask_BxP, key, temperature):
     model = nnx.merge(graphdef, *states)
@@ -157,8 +163,6 @@ def make_sampler(graphdef, max_tokens: int, eos_id: int):
 def count_correct(sample, state, problems, tok, samples: int, key, temperature: float,
                   prompt_width: int, chunk: int = 1024) -> np.ndarray:
   """Correct samples (exact match, EOS-terminated) out of `samples` per problem."""
-  import jax
-
   reps = [p for p in problems for _ in range(samples)]
   ids, mask = encode_prompts_left(reps, tok, prompt_width)
   correct = np.zeros(len(reps), bool)
@@ -184,35 +188,49 @@ def family_rates(counts_P, problems, samples: int) -> dict[str, float]:
                                                   key=lambda kv: FAMILIES.index(kv[0]))}
 
 
-def train(args) -> dict:
-  """Run the SFT and write the asset; returns the summary written beside it."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from flax import nnx
+@dataclasses.dataclass(frozen=True)
+class SftTask:
+  """The task arguments, parsed: families, RL-task digits, SFT digits, SFT mixture."""
+  families: tuple[str, ...]
+  digits: Any           # of the RL task: the stop rule and the histogram measure these
+  sft_digits: Any       # of the SFT data
+  weights: dict | None  # family -> SFT mixture weight; None = uniform
 
-  from isojax.evaluate import format_histogram, pass_rate_histogram
-  from isojax.models import Decoder, ModelConfig, Tokenizer, save_pretrained
+  @classmethod
+  def from_args(cls, args) -> SftTask:
+    digits = json.loads(args.digits)
+    return cls(families=tuple(args.families.split(",")), digits=digits,
+               sft_digits=json.loads(args.sft_digits) if args.sft_digits else digits,
+               weights=json.loads(args.weights) if args.weights else None)
 
-  t0 = time.time()
-  tok = build_tokenizer()
-  hf = model_hf_config(hidden=args.hidden, layers=args.layers, heads=args.heads,
-                       kv_heads=args.kv_heads, intermediate=args.intermediate)
-  cfg = ModelConfig.from_hf_dict(hf)
-  model = Decoder(cfg, rngs=nnx.Rngs(args.seed))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  families = tuple(args.families.split(","))
-  digits = json.loads(args.digits)
-  sft_digits = json.loads(args.sft_digits) if args.sft_digits else digits
-  widths = [token_widths(digit_ranges(d, families)) for d in (sft_digits, digits)]
-  prompt_width, max_tokens = (max(w[0] for w in widths), max(w[1] for w in widths))
-  seq_width = prompt_width + max_tokens
+  def widths(self) -> tuple[int, int]:
+    """(prompt width incl. BOS, answer width incl. EOS) over SFT and RL digits."""
+    widths = [token_widths(digit_ranges(d, self.families))
+              for d in (self.sft_digits, self.digits)]
+    return max(w[0] for w in widths), max(w[1] for w in widths)
 
+
+@dataclasses.dataclass(frozen=True)
+class SftRun:
+  """What the SFT loop ends with."""
+  params: nnx.State
+  steps: int
+  loss: float
+  stop_reason: str
+  history: list[dict]
+  train_s: float
+
+
+def make_sft_step(graphdef, args):
+  """AdamW (linear warm-up, then constant) and its jitted step on answer tokens.
+
+  Returns (tx, step), step(params, opt_state, rest, ids, mask, loss_mask) ->
+  (params, opt_state, loss), the loss a mean over the loss mask's tokens.
+  """
   schedule = optax.join_schedules(
       [optax.linear_schedule(0.0, args.lr, args.warmup),
        optax.constant_schedule(args.lr)], [args.warmup])
   tx = optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=args.weight_decay)
-  opt_state = tx.init(params)
 
   def loss_fn(params, rest, ids, mask, loss_mask):
     m = nnx.merge(graphdef, params, rest)
@@ -228,21 +246,29 @@ def train(args) -> dict:
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  sample = make_sampler(graphdef, max_tokens, tok.eos_token_id)
+  return tx, train_step
+
+
+def sft_until_target(args, task: SftTask, tok, graphdef, params, rest, sample, key,
+                     t0: float) -> SftRun:
+  """Trains on fresh problems every step until the stop rule holds or max_steps.
+
+  Every `eval_every` steps it samples held-out problems of the RL task; it stops at
+  the first evaluation where pass@1 >= target and every family >= min_family.
+  """
+  prompt_width, max_tokens = task.widths()
+  tx, train_step = make_sft_step(graphdef, args)
+  opt_state = tx.init(params)
   eval_problems = synthetic_problems(args.eval_problems, seed=args.seed + 7919,
-                                     families=families, digits=digits, id_prefix="eval")
-  key = jax.random.key(args.seed)
+                                     families=task.families, digits=task.digits,
+                                     id_prefix="eval")
   history, step, stop_reason = [], 0, "max_steps"
   loss = float("nan")
-  # A fixed mixture that favours the slow (arithmetic) families, so that all of them
-  # are partly learned when the fast ones (reversal, sorting) are; changing the
-  # mixture during training made the fast ones forget and oscillate.
-  weights = json.loads(args.weights) if args.weights else None
   while step < args.max_steps:
     batch = synthetic_problems(args.batch, seed=args.seed * 1_000_003 + step,
-                               families=families, digits=sft_digits, weights=weights,
-                               unique=False)
-    ids, mask, lmask = encode_sft(batch, tok, seq_width)
+                               families=task.families, digits=task.sft_digits,
+                               weights=task.weights, unique=False)
+    ids, mask, lmask = encode_sft(batch, tok, prompt_width + max_tokens)
     params, opt_state, loss = train_step(params, opt_state, rest, ids, mask, lmask)
     step += 1
     if step % args.eval_every == 0:
@@ -260,16 +286,23 @@ def train(args) -> dict:
         stop_reason = (f"pass@1 {rate:.3f} >= target {args.target} and every "
                        f"family >= {args.min_family}")
         break
-  train_s = time.time() - t0
-  model = nnx.merge(graphdef, params, rest)
+  return SftRun(params=params, steps=step, loss=float(loss), stop_reason=stop_reason,
+                history=history, train_s=time.time() - t0)
 
-  # The histogram the RL splits will see: avg@16 at the sampling temperature (and
-  # at the paper's 0.6, for configs that use it).
+
+def measure_avg16(args, task: SftTask, tok, sample, state, key) -> dict[float, dict]:
+  """The histogram the RL splits will see: avg@16 on fresh problems of the RL task, at
+  the sampling temperature and at the paper's 0.6 (for configs that use it).
+
+  Returns {temperature: {avg@16_histogram, avg@16_ranges, avg@16_per_family, pass@1}}.
+  """
+  prompt_width, _ = task.widths()
   final = synthetic_problems(args.hist_problems, seed=args.seed + 104729,
-                             families=families, digits=digits, id_prefix="hist")
+                             families=task.families, digits=task.digits,
+                             id_prefix="hist")
   measured = {}
   for i, temp in enumerate(sorted({args.temperature, 0.6}, reverse=True)):
-    counts = count_correct(sample, (params, rest), final, tok, 16,
+    counts = count_correct(sample, state, final, tok, 16,
                            jax.random.fold_in(key, 2**31 - 1 - i), temp, prompt_width)
     print(f"temperature {temp}: " + format_histogram(counts, 16))
     ranges = {"0": np.mean(counts == 0),
@@ -284,22 +317,40 @@ def train(args) -> dict:
                       "avg@16_ranges": {k: float(v) for k, v in ranges.items()},
                       "avg@16_per_family": per_family,
                       "pass@1": float(counts.mean() / 16)}
+  return measured
+
+
+def train(args) -> dict:
+  """Run the SFT and write the asset; returns the summary written beside it."""
+  t0 = time.time()
+  task = SftTask.from_args(args)
+  tok = build_tokenizer()
+  cfg = isojax_models.ModelConfig.from_hf_dict(model_hf_config(
+      hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+      intermediate=args.intermediate))
+  graphdef, params, rest = nnx.split(isojax_models.Decoder(cfg, rngs=nnx.Rngs(args.seed)),
+                                     nnx.Param, ...)
+  sample = make_sampler(graphdef, task.widths()[1], tok.eos_token_id)
+  key = jax.random.key(args.seed)
+  run = sft_until_target(args, task, tok, graphdef, params, rest, sample, key, t0)
+  measured = measure_avg16(args, task, tok, sample, (run.params, rest), key)
 
   summary = {
       "command": f"python launch/make_base_model.py --out {args.out} "
                  f"--seed {args.seed}",
-      "args": vars(args), "steps": step, "stop_reason": stop_reason,
-      "train_seconds": round(train_s, 1), "final_loss": float(loss),
-      "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
+      "args": vars(args), "steps": run.steps, "stop_reason": run.stop_reason,
+      "train_seconds": round(run.train_s, 1), "final_loss": run.loss,
+      "num_params": int(sum(x.size for x in jax.tree.leaves(run.params))),
       "temperature": args.temperature, **measured[args.temperature],
-      "at_temperature_0.6": measured[0.6], "history": history,
+      "at_temperature_0.6": measured[0.6], "history": run.history,
       "jax_version": jax.__version__,
   }
-  out = save_pretrained(model, cfg, args.out, tokenizer=Tokenizer(tok))
+  out = isojax_models.save_pretrained(nnx.merge(graphdef, run.params, rest), cfg, args.out,
+                                      tokenizer=isojax_models.Tokenizer(tok))
   with open(os.path.join(out, "make_base_model.json"), "w") as f:
     json.dump(summary, f, indent=1)
-  print(f"wrote {out} ({summary['num_params']} parameters, {step} steps, "
-        f"{train_s:.0f}s)")
+  print(f"wrote {out} ({summary['num_params']} parameters, {run.steps} steps, "
+        f"{run.train_s:.0f}s)")
   return summary
 
 
@@ -341,7 +392,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  # CPU unless the caller names a platform (the model is tiny; the bytes are CPU's).
+  if "JAX_PLATFORMS" not in os.environ:
+    jax.config.update("jax_platforms", "cpu")
   train(args)
 
 
