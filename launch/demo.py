@@ -32,7 +32,7 @@ matplotlib.use("Agg")  # the report's figures go to files only
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# noqa: E402 below: these need the repo root on sys.path.
+# The repo root must be on sys.path first (hence E402): `experiments` is not installed.
 from experiments import demo as study  # noqa: E402
 from isojax import sweep  # noqa: E402
 from isojax.analysis import pipeline, read_runs, report  # noqa: E402
