@@ -13,8 +13,9 @@ per-layer remat, the fp32 lm head in chunks. For every (model, length) it prints
   * model TFLOP/s: 6 x (dense matmul FLOPs + causal attention, half of T x T)
     per token, nothing for recomputation; MFU against the H100's 989 TFLOP/s
     dense bf16 spec and against a bf16 matmul measured in this run;
-  * peak device memory (``memory_stats``; the compiled figure where the
-    backend keeps none);
+  * peak device memory (``memory_stats``: the process's peak so far, so the
+    first shape of a run is the clean figure for that shape; the compiled
+    figure where the backend keeps none);
   * transformers on the same weights and batch: the same GRPO clipped
     token-mean loss, autocast bf16, SDPA attention, gradient checkpointing,
     AdamW (fused on CUDA), the same micro-batches; its time, peak memory and
@@ -33,10 +34,14 @@ import sys
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+# JAX and torch share the device here: without this JAX takes 75% of its memory at
+# start-up and transformers runs out of it. Must be set before jax is imported.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
