@@ -1,12 +1,11 @@
 """Causal grouped-query attention over key slots, without a [B, T, S] mask array.
 
-Every call has the same masking rule: query t of row b sits at slot
-`q_offset + t` and attends key slot s iff `s <= q_offset + t` and
-`kv_valid_BxS[b, s]`. Without a cache, q_offset is 0 and kv_valid is the
-attention mask, which is causal attention over left- and right-padded rows
-(RoPE positions come from the mask, so padding shifts nothing). With a KVCache,
-q_offset is the first slot written and kv_valid the cache's slot validity.
-The mask is built from iotas inside each kernel, never stored.
+Every call has the same masking rule: query t of row b attends key s iff
+`s <= t` and `kv_valid_BxS[b, s]`, kv_valid being the attention mask: causal
+attention over left- and right-padded rows (RoPE positions come from the mask,
+so padding shifts nothing). The mask is built from iotas inside each kernel,
+never stored. Decoding with a KV cache does not come here: `KVCache.attend`
+attends over the cache's filled blocks itself.
 
 Implementations (`ModelConfig.attention`):
   * "xla": short query lengths (T <= block) compute all scores at once, as
@@ -17,7 +16,7 @@ Implementations (`ModelConfig.attention`):
     sequence lengths, i.e. right padding only, so each row is first rotated
     left by its count of left-pad tokens (real tokens must be one contiguous
     span per row, as the samplers produce: left-padded prompt ++ right-padded
-    completion) and rotated back after. Cached calls use "xla".
+    completion) and rotated back after.
   * "auto": "cudnn" on a GPU backend for bf16/fp16, "xla" otherwise.
 """
 
@@ -56,13 +55,13 @@ def _grouped(q_BxTxNxH, K):
   return q_BxTxNxH.reshape(B, T, K, N // K, H)
 
 
-def _einsum_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, q_offset, scale):
+def _einsum_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, scale):
   """All scores at once: the reference, and the fastest for short T."""
   B, T, N, H = q_BxTxNxH.shape
   S, K = k_BxSxKxH.shape[1], k_BxSxKxH.shape[2]
   s = jnp.einsum("btkgh,bskh->bkgts", _grouped(q_BxTxNxH, K), k_BxSxKxH,
                  preferred_element_type=jnp.float32) * scale
-  attend_BxTxS = _visible(q_offset + jnp.arange(T), jnp.arange(S), kv_valid_BxS)
+  attend_BxTxS = _visible(jnp.arange(T), jnp.arange(S), kv_valid_BxS)
   s = jnp.where(attend_BxTxS[:, None, None], s, _MASKED)
   p = jax.nn.softmax(s, axis=-1).astype(v_BxSxKxH.dtype)
   o = jnp.einsum("bkgts,bskh->btkgh", p, v_BxSxKxH)
@@ -82,19 +81,19 @@ def _einsum_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, q_offset, s
 # a custom VJP rather than differentiated scans.
 
 
-def _tile_mask(q_offset, i, j, bq, bk, valid_BxS):
-  q_slot = q_offset + i * bq + jnp.arange(bq)
+def _tile_mask(i, j, bq, bk, valid_BxS):
+  q_slot = i * bq + jnp.arange(bq)
   s_slot = j * bk + jnp.arange(bk)
   valid_Bxbk = jax.lax.dynamic_slice_in_dim(valid_BxS, j * bk, bk, axis=1)
   return _visible(q_slot, s_slot, valid_Bxbk)[:, None, None]  # [B, 1, 1, bq, bk]
 
 
-def _key_blocks_for(i, q_offset, bq, bk, nk):
+def _key_blocks_for(i, bq, bk, nk):
   """Number of key blocks query block i can see: up to its last slot."""
-  return jnp.clip((q_offset + (i + 1) * bq + bk - 1) // bk, 0, nk)
+  return jnp.clip(((i + 1) * bq + bk - 1) // bk, 0, nk)
 
 
-def _blocked_fwd(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, valid_BxS, q_offset, scale, bq, bk):
+def _blocked_fwd(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, valid_BxS, scale, bq, bk):
   B, T, K, G, H = q_BxTxKxGxH.shape
   nq, nk = T // bq, k_BxSxKxH.shape[1] // bk
 
@@ -106,7 +105,7 @@ def _blocked_fwd(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, valid_BxS, q_offset, scale, 
       k = jax.lax.dynamic_slice_in_dim(k_BxSxKxH, j * bk, bk, axis=1)
       v = jax.lax.dynamic_slice_in_dim(v_BxSxKxH, j * bk, bk, axis=1)
       s = jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
-      s = jnp.where(_tile_mask(q_offset, i, j, bq, bk, valid_BxS), s, _MASKED)
+      s = jnp.where(_tile_mask(i, j, bq, bk, valid_BxS), s, _MASKED)
       m_new = jnp.maximum(m, s.max(-1))
       corr = jnp.exp(m - m_new)
       p = jnp.exp(s - m_new[..., None])
@@ -117,10 +116,8 @@ def _blocked_fwd(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, valid_BxS, q_offset, scale, 
 
     init = (jnp.full((B, K, G, bq), -jnp.inf, jnp.float32),
             jnp.zeros((B, K, G, bq), jnp.float32), jnp.zeros((B, K, G, bq, H), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, _key_blocks_for(i, q_offset, bq, bk, nk), key_block,
-                                  init)
-    # A query block before every key slot (only with a cache) saw nothing: l = 0.
-    l = jnp.where(l > 0, l, 1.0)
+    # Every query block sees key block 0, and masked scores are finite: l > 0.
+    m, l, acc = jax.lax.fori_loop(0, _key_blocks_for(i, bq, bk, nk), key_block, init)
     return acc / l[..., None], m + jnp.log(l)
 
   o_QxBxKxGxbqxH, lse_QxBxKxGxbq = jax.lax.map(q_block, jnp.arange(nq))
@@ -129,18 +126,18 @@ def _blocked_fwd(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, valid_BxS, q_offset, scale, 
   return o.astype(q_BxTxKxGxH.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _blocked(q, k, v, valid_BxS, q_offset, scale, bq, bk):
-  return _blocked_fwd(q, k, v, valid_BxS, q_offset, scale, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _blocked(q, k, v, valid_BxS, scale, bq, bk):
+  return _blocked_fwd(q, k, v, valid_BxS, scale, bq, bk)[0]
 
 
-def _blocked_vjp_fwd(q, k, v, valid_BxS, q_offset, scale, bq, bk):
-  o, lse = _blocked_fwd(q, k, v, valid_BxS, q_offset, scale, bq, bk)
-  return o, (q, k, v, valid_BxS, q_offset, o, lse)
+def _blocked_vjp_fwd(q, k, v, valid_BxS, scale, bq, bk):
+  o, lse = _blocked_fwd(q, k, v, valid_BxS, scale, bq, bk)
+  return o, (q, k, v, valid_BxS, o, lse)
 
 
 def _blocked_vjp_bwd(scale, bq, bk, res, do_BxTxKxGxH):
-  q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, valid_BxS, q_offset, o, lse_BxKxGxT = res
+  q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, valid_BxS, o, lse_BxKxGxT = res
   B, T, K, G, H = q_BxTxKxGxH.shape
   nq, nk = T // bq, k_BxSxKxH.shape[1] // bk
   delta_BxKxGxT = jnp.einsum("btkgh,btkgh->bkgt", do_BxTxKxGxH.astype(jnp.float32),
@@ -157,7 +154,7 @@ def _blocked_vjp_bwd(scale, bq, bk, res, do_BxTxKxGxH):
       lse = jax.lax.dynamic_slice_in_dim(lse_BxKxGxT, i * bq, bq, axis=3)
       delta = jax.lax.dynamic_slice_in_dim(delta_BxKxGxT, i * bq, bq, axis=3)
       s = jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
-      mask = _tile_mask(q_offset, i, j, bq, bk, valid_BxS)
+      mask = _tile_mask(i, j, bq, bk, valid_BxS)
       p = jnp.exp(jnp.where(mask, s, _MASKED) - lse[..., None])
       dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(do.dtype), do,
                            preferred_element_type=jnp.float32)
@@ -173,7 +170,7 @@ def _blocked_vjp_bwd(scale, bq, bk, res, do_BxTxKxGxH):
       return dq_acc, dk, dv
 
     # The first query block that can see key block j (its last slot >= j's first).
-    first = jnp.clip((j * bk - q_offset) // bq, 0, nq)
+    first = jnp.clip((j * bk) // bq, 0, nq)
     zeros = jnp.zeros((B, bk, K, H), jnp.float32)
     dq_acc, dk, dv = jax.lax.fori_loop(first, nq, q_block, (dq_acc, zeros, zeros))
     return dq_acc, (dk, dv)
@@ -187,14 +184,14 @@ def _blocked_vjp_bwd(scale, bq, bk, res, do_BxTxKxGxH):
   dk = dk_Q.transpose(1, 0, 2, 3, 4).reshape(B, S, K, H)
   dv = dv_Q.transpose(1, 0, 2, 3, 4).reshape(B, S, K, H)
   return (dq.astype(q_BxTxKxGxH.dtype), dk.astype(k_BxSxKxH.dtype),
-          dv.astype(v_BxSxKxH.dtype), None, None)
+          dv.astype(v_BxSxKxH.dtype), None)
 
 
 _blocked.defvjp(_blocked_vjp_fwd, _blocked_vjp_bwd)
 
 
-def blocked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, q_offset=0, *,
-                      scale, block_q=BLOCK, block_k=BLOCK):
+def blocked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, *, scale,
+                      block_q=BLOCK, block_k=BLOCK):
   """Flash-style attention (see the comment above); same rule and result as the
   einsum path up to float rounding, for rows with at least one visible key."""
   B, T, N, H = q_BxTxNxH.shape
@@ -205,7 +202,7 @@ def blocked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, q_offset=0,
   k = jnp.pad(k_BxSxKxH, ((0, 0), (0, pad_s), (0, 0), (0, 0)))
   v = jnp.pad(v_BxSxKxH, ((0, 0), (0, pad_s), (0, 0), (0, 0)))
   valid = jnp.pad(kv_valid_BxS.astype(bool), ((0, 0), (0, pad_s)))
-  o = _blocked(q, k, v, valid, jnp.asarray(q_offset, jnp.int32), float(scale), bq, bk)
+  o = _blocked(q, k, v, valid, float(scale), bq, bk)
   return o[:, :T].reshape(B, T, N, H)
 
 
@@ -230,16 +227,14 @@ def _fused_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, valid_BxT, scale, implemen
   return rotate(o, scatter_BxT)
 
 
-def attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, *, q_offset=0,
-              implementation="xla", cached=False, block=None):
+def attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, *, implementation="xla",
+              block=None):
   """Causal grouped-query attention [B, T, N, H] (query head n uses kv head n // (N/K)).
 
   Args:
     q_BxTxNxH, k_BxSxKxH, v_BxSxKxH: queries and keys/values (RoPE applied).
-    kv_valid_BxS: bool, key slot s of row b holds a real token.
-    q_offset: slot of query 0 (int or traced scalar; 0 without a cache).
+    kv_valid_BxS: bool, key s of row b is a real token (the attention mask).
     implementation: "xla" | "cudnn" | "auto" (see the module docstring).
-    cached: keys are cache slots (S may differ from T): the "xla" path is used.
     block: query length above which "xla" runs blocked, and its block size
       (default `BLOCK`).
   """
@@ -249,10 +244,9 @@ def attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, *, q_offset=0,
   if impl not in ("xla", "cudnn"):
     raise ValueError(f"attention implementation {implementation!r}: expected 'auto', "
                      "'xla' or 'cudnn'")
-  if impl == "cudnn" and not cached:
+  if impl == "cudnn":
     return _fused_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, scale, "cudnn")
   if q_BxTxNxH.shape[1] > block:
-    return blocked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, q_offset,
-                             scale=scale, block_q=block, block_k=block)
-  return _einsum_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS.astype(bool),
-                           q_offset, scale)
+    return blocked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, scale=scale,
+                             block_q=block, block_k=block)
+  return _einsum_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS.astype(bool), scale)

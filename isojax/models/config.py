@@ -227,10 +227,11 @@ def _parse_rope(hf: dict) -> dict:
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   """Inverse frequencies [head_dim/2] as float32, following transformers' formulas."""
+  # As transformers 5's LlamaRotaryEmbedding.compute_default_rope_parameters.
   dim = cfg.head_dim
   exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
   inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponent)).astype(np.float32)
-  if cfg.rope_type == "llama3":
+  if cfg.rope_type == "llama3":  # transformers' modeling_rope_utils._compute_llama3_parameters
     factor, lo, hi = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     old_len = cfg.rope_original_max_position
     low_freq_wavelen, high_freq_wavelen = old_len / lo, old_len / hi

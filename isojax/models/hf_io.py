@@ -2,22 +2,31 @@
 
 Loading never builds the model on one device first: the model is created
 abstractly (`nnx.eval_shape`), each parameter's sharding is derived from its logical
-axis names, and each tensor is placed shard by shard straight from a memory-mapped
-safetensors file (`jax.make_array_from_callback`, which also works multi-host).
+axis names, and each tensor is placed shard by shard (`jax.make_array_from_callback`,
+which also works multi-host). The files are read with `safetensors.safe_open`,
+lazily: a device's callback reads only the rows of its own block, so the host holds
+at most one tensor (in a few transient copies) besides the model, never the
+checkpoint. A sharded checkpoint (model.safetensors.index.json) is read file by
+file. The library checks each header (its length, its JSON, every tensor's byte
+range) before any tensor is read; its errors are re-raised naming the file.
 
-The safetensors format (8-byte header length, JSON header, raw little-endian
-bytes) is read and written here directly rather than through the `safetensors`
-package because its numpy backend has no bfloat16; `ml_dtypes` (a JAX dependency)
-does.
+Files are read with the library's "pread" backend, not its default "mmap": a
+memory map keeps every page read resident until the file is closed, so loading a
+642 MiB float32 checkpoint peaked at 1.6 GiB resident with "mmap" and at 0.98 GiB
+with "pread" (0.19 GiB of it the runtime), at the same speed. Both the backend and
+numpy bfloat16 need safetensors >= 0.8.
+
+Writing goes through `safetensors.numpy.save_file` one file at a time: the host
+holds one file's tensors (at most `max_shard_bytes`) while it is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
-import struct
 import tempfile
 import uuid
 import warnings
@@ -27,15 +36,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from isojax.models.config import ModelConfig, as_dtype
 from isojax.models.decoder import Decoder
 from isojax import sharding as sharding_lib
 
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
-              "BF16": jnp.bfloat16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
-              "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+# Tensor dtypes a checkpoint may store (safetensors' names); others are refused.
+_LOADABLE_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
 # Tensors some exporters add that carry no parameters of this model.
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 _INDEX_FILE = "model.safetensors.index.json"
@@ -43,6 +53,8 @@ _INDEX_FILE = "model.safetensors.index.json"
 
 def hf_param_table(cfg: ModelConfig) -> list[tuple[str, tuple, bool]]:
   """(HF tensor name, attribute path in Decoder, transposed [out,in] <-> [in,...])."""
+  # Names as in the state dicts of transformers' LlamaForCausalLM, Qwen2ForCausalLM and
+  # Qwen3ForCausalLM (transformers/models/{llama,qwen2,qwen3}/modeling_*.py).
   table = [("model.embed_tokens.weight", ("embed",), False),
            ("model.norm.weight", ("norm", "scale"), False)]
   if not cfg.tie_word_embeddings:
@@ -70,110 +82,131 @@ def _variable(model: nnx.Module, path: tuple) -> nnx.Variable:
   return functools.reduce(lambda o, k: o[k] if isinstance(k, int) else getattr(o, k), path, model)
 
 
+def _axis_groups(param_shape: tuple, path: tuple, transposed: bool) -> tuple[int, ...]:
+  """How many parameter axes each axis of the HF tensor, transposed back, holds.
+
+  Kernels are 2-D [out, in] in HF: transposed back, [in, out] where o_kernel
+  [N, H, D] has two input axes and the others one. Biases [N, H] are flat.
+  """
+  if transposed:
+    k = 2 if path[-1] == "o_kernel" else 1
+    return (k, len(param_shape) - k)
+  if path[-1].endswith("_bias"):
+    return (len(param_shape),)
+  return (1,) * len(param_shape)
+
+
 def _hf_shape(param_shape: tuple, path: tuple, transposed: bool) -> tuple:
   """The HF tensor shape of a parameter: kernels are 2-D [out, in], biases flat."""
-  if transposed:
-    k = 2 if path[-1] == "o_kernel" else 1  # o_kernel [N, H, D] has two input axes
-    return (int(np.prod(param_shape[k:])), int(np.prod(param_shape[:k])))
-  if path[-1].endswith("_bias"):
-    return (int(np.prod(param_shape)),)
-  return tuple(param_shape)
+  dims, start = [], 0
+  for n in _axis_groups(param_shape, path, transposed):
+    dims.append(int(np.prod(param_shape[start:start + n])))
+    start += n
+  return tuple(dims[::-1]) if transposed else tuple(dims)
 
 
 # ----------------------------------------------------------------------------- reading
 
 
-# The safetensors format caps the JSON header at 100 MB; a larger length field is
-# a corrupt or foreign file, and must not be allocated.
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
+def _open_safetensors(file: Path, stack: contextlib.ExitStack):
+  """`safe_open(file)` kept open by `stack`; a file the library refuses is named."""
+  try:
+    return stack.enter_context(safe_open(str(file), framework="numpy", backend="pread"))
+  except SafetensorError as e:
+    raise ValueError(f"{file}: not a valid safetensors file ({file.stat().st_size} bytes; "
+                     f"truncated, or another format?): {e}") from None
 
 
-def _read_header(file: Path) -> tuple[dict, int]:
-  """(tensor entries, data start) of a safetensors file, checked against its size.
-
-  Raises:
-    ValueError: naming the file and what is wrong with it (too short, a header
-      length past the end of the file, a header that is not a JSON object, or a
-      tensor whose shape, dtype or byte range does not fit the file).
-  """
-  size = file.stat().st_size
-  with open(file, "rb") as f:
-    raw = f.read(8)
-    if len(raw) != 8:
-      raise ValueError(f"{file}: not a safetensors file ({size} bytes, shorter than "
-                       f"the 8-byte header length)")
-    (n,) = struct.unpack("<Q", raw)
-    if n > min(size - 8, _MAX_HEADER_BYTES):
-      raise ValueError(f"{file}: not a safetensors file or truncated: its header "
-                       f"length field says {n} bytes but the file has {size - 8} after "
-                       f"it (the format allows at most {_MAX_HEADER_BYTES})")
-    try:
-      header = json.loads(f.read(n))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise ValueError(f"{file}: unreadable safetensors header ({e})") from None
-  if not isinstance(header, dict):
-    raise ValueError(f"{file}: safetensors header is a JSON {type(header).__name__}, "
-                     f"not an object")
-  header.pop("__metadata__", None)
-  data_bytes = size - 8 - n
-  for name, info in header.items():
-    _check_entry(file, name, info, data_bytes)
-  return header, 8 + n
-
-
-def _check_entry(file: Path, name: str, info, data_bytes: int) -> None:
-  def bad(what):
-    return ValueError(f"{file}: tensor {name!r} {what}")
-
-  if not isinstance(info, dict):
-    raise bad(f"has a header entry {info!r:.80} instead of an object")
-  shape, offsets = info.get("shape"), info.get("data_offsets")
-  if not isinstance(shape, list) or not all(
-      isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-    raise bad(f"has shape {shape!r:.80}, not a list of non-negative integers")
-  if not (isinstance(offsets, list) and len(offsets) == 2 and all(
-      isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
-    raise bad(f"has data_offsets {offsets!r:.80}, not [start, end]")
-  start, end = offsets
-  if not 0 <= start <= end <= data_bytes:
-    raise bad(f"has bytes [{start}, {end}) but the file holds {data_bytes} bytes of "
-              f"data (truncated?)")
-  dtype = _ST_DTYPES.get(info.get("dtype"))
-  if dtype is not None:
-    need = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    if end - start != need:
-      raise bad(f"of shape {shape} and dtype {info['dtype']} needs {need} bytes but "
-                f"has {end - start}")
-
-
-def _tensor_index(path: Path) -> dict[str, tuple[Path, dict, int]]:
-  """tensor name -> (file, header entry, data offset) over all checkpoint files."""
+def _checkpoint_files(path: Path) -> list[Path]:
+  """The *.safetensors files of a checkpoint: those its index names, else all."""
   index_file = path / _INDEX_FILE
-  if index_file.exists():
+  if not index_file.exists():
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+      raise ValueError(f"{path}: no *.safetensors files")
+    return files
+  try:
     weight_map = json.loads(index_file.read_text())["weight_map"]
     files = sorted({path / f for f in weight_map.values()})
-    missing = [str(f) for f in files if not f.exists()]
-    if missing:
-      raise ValueError(f"{index_file} lists files that do not exist: {missing}")
-  else:
-    files = sorted(path.glob("*.safetensors"))
+  except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+    raise ValueError(f"{index_file}: not a safetensors index with a 'weight_map' object "
+                     f"({type(e).__name__}: {e})") from None
+  missing = [str(f) for f in files if not f.exists()]
+  if missing:
+    raise ValueError(f"{index_file} lists files that do not exist: {missing}")
   if not files:
-    raise ValueError(f"{path}: no *.safetensors files")
-  out = {}
-  for f in files:
-    header, base = _read_header(f)
-    for name, info in header.items():
-      out[name] = (f, info, base)
-  return out
+    raise ValueError(f"{index_file}: its weight_map names no files")
+  return files
 
 
-def _memmap(file: Path, info: dict, base: int) -> np.ndarray:
-  dtype = np.dtype(_ST_DTYPES[info["dtype"]])
-  start, end = info["data_offsets"]
-  shape = tuple(info["shape"])
-  if end == start:
-    return np.zeros(shape, dtype)
-  return np.memmap(file, dtype=dtype, mode="r", offset=base + start, shape=shape)
+def _open_checkpoint(path: Path, stack: contextlib.ExitStack) -> dict[str, tuple[Path, object]]:
+  """tensor name -> (file, open safetensors handle) over all checkpoint files."""
+  tensors = {}
+  for file in _checkpoint_files(path):
+    handle = _open_safetensors(file, stack)
+    tensors.update({name: (file, handle) for name in handle.keys()})
+  return tensors
+
+
+def _check_names(path: Path, cfg: ModelConfig, table: list, names) -> None:
+  """Every table tensor present; nothing else but ignorable extras (warned about).
+
+  Unexpected tensors are an error (not a warning) because they usually mean the
+  config does not describe the weights (e.g. biases the config says are absent),
+  which would otherwise load "fine" and give wrong logits.
+  """
+  missing = [n for n, _, _ in table if n not in names]
+  if missing:
+    raise ValueError(f"{path}: tensor {missing[0]!r} is missing from the checkpoint "
+                     f"({len(missing)} missing in all: {missing[:8]})")
+  expected = {n for n, _, _ in table}
+  extra = sorted(n for n in names if n not in expected)
+  ignorable = [n for n in extra if n.endswith(_IGNORABLE_SUFFIXES)
+               or (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+  extra = [n for n in extra if n not in ignorable]
+  if extra:
+    raise ValueError(f"{path}: {len(extra)} unexpected tensors for {cfg.architecture} "
+                     f"(config and weights disagree?): {extra[:8]}")
+  if ignorable:
+    warnings.warn(f"{path}: ignoring tensors {ignorable} (tied embeddings / RoPE buffers)")
+
+
+def _read_block(tensor_slice, param_shape: tuple, groups: tuple[int, ...], transposed: bool,
+                index: tuple) -> np.ndarray:
+  """Block `index` (slices over the parameter's axes) of a parameter, read from its HF
+  tensor (a `safe_open` slice) without reading the rest of it.
+
+  Each HF axis holds a group of parameter axes (`_axis_groups`). Along it, the
+  range that covers the group's first-axis slice with its inner axes whole is
+  read; the inner axes are cut after reshaping to the parameter's layout.
+  """
+  ranges, block_shape, inner_index, start = [], [], [], 0
+  for n in groups:
+    lo, hi, _ = index[start].indices(param_shape[start])
+    inner = param_shape[start + 1:start + n]
+    inner_size = int(np.prod(inner))
+    ranges.append(slice(lo * inner_size, hi * inner_size))
+    block_shape += [hi - lo, *inner]
+    inner_index += [slice(None), *index[start + 1:start + n]]
+    start += n
+  if 0 in block_shape:  # safetensors refuses to slice an empty range; the caller casts
+    return np.zeros(block_shape, np.float32)[tuple(inner_index)]
+  hf_block = tensor_slice[tuple(ranges[::-1]) if transposed else tuple(ranges)]
+  block = hf_block.T if transposed else hf_block
+  return block.reshape(block_shape)[tuple(inner_index)]
+
+
+def _read_config(path: Path) -> tuple[Path, dict]:
+  """(config.json path, its dict) of an HF directory; ValueError naming what is amiss."""
+  if not path.is_dir():
+    raise ValueError(f"checkpoint directory {path} does not exist")
+  config_file = path / "config.json"
+  if not config_file.exists():
+    raise ValueError(f"{config_file} not found: not a Hugging Face model directory")
+  try:
+    return config_file, json.loads(config_file.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{config_file}: invalid JSON ({e})") from None
 
 
 def load_pretrained(path, *, dtype=jnp.float32, mesh=None, rules=None, compute_dtype=None,
@@ -192,71 +225,50 @@ def load_pretrained(path, *, dtype=jnp.float32, mesh=None, rules=None, compute_d
 
   Returns:
     (model, cfg). Raises ValueError for a missing directory/config.json, an
-    unsupported architecture, and a missing, misshapen or unexpected tensor.
-    Unexpected tensors are an error (not a warning) because they usually mean the
-    config does not describe the weights (e.g. biases the config says are absent),
-    which would otherwise load "fine" and give wrong logits.
+    unsupported architecture, a file that is not valid safetensors, and a missing,
+    misshapen or unexpected tensor.
   """
   path = Path(path)
-  if not path.is_dir():
-    raise ValueError(f"checkpoint directory {path} does not exist")
-  config_file = path / "config.json"
-  if not config_file.exists():
-    raise ValueError(f"{config_file} not found: not a Hugging Face model directory")
-  try:
-    hf = json.loads(config_file.read_text())
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{config_file}: invalid JSON ({e})") from None
+  config_file, hf = _read_config(path)
   cfg = ModelConfig.from_hf_dict(hf, dtype=dtype if compute_dtype is None else compute_dtype,
                                  param_dtype=dtype, lm_head_fp32=lm_head_fp32, remat=remat,
                                  attention=attention)
-  tensors = _tensor_index(path)
   table = hf_param_table(cfg)
-  missing = [n for n, _, _ in table if n not in tensors]
-  if missing:
-    raise ValueError(f"{path}: tensor {missing[0]!r} is missing from the checkpoint "
-                     f"({len(missing)} missing in all: {missing[:8]})")
-  expected = {n for n, _, _ in table}
-  extra = sorted(n for n in tensors if n not in expected)
-  ignorable = [n for n in extra if n.endswith(_IGNORABLE_SUFFIXES)
-               or (n == "lm_head.weight" and cfg.tie_word_embeddings)]
-  extra = [n for n in extra if n not in ignorable]
-  if extra:
-    raise ValueError(f"{path}: {len(extra)} unexpected tensors for {cfg.architecture} "
-                     f"(config and weights disagree?): {extra[:8]}")
-  if ignorable:
-    warnings.warn(f"{path}: ignoring tensors {ignorable} (tied embeddings / RoPE buffers)")
   model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
   rules = sharding_lib.DEFAULT_RULES if rules is None else rules
   param_dtype = np.dtype(cfg.param_dtype)
-  for name, attr_path, transposed in table:
-    var = _variable(model, attr_path)
-    shape = tuple(var.get_value().shape)
-    hf_shape = _hf_shape(shape, attr_path, transposed)
-    file, info, base = tensors[name]
-    found = tuple(info["shape"])
-    if found != hf_shape:
-      raise ValueError(f"{file.name}: tensor {name!r} has shape {list(found)}, expected "
-                       f"{list(hf_shape)} for config {config_file}")
-    if info["dtype"] not in _ST_DTYPES:
-      raise ValueError(f"{file.name}: tensor {name!r} has unsupported dtype {info['dtype']}")
-    hf_arr = _memmap(file, info, base)
-    arr = hf_arr.T.reshape(shape) if transposed else hf_arr.reshape(shape)
-    var.set_value(_place(arr, param_dtype, var, mesh, rules))
+  with contextlib.ExitStack() as stack:
+    tensors = _open_checkpoint(path, stack)
+    _check_names(path, cfg, table, tensors)
+    for name, attr_path, transposed in table:
+      var = _variable(model, attr_path)
+      shape = tuple(var.get_value().shape)
+      hf_shape = _hf_shape(shape, attr_path, transposed)
+      file, handle = tensors[name]
+      tensor_slice = handle.get_slice(name)
+      found = tuple(tensor_slice.get_shape())
+      if found != hf_shape:
+        raise ValueError(f"{file.name}: tensor {name!r} has shape {list(found)}, expected "
+                         f"{list(hf_shape)} for config {config_file}")
+      if tensor_slice.get_dtype() not in _LOADABLE_DTYPES:
+        raise ValueError(f"{file.name}: tensor {name!r} has unsupported dtype "
+                         f"{tensor_slice.get_dtype()}")
+      read = functools.partial(_read_block, tensor_slice, shape,
+                               _axis_groups(shape, attr_path, transposed), transposed)
+      var.set_value(_place(read, shape, param_dtype, var, mesh, rules))
   return model, cfg
 
 
-def _place(arr: np.ndarray, dtype: np.dtype, var: nnx.Variable, mesh, rules) -> jax.Array:
-  # Always copy out of the memory map: an array aliasing the file would break (SIGBUS)
-  # if the checkpoint were rewritten in place while the model is alive.
+def _place(read, shape: tuple, dtype: np.dtype, var: nnx.Variable, mesh, rules) -> jax.Array:
+  """The parameter as a jax.Array; `read(index)` gives a block of it (a host copy)."""
   if mesh is None:
-    return jnp.asarray(np.array(arr, dtype=dtype, copy=True))
+    return jnp.asarray(read(tuple(slice(None) for _ in shape)).astype(dtype, copy=False))
   names = var.get_metadata().get("out_sharding")
-  spec = sharding_lib.spec_for(names, arr.shape, mesh, rules)
+  spec = sharding_lib.spec_for(names, shape, mesh, rules)
   sharding = jax.sharding.NamedSharding(mesh, spec)
-  # Each device reads only its own slice of the memory-mapped file.
+  # Each device reads only its own block of the file.
   return jax.make_array_from_callback(
-      arr.shape, sharding, lambda idx: np.array(arr[idx], dtype=dtype, copy=True))
+      shape, sharding, lambda index: read(index).astype(dtype, copy=False))
 
 
 # ----------------------------------------------------------------------------- writing
@@ -264,31 +276,74 @@ def _place(arr: np.ndarray, dtype: np.dtype, var: nnx.Variable, mesh, rules) -> 
 
 def _host(x: jax.Array) -> np.ndarray:
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    from jax.experimental import multihost_utils
     x = multihost_utils.process_allgather(x, tiled=True)
   return np.asarray(x)
 
 
-def _write_safetensors(file: Path, entries: list[tuple[str, tuple, np.dtype, callable]]):
-  """Write tensors one at a time (each `make()` is called once, then freed)."""
-  header, offset = {}, 0
-  for name, shape, dtype, _ in entries:
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape),
-                    "data_offsets": [offset, offset + nbytes]}
-    offset += nbytes
-  header["__metadata__"] = {"format": "pt"}  # transformers refuses files without it
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned
-  with open(file, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    for name, shape, dtype, make in entries:
-      arr = np.ascontiguousarray(make(), dtype=dtype)
-      assert arr.shape == tuple(shape), (name, arr.shape, shape)
-      f.write(arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes())
-    f.flush()
-    os.fsync(f.fileno())
+def _hf_entries(model: Decoder, cfg: ModelConfig, dtype: np.dtype) -> list[tuple]:
+  """(HF name, HF shape, make) per tensor; `make()` gathers it to the host in HF layout."""
+  entries = []
+  for name, attr_path, transposed in hf_param_table(cfg):
+    var = _variable(model, attr_path)
+    hf_shape = _hf_shape(tuple(var.get_value().shape), attr_path, transposed)
+
+    def make(var=var, hf_shape=hf_shape, transposed=transposed):
+      a = _host(var.get_value())
+      a = a.reshape(hf_shape[::-1]).T if transposed else a.reshape(hf_shape)
+      return np.ascontiguousarray(a, dtype=dtype)
+
+    entries.append((name, hf_shape, make))
+  return entries
+
+
+def _split_into_files(entries: list[tuple], itemsize: int, max_bytes: int) -> list[list]:
+  """Consecutive runs of entries of at most `max_bytes` each (a larger tensor alone)."""
+  files, size = [[]], 0
+  for e in entries:
+    nbytes = int(np.prod(e[1])) * itemsize
+    if files[-1] and size + nbytes > max_bytes:
+      files.append([])
+      size = 0
+    files[-1].append(e)
+    size += nbytes
+  return files
+
+
+def _write_safetensors(file: Path, entries: list[tuple]) -> None:
+  """One safetensors file of `entries`, made one by one, written and synced."""
+  # transformers refuses files without the "format" metadata.
+  save_file({name: make() for name, _, make in entries}, file, metadata={"format": "pt"})
+  fd = os.open(file, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _write_weights(directory: Path, files: list[list], itemsize: int) -> None:
+  """model.safetensors, or numbered files and model.safetensors.index.json."""
+  if len(files) == 1:
+    _write_safetensors(directory / "model.safetensors", files[0])
+    return
+  weight_map = {}
+  for i, entries in enumerate(files):
+    fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+    _write_safetensors(directory / fname, entries)
+    weight_map.update({e[0]: fname for e in entries})
+  total = sum(int(np.prod(e[1])) * itemsize for entries in files for e in entries)
+  (directory / _INDEX_FILE).write_text(json.dumps(
+      {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _replace_directory(tmp: Path, path: Path) -> None:
+  """Rename `tmp` to `path`; an existing `path` is renamed aside first, then deleted."""
+  if path.exists():
+    old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+    os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old)
+  else:
+    os.rename(tmp, path)
 
 
 def save_pretrained(model: Decoder, cfg: ModelConfig, path, *, dtype=None, tokenizer=None,
@@ -304,29 +359,10 @@ def save_pretrained(model: Decoder, cfg: ModelConfig, path, *, dtype=None, token
   """
   path = Path(path).absolute()
   dtype = np.dtype(as_dtype(cfg.param_dtype if dtype is None else dtype))
-  entries = []
-  for name, attr_path, transposed in hf_param_table(cfg):
-    var = _variable(model, attr_path)
-    shape = tuple(var.get_value().shape)
-    hf_shape = _hf_shape(shape, attr_path, transposed)
-
-    def make(var=var, hf_shape=hf_shape, transposed=transposed):
-      a = _host(var.get_value())
-      a = a.reshape(hf_shape[::-1]).T if transposed else a.reshape(hf_shape)
-      return a.astype(dtype)
-
-    entries.append((name, hf_shape, dtype, make))
-  shards, size = [[]], 0
-  for e in entries:
-    nbytes = int(np.prod(e[1])) * dtype.itemsize
-    if shards[-1] and size + nbytes > max_shard_bytes:
-      shards.append([])
-      size = 0
-    shards[-1].append(e)
-    size += nbytes
+  entries = _hf_entries(model, cfg, dtype)
   if jax.process_index() != 0:
-    for e in entries:  # take part in the all-gathers, write nothing
-      e[3]()
+    for _, _, make in entries:  # take part in the all-gathers, write nothing
+      make()
     return path
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
@@ -334,26 +370,11 @@ def save_pretrained(model: Decoder, cfg: ModelConfig, path, *, dtype=None, token
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a vLLM server may run as another user
     (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(dtype), indent=2,
                                                 sort_keys=True) + "\n")
-    if len(shards) == 1:
-      _write_safetensors(tmp / "model.safetensors", shards[0])
-    else:
-      weight_map = {}
-      for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(tmp / fname, shard)
-        weight_map.update({e[0]: fname for e in shard})
-      total = sum(int(np.prod(e[1])) * dtype.itemsize for e in entries)
-      (tmp / _INDEX_FILE).write_text(json.dumps(
-          {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    _write_weights(tmp, _split_into_files(entries, dtype.itemsize, max_shard_bytes),
+                   dtype.itemsize)
     if tokenizer is not None:
       tokenizer.save_pretrained(tmp)
-    if path.exists():
-      old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
-      os.rename(path, old)
-      os.rename(tmp, path)
-      shutil.rmtree(old)
-    else:
-      os.rename(tmp, path)
+    _replace_directory(tmp, path)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise

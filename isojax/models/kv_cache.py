@@ -60,6 +60,25 @@ def _from_storage(x: jax.Array, dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
 
 
+def _online_softmax_step(q_BxKxGxTxH, k_BxCxKxH, v_BxCxKxH, ok_BxTxC, m_BxKxGxT, l_BxKxGxT,
+                         acc_BxKxGxTxH):
+  """Folds C more key slots into a running softmax: (max m, normaliser l,
+  unnormalised output acc) -> the same after them; `ok` says which slots each
+  query sees. Scores and the carry are float32; p meets v in v's dtype."""
+  s = jnp.einsum("bkgth,bckh->bkgtc", q_BxKxGxTxH, k_BxCxKxH,
+                 preferred_element_type=jnp.float32)
+  ok = ok_BxTxC[:, None, None]
+  m_new = jnp.maximum(m_BxKxGxT, jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1))
+  # Rows with nothing valid yet keep m = -inf; shift by 0 there (p is 0 anyway).
+  shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+  p = jnp.where(ok, jnp.exp(s - shift[..., None]), 0.0)
+  corr = jnp.exp(m_BxKxGxT - shift)
+  l_new = l_BxKxGxT * corr + p.sum(-1)
+  pv = jnp.einsum("bkgtc,bckh->bkgth", p.astype(v_BxCxKxH.dtype), v_BxCxKxH,
+                  preferred_element_type=jnp.float32)
+  return m_new, l_new, acc_BxKxGxTxH * corr[..., None] + pv
+
+
 @struct.dataclass
 class KVCache:
   """Keys/values of every layer plus per-row bookkeeping.
@@ -191,18 +210,9 @@ class KVCache:
       valid_BxC = jax.lax.dynamic_slice_in_dim(self.valid_BxS, start, size, axis=1)
       slot_C = start + jnp.arange(size, dtype=jnp.int32)
       ok_BxTxC = valid_BxC[:, None, :] & (slot_C[None, None, :] <= slot_BxT[:, :, None])
-      s = jnp.einsum("bkgth,bckh->bkgtc", q_BxKxGxTxH, k_BxCxKxH,
-                     preferred_element_type=jnp.float32)
-      ok = ok_BxTxC[:, None, None]
-      m_new = jnp.maximum(m_BxKxGxT, jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1))
-      # Rows with nothing valid yet keep m = -inf; shift by 0 there (p is 0 anyway).
-      shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-      p = jnp.where(ok, jnp.exp(s - shift[..., None]), 0.0)
-      corr = jnp.exp(m_BxKxGxT - shift)
-      l_new = l_BxKxGxT * corr + p.sum(-1)
-      pv = jnp.einsum("bkgtc,bckh->bkgth", p.astype(dt), v_BxCxKxH,
-                      preferred_element_type=jnp.float32)
-      return m_new, l_new, acc_BxKxGxTxH * corr[..., None] + pv, k_all, v_all
+      m, l, acc = _online_softmax_step(q_BxKxGxTxH, k_BxCxKxH, v_BxCxKxH, ok_BxTxC,
+                                       m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxH)
+      return m, l, acc, k_all, v_all
 
     init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
             jnp.zeros((B, K, G, T), jnp.float32),

@@ -15,7 +15,9 @@ class Tokenizer:
   @classmethod
   def from_pretrained(cls, path) -> Tokenizer:
     """Load from a local HF directory (never the hub)."""
-    from transformers import AutoTokenizer
+    # Here, not at the top: transformers (and the torch it loads) takes ~4 s to import,
+    # which every `import isojax.models` would pay, tokenizer or not.
+    from transformers import AutoTokenizer  # pylint: disable=g-import-not-at-top
 
     path = Path(path)
     if not path.is_dir():

@@ -7,17 +7,18 @@ import numpy as np
 import pytest
 
 from isojax.models import attention as attn_lib
+from isojax.models import load_pretrained
 
 B, T, N, K, H = 4, 13, 4, 2, 8
 
 
-def np_attention(q, k, v, valid, q_offset):
+def np_attention(q, k, v, valid):
   """float64 softmax(q k^T / sqrt(H)) v over visible keys; [B, T, N, H]."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   G = q.shape[2] // k.shape[2]
   k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
   s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
-  t, S = np.arange(q.shape[1]) + q_offset, k.shape[1]
+  t, S = np.arange(q.shape[1]), k.shape[1]
   vis = (np.arange(S)[None, :] <= t[:, None])[None] & np.asarray(valid, bool)[:, None, :]
   s = np.where(vis[:, None], s, -np.inf)
   with np.errstate(invalid="ignore"):  # pad queries see nothing: NaN, never compared
@@ -36,10 +37,10 @@ def valid_rows(T_=T):
   return valid
 
 
-def qkv(seed, S=T, dtype=jnp.float32):
+def qkv(seed, dtype=jnp.float32):
   rng = np.random.default_rng(seed)
   return tuple(jnp.asarray(rng.normal(size=s), dtype) for s in
-               ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
+               ((B, T, N, H), (B, T, K, H), (B, T, K, H)))
 
 
 PATHS = {
@@ -57,7 +58,7 @@ def test_matches_numpy_on_padded_and_unpadded_rows(path):
   q, k, v = qkv(0)
   valid = valid_rows()
   out = np.asarray(jax.jit(PATHS[path])(q, k, v, jnp.asarray(valid)))
-  ref = np_attention(q, k, v, valid, 0)
+  ref = np_attention(q, k, v, valid)
   assert np.isfinite(out).all()  # pad queries too: NaN there would poison gradients
   for b in range(B):  # a query's output matters where the query is a real token
     np.testing.assert_allclose(out[b, valid[b]], ref[b, valid[b]], atol=1e-5, rtol=1e-5)
@@ -81,25 +82,6 @@ def test_gradients_match_the_einsum_path(path):
                                err_msg=name)
 
 
-def test_cached_slots_with_offset_blocked_equals_einsum_and_numpy():
-  """Queries at slots [offset, offset + T) over S cache slots with holes (left-pad
-  slots of a prompt) and unwritten slots after them."""
-  S, offset = 29, 9
-  q, k, v = qkv(3, S=S)
-  valid = np.zeros((B, S), bool)
-  valid[:, :offset + T] = True
-  valid[1, :4] = False  # left-padded prompt
-  valid[2, offset + 2:offset + 5] = False  # pad tokens fed in this call
-  ref = np_attention(q, k, v, valid, offset)
-  for block in (4, 64):  # blocked and einsum
-    fn = jax.jit(lambda q, k, v, m, o: attn_lib.attention(q, k, v, m, q_offset=o,
-                                                          cached=True, block=block))
-    out = np.asarray(fn(q, k, v, jnp.asarray(valid), jnp.int32(offset)))
-    for b in range(B):
-      rows = valid[b, offset:offset + T]
-      np.testing.assert_allclose(out[b, rows], ref[b, rows], atol=1e-5, rtol=1e-5)
-
-
 def test_bf16_blocked_is_close_to_einsum():
   q, k, v = qkv(4, dtype=jnp.bfloat16)
   valid = jnp.asarray(valid_rows())
@@ -120,10 +102,8 @@ def test_auto_picks_xla_off_gpu_and_bad_names_raise():
 
 
 def test_decoder_on_the_blocked_path_matches_transformers(hf_dir, torch_logits, monkeypatch):
-  """Left-padded batch and a cached prefill + decode, with blocks of 8 tokens so a
-  30-token batch runs the blocked kernel (full and cached)."""
-  from isojax.models import load_pretrained
-
+  """Left-padded batch with blocks of 8 tokens, so the 30-token full forward runs the
+  blocked kernel; a cached prefill + decode (the cache's own attention) beside it."""
   monkeypatch.setattr(attn_lib, "BLOCK", 8)
   torch_model, path = hf_dir("qwen3_tied")
   model, _ = load_pretrained(path)
