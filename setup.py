@@ -26,7 +26,7 @@ TRAIN = [
     "optax==0.2.8",
     "orbax-checkpoint==0.12.8",
     "transformers>=5.0,<6",
-    "safetensors>=0.6",
+    "safetensors>=0.8",
     "absl-py>=2.1",
     "ml-collections>=1.0",
     "math-verify>=0.8",
