@@ -75,6 +75,19 @@ def test_impossible_point_fails_before_any_work(tmp_path):
   assert not workdir.exists()
 
 
+def test_plan_loss_config_comes_from_config_rl():
+  assert run.plan(tiny_config()).loss.tis_cap == 2.0  # the paper's TIS cap (App. A)
+  assert run.plan(tiny_config(**{"rl.tis_cap": 3})).loss.tis_cap == 3.0
+  loss = run.plan(tiny_config(**{"rl.tis_cap": None, "rl.kl_coef": 0.5})).loss
+  assert (loss.tis_cap, loss.kl_coef, loss.clip_dual) == (None, 0.5, None)
+  with pytest.raises(ValueError, match=r"LossConfig\.tis_cap=0\.0 must be > 0 or None"):
+    run.plan(tiny_config(**{"rl.tis_cap": 0}))
+  c = tiny_config()
+  del c.rl["kl_estimator"]
+  with pytest.raises(ValueError, match=r"config\.rl has no LossConfig field kl_estimator"):
+    run.plan(c)
+
+
 def test_validation_improves_over_the_base_model(trained):
   workdir, last, wall_s = trained
   records = _records(workdir)

@@ -21,9 +21,9 @@ estimate of KL(pi_old || pi); ``kl_ref``: the configured estimator's token mean
 (``entropy_term``); ``tis_weight_*``: min(exp(old - sampler), tis_cap) (the
 uncapped ratio when tis_cap is None); ``logp_gap_*``: |old - sampler|.
 
-Conventions: ``adv_B`` comes from ``compute_advantages``, which makes every
-advantage of a zero-variance group exactly 0, so a group is "zero-variance"
-here iff all its advantages are 0. Rollouts are grouped contiguously by prompt
+Conventions: ``adv_B`` comes from ``compute_advantages``; which groups are
+zero-variance comes in as flags from ``advantages.zero_variance_groups`` (the
+rule's one definition). Rollouts are grouped contiguously by prompt
 (``group_size`` rollouts each), as everywhere in isojax.
 """
 
@@ -34,13 +34,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from isojax.rl.advantages import ESTIMATORS
+from isojax.rl.advantages import ESTIMATORS, zero_variance_groups
 from isojax.rl.aggregation import AGGREGATIONS, ZERO_VAR_FILTERS, TokenWeights, token_weights
-from isojax.rl.aggregation import zero_variance_from_advantages
 
 __all__ = ["LossConfig", "TokenWeights", "AGGREGATIONS", "KL_ESTIMATORS",
            "PG_LOSSES", "MAX_METRICS", "policy_loss", "token_weights",
-           "weighted_policy_loss", "zero_variance_from_advantages"]
+           "weighted_policy_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +111,61 @@ class LossConfig:
     if self.tis_cap is not None and not self.tis_cap > 0:
       raise ValueError(f"LossConfig.tis_cap={self.tis_cap} must be > 0 or None")
 
+  @classmethod
+  def from_config(cls, source, *, name: str | None = None) -> "LossConfig":
+    """The LossConfig whose fields are read from ``source`` by name.
+
+    Args:
+      source: a mapping or an object with the fields as attributes (an
+        ``ml_collections.ConfigDict`` is both; isojax.rl does not import it).
+        Entries that are not LossConfig fields (learning rate, micro-batch, ...)
+        are left to whoever else reads ``source``.
+      name: what ``source`` is called in errors (e.g. "config.rl").
+
+    Raises:
+      ValueError: naming every LossConfig field that ``source`` lacks, or a
+        bad value (``__post_init__``).
+    """
+    values, missing = {}, []
+    for field in dataclasses.fields(cls):
+      try:
+        values[field.name] = _read_field(source, field.name)
+      except LookupError:
+        missing.append(field.name)
+    if missing:
+      raise ValueError(f"{name or type(source).__name__} has no LossConfig field "
+                       f"{', '.join(missing)}; every LossConfig field must be set")
+    return cls(**values)
+
   @property
   def drops_zero_variance(self) -> bool:
     """Zero-variance groups leave the policy-gradient term (zero_var_filter="all"),
     so batch-level advantage statistics leave them out too
     (``compute_advantages(..., drop_zero_variance=...)``)."""
     return ZERO_VAR_FILTERS[self.zero_var_filter][0]
+
+  def dropped_groups(self, rewards_B, *, group_size, baseline_rewards_B=None):
+    """Per-group flag [Bp]: the group leaves the policy-gradient term entirely.
+
+    Zero-variance groups (``advantages.zero_variance_groups``) when
+    ``zero_var_filter="all"``, none otherwise. NumPy arrays in, NumPy out: the
+    run counts the rollouts it paid for and did not train on.
+    """
+    flat_Bp = zero_variance_groups(rewards_B, group_size=group_size,
+                                   baseline_rewards_B=baseline_rewards_B)
+    return flat_Bp & self.drops_zero_variance
+
+
+def _read_field(source, name):
+  """source[name], else source.name; LookupError when it has neither."""
+  try:
+    return source[name]
+  except (KeyError, TypeError):
+    pass
+  try:
+    return getattr(source, name)
+  except AttributeError:
+    raise LookupError(name) from None
 
 
 def _clipped_surrogate(ratio_BxT, adv_Bx1, cfg):
@@ -265,7 +313,7 @@ def weighted_policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights: Token
 
 def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, cfg: LossConfig, *,
                 sampler_logp_BxT=None, ref_logp_BxT=None, entropy_BxT=None,
-                group_size=None):
+                group_size=None, zero_var_Bp=None):
   """The RL loss of a whole batch.
 
   Args:
@@ -280,15 +328,17 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, cfg: LossConfig, *,
     ref_logp_BxT: reference policy log-probs; needed when ``kl_coef > 0``.
     entropy_BxT: per-token policy entropy; needed when ``entropy_coef > 0``.
     group_size: rollouts per prompt (groups contiguous); needed for
-      ``agg="prompt_mean"``, ``zero_var_filter != "off"`` and the
-      ``zero_var_frac`` metric.
+      ``agg="prompt_mean"`` and ``zero_var_filter != "off"``.
+    zero_var_Bp: bool per group (``advantages.zero_variance_groups`` of the
+      rewards the advantages came from); needed for ``zero_var_filter !=
+      "off"`` and the ``zero_var_frac`` metric.
 
   Returns:
     (scalar loss, dict of scalar metrics): loss, pg_loss, clip_frac_low /
     _high / _dual, approx_kl_old, kl_ref and kl_loss (with a reference),
     entropy and entropy_term (with entropies), tis_weight_mean / _max,
     tis_frac_truncated, logp_gap_mean / _max (with sampler log-probs), and
-    zero_var_frac (with group_size).
+    zero_var_frac (with zero_var_Bp).
   """
   shape = jnp.shape(logp_BxT)
   named = {"old_logp_BxT": old_logp_BxT, "mask_BxT": mask_BxT,
@@ -301,13 +351,18 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, cfg: LossConfig, *,
       raise ValueError(f"{name} has shape {jnp.shape(x)}, expected {shape} like logp_BxT")
   if jnp.shape(adv_B) != shape[:1]:
     raise ValueError(f"adv_B has shape {jnp.shape(adv_B)}, expected ({shape[0]},)")
+  if group_size is not None and shape[0] % group_size:
+    raise ValueError(f"group_size={group_size} does not divide B={shape[0]}")
+  if zero_var_Bp is not None and (group_size is None or
+                                  jnp.shape(zero_var_Bp) != (shape[0] // group_size,)):
+    raise ValueError(f"zero_var_Bp has shape {jnp.shape(zero_var_Bp)}, expected one flag "
+                     f"per group of group_size={group_size} rows of B={shape[0]}")
   adv_B = jnp.asarray(adv_B, jnp.float32)
-  weights = token_weights(mask_BxT, adv_B, cfg, group_size=group_size)
+  weights = token_weights(mask_BxT, cfg, group_size=group_size, zero_var_Bp=zero_var_Bp)
   loss, metrics = weighted_policy_loss(
       logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights, cfg,
       sampler_logp_BxT=sampler_logp_BxT, ref_logp_BxT=ref_logp_BxT,
       entropy_BxT=entropy_BxT)
-  if group_size is not None:
-    metrics["zero_var_frac"] = jnp.mean(
-        zero_variance_from_advantages(adv_B, group_size).astype(jnp.float32))
+  if zero_var_Bp is not None:
+    metrics["zero_var_frac"] = jnp.mean(jnp.asarray(zero_var_Bp, jnp.float32))
   return loss, metrics

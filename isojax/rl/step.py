@@ -44,10 +44,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from isojax import sharding as shd
 from isojax.rl import layout
-from isojax.rl.advantages import compute_advantages
+from isojax.rl.advantages import compute_advantages, zero_variance_groups
 from isojax.rl.logprobs import token_logp_entropy
 from isojax.rl.losses import MAX_METRICS, LossConfig, token_weights, weighted_policy_loss
-from isojax.rl.losses import zero_variance_from_advantages
 from isojax.rl.optim import OptimConfig, lr_schedule, make_optimizer
 
 __all__ = ["Batch", "TrainState", "TrainStep", "abstract_batch", "abstract_train_state",
@@ -344,10 +343,13 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
                                std_eps=loss_cfg.adv_std_eps,
                                baseline_rewards_B=batch.baseline_rewards_B,
                                drop_zero_variance=loss_cfg.drops_zero_variance)
+    zero_var_Bp = zero_variance_groups(batch.rewards_B, group_size=group_size,
+                                       baseline_rewards_B=batch.baseline_rewards_B)
     mask = batch.loss_mask_BxT.astype(jnp.float32)
     data = {"ids": batch.input_ids_BxT, "attn": batch.attention_mask_BxT, "mask": mask,
             "sampler": batch.sampler_logp_BxT.astype(jnp.float32), "adv": adv_B,
-            "weights": token_weights(mask, adv_B, loss_cfg, group_size=group_size)}
+            "weights": token_weights(mask, loss_cfg, group_size=group_size,
+                                     zero_var_Bp=zero_var_Bp)}
     T = batch.input_ids_BxT.shape[1]
     lengths = layout.bucket_lengths(T, length_buckets)
     if len(lengths) == 1:
@@ -418,9 +420,8 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & weights_finite
     out = jax.lax.cond(ok, updated, lambda s: s, state)
 
-    group_flat = zero_variance_from_advantages(adv_B, group_size)
     metrics.update(
-        zero_var_frac=jnp.mean(group_flat.astype(jnp.float32)),
+        zero_var_frac=jnp.mean(zero_var_Bp.astype(jnp.float32)),
         reward_mean=jnp.mean(batch.rewards_B.astype(jnp.float32)),
         adv_abs_mean=jnp.mean(jnp.abs(adv_B)),
         tokens=jnp.sum(mask),

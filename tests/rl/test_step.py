@@ -114,7 +114,8 @@ def reference_grad_and_loss(model):
     lp, ent = logp_entropy(params)
     return policy_loss(lp, jax.lax.stop_gradient(lp), jnp.asarray(adv, jnp.float32),
                        batch.loss_mask_BxT, LOSS, sampler_logp_BxT=batch.sampler_logp_BxT,
-                       ref_logp_BxT=ref_logp, entropy_BxT=ent, group_size=N)
+                       ref_logp_BxT=ref_logp, entropy_BxT=ent, group_size=N,
+                       zero_var_Bp=r.max(1) == r.min(1))
 
   (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params)
   return jax.tree.map(np.asarray, grads), float(loss), metrics
