@@ -165,8 +165,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.adv_estimator = "grpo"      # grpo | drgrpo | batch | rloo
   c.rl.adv_std_eps = 1e-6
   c.rl.kind = "ppo_clip"           # ppo_clip | cispo | cispo_two_sided | gspo
+  # The clips act on pi/pi_old, exactly 1 with one on-policy update per batch:
+  # a run refuses other values until updates reuse stale batches.
   c.rl.clip_low = 0.2
-  c.rl.clip_high = 0.2
+  c.rl.clip_high = 0.2             # also CISPO's weight cap
   c.rl.clip_dual = ml_collections.config_dict.placeholder(float)
   c.rl.agg = "token_mean"
   c.rl.tis_cap = ml_collections.FieldReference(2.0, field_type=float)  # truncated IS (App. A)

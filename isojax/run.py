@@ -125,6 +125,7 @@ def plan(config) -> RunPlan:
   val_sets = check_data_config(config.data, run_setup.ASSETS_DIR / "splits")
   rl = config.rl
   loss = LossConfig.from_config(rl, name="config.rl")
+  loss.check_on_policy(name="config.rl")  # clip settings would be silent no-ops
   optim = OptimConfig(
       lr_base=rl.lr_base, batch_base=rl.batch_base, lr_rule=rl.lr_rule,
       warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,

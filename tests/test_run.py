@@ -82,6 +82,11 @@ def test_plan_loss_config_comes_from_config_rl():
   assert (loss.tis_cap, loss.kl_coef, loss.clip_dual) == (None, 0.5, None)
   with pytest.raises(ValueError, match=r"LossConfig\.tis_cap=0\.0 must be > 0 or None"):
     run.plan(tiny_config(**{"rl.tis_cap": 0}))
+  assert run.plan(tiny_config(**{"rl.kind": "cispo"})).loss.kind == "cispo"
+  with pytest.raises(ValueError, match=r"config\.rl\.clip_high=0\.28 .* cannot affect"):
+    run.plan(tiny_config(**{"rl.clip_high": 0.28}))
+  with pytest.raises(ValueError, match=r"config\.rl\.clip_dual=3\.0 .* cannot affect"):
+    run.plan(tiny_config(**{"rl.clip_dual": 3}))
   c = tiny_config()
   del c.rl["kl_estimator"]
   with pytest.raises(ValueError, match=r"config\.rl has no LossConfig field kl_estimator"):

@@ -38,8 +38,8 @@ from isojax.rl.advantages import ESTIMATORS, zero_variance_groups
 from isojax.rl.aggregation import AGGREGATIONS, ZERO_VAR_FILTERS, TokenWeights, token_weights
 
 __all__ = ["LossConfig", "TokenWeights", "AGGREGATIONS", "KL_ESTIMATORS",
-           "PG_LOSSES", "MAX_METRICS", "policy_loss", "token_weights",
-           "weighted_policy_loss"]
+           "PG_LOSSES", "MAX_METRICS", "RATIO_FIELDS", "RATIO_METRICS", "policy_loss",
+           "token_weights", "weighted_policy_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +66,10 @@ class LossConfig:
       (clip-higher: clip_high > clip_low); "cispo" uses clip_high only.
     clip_dual: dual-clip constant c > 1 for negative advantages (the token
       loss is capped at -c*A); None disables it. ppo_clip and gspo only.
+      The three clip settings act on the ratio pi / pi_old only, which is
+      exactly 1 with one on-policy update per batch (isojax's update step):
+      they bind once updates reuse stale batches. Until then a run refuses
+      values other than the defaults (``check_on_policy``).
     agg: "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum" |
       "prompt_mean" (ScaleRL: mean over the tokens of each prompt's group,
       then mean over prompts).
@@ -137,6 +141,23 @@ class LossConfig:
                        f"{', '.join(missing)}; every LossConfig field must be set")
     return cls(**values)
 
+  def check_on_policy(self, *, name: str = "LossConfig") -> None:
+    """Raises ValueError naming a clip setting that differs from its default.
+
+    With one on-policy update per batch the ratio pi / pi_old is exactly 1, so
+    no clip (nor CISPO's weight cap, ``clip_high``) can bind: such a setting
+    would change nothing, silently. ``name`` prefixes the field in the message.
+    """
+    defaults = LossConfig()
+    for field in RATIO_FIELDS:
+      value, default = getattr(self, field), getattr(defaults, field)
+      if value != default:
+        raise ValueError(
+            f"{name}.{field}={value} (default {default}) cannot affect this run: every "
+            "batch gets one on-policy update, so the ratio pi/pi_old is exactly 1 and no "
+            "clip binds. It takes effect once updates reuse stale batches; leave it at "
+            "its default until then")
+
   @property
   def drops_zero_variance(self) -> bool:
     """Zero-variance groups leave the policy-gradient term (zero_var_filter="all"),
@@ -154,6 +175,13 @@ class LossConfig:
     flat_Bp = zero_variance_groups(rewards_B, group_size=group_size,
                                    baseline_rewards_B=baseline_rewards_B)
     return flat_Bp & self.drops_zero_variance
+
+
+# LossConfig fields that act only through the ratio pi / pi_old.
+RATIO_FIELDS = ("clip_low", "clip_high", "clip_dual")
+# Metrics of the ratio pi / pi_old: identically 0 when old_logp is the same
+# forward pass under stop_gradient (one on-policy update per batch).
+RATIO_METRICS = ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl_old")
 
 
 def _read_field(source, name):

@@ -17,8 +17,12 @@ Inside the step:
      the current parameters. ``old_logp`` is therefore ``stop_gradient`` of the
      same forward pass that gives ``logp``: identical model code and no second
      forward. Ratios are exactly 1 in value, their gradients are the policy
-     gradient. Reference log-probs (KL) come from the frozen ``ref_params``,
-     which exist only when ``kl_coef > 0``;
+     gradient. So ``clip_low``, ``clip_high`` (CISPO's cap too) and
+     ``clip_dual`` cannot bind and the ratio metrics (``losses.RATIO_METRICS``)
+     are identically 0: the step does not report them, and a run refuses clip
+     settings other than the defaults (``LossConfig.check_on_policy``) until
+     updates reuse stale batches. Reference log-probs (KL) come from the
+     frozen ``ref_params``, which exist only when ``kl_coef > 0``;
   4. one optimiser update; if the loss, the gradient or the updated parameters
      are not finite the whole state (params, optimiser moments, step) is
      returned unchanged and ``metrics["skipped"] = 1``.
@@ -46,7 +50,8 @@ from isojax import sharding as shd
 from isojax.rl import layout
 from isojax.rl.advantages import compute_advantages, zero_variance_groups
 from isojax.rl.logprobs import token_logp_entropy
-from isojax.rl.losses import MAX_METRICS, LossConfig, token_weights, weighted_policy_loss
+from isojax.rl.losses import MAX_METRICS, RATIO_METRICS, LossConfig, token_weights
+from isojax.rl.losses import weighted_policy_loss
 from isojax.rl.optim import OptimConfig, lr_schedule, make_optimizer
 
 __all__ = ["Batch", "TrainState", "TrainStep", "abstract_batch", "abstract_train_state",
@@ -281,8 +286,8 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
 
   Returns:
     A ``TrainStep``: ``(state, batch) -> (state, metrics)`` with scalar
-    metrics: the loss metrics of ``isojax.rl.losses`` (old-policy ratios are
-    exactly 1 on-policy, so clip fractions and approx_kl_old are 0), plus
+    metrics: the loss metrics of ``isojax.rl.losses`` but the ratio metrics
+    (``RATIO_METRICS``: identically 0 on-policy, see the module docstring), plus
     zero_var_frac, reward_mean, adv_abs_mean, tokens, pad_fraction (of the
     positions the model ran on), grad_norm (before clipping), update_norm, lr
     and skipped.
@@ -324,10 +329,11 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
     ref_logp = None
     if with_ref:
       ref_logp = jax.lax.stop_gradient(forward(ref_params, mb_)[0])
-    return weighted_policy_loss(
+    loss, metrics = weighted_policy_loss(
         logp, jax.lax.stop_gradient(logp), mb_["adv"], mb_["mask"], mb_["weights"],
         loss_cfg, sampler_logp_BxT=mb_["sampler"], ref_logp_BxT=ref_logp,
         entropy_BxT=entropy)
+    return loss, {k: v for k, v in metrics.items() if k not in RATIO_METRICS}
 
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 

@@ -347,6 +347,14 @@ def test_loss_config_from_config_reads_its_own_fields():
     LossConfig.from_config({**fields, "tis_cap": 0.0})
 
 
+def test_clip_settings_away_from_the_defaults_are_refused_on_policy():
+  LossConfig(kind="cispo", tis_cap=1.5, kl_coef=0.1).check_on_policy()
+  for field, value in (("clip_low", 0.1), ("clip_high", 0.28), ("clip_dual", 3.0)):
+    with pytest.raises(ValueError, match=rf"config\.rl\.{field}={value} \(default .*\) "
+                                         "cannot affect this run.*on-policy"):
+      LossConfig(**{field: value}).check_on_policy(name="config.rl")
+
+
 def test_bad_inputs():
   x = make_inputs(9)
   with pytest.raises(ValueError, match="mask_BxT has shape"):

@@ -16,7 +16,7 @@ from flax import nnx
 from isojax import sharding as shd
 from isojax.models import Decoder, ModelConfig
 from isojax.rl import Batch, LossConfig, OptimConfig, init_train_state, make_train_step
-from isojax.rl.losses import policy_loss
+from isojax.rl.losses import RATIO_METRICS, policy_loss
 
 B, T, N = 8, 12, 4  # rows, tokens, rollouts per prompt (Bp = 2)
 PROMPT = 5  # prompt width (left-padded); completion columns [PROMPT, T)
@@ -137,6 +137,9 @@ def test_step_gradient_matches_direct_full_batch_reference(model, full_batch_run
     np.testing.assert_allclose(metrics[k], float(ref_metrics[k]), rtol=1e-5, err_msg=k)
   assert metrics["kl_ref"] > 0 and metrics["skipped"] == 0
   assert metrics["zero_var_frac"] == 0.5 and metrics["tokens"] == 35
+  # The ratio metrics are identically 0 on-policy (one update per batch): not reported.
+  assert all(float(ref_metrics[k]) == 0.0 for k in RATIO_METRICS)
+  assert not set(RATIO_METRICS) & set(metrics)
 
 
 def test_micro_batch_invariance(model, full_batch_run):
