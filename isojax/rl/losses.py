@@ -189,10 +189,8 @@ def _read_field(source, name):
   try:
     return source[name]
   except (KeyError, TypeError):
-    pass
-  try:
-    return getattr(source, name)
-  except AttributeError:
+    if hasattr(source, name):
+      return getattr(source, name)
     raise LookupError(name) from None
 
 
@@ -267,6 +265,34 @@ KL_ESTIMATORS: dict[str, Callable] = {"k1": _k1, "k2": _k2, "k3": _k3}
 MAX_METRICS = ("tis_weight_max", "logp_gap_max")
 
 
+def _wsum(w_BxT, x_BxT):
+  return jnp.sum(w_BxT * x_BxT)
+
+
+def _ratio_metrics(logp_BxT, old_logp_BxT, flags, on_BxT, diag_BxT):
+  """clip_frac_* of the PG loss's clip flags and approx_kl_old (``RATIO_METRICS``)."""
+  m = {f"clip_frac_{name[5:]}": _wsum(diag_BxT, flags.get(name, jnp.zeros_like(on_BxT)))
+       for name in RATIO_FIELDS}
+  log_r_BxT = logp_BxT - old_logp_BxT
+  m["approx_kl_old"] = jax.lax.stop_gradient(
+      _wsum(diag_BxT, jnp.exp(log_r_BxT) - 1.0 - log_r_BxT))
+  return m
+
+
+def _sampler_metrics(old_logp_BxT, sampler_logp_BxT, on_BxT, diag_BxT, cfg):
+  """TIS weights [B, T] (min(exp(old - sampler), tis_cap)) and the sampler metrics."""
+  is_BxT = jnp.exp(old_logp_BxT - sampler_logp_BxT)
+  gap_BxT = jnp.abs(old_logp_BxT - sampler_logp_BxT)
+  tis_BxT = is_BxT if cfg.tis_cap is None else jnp.minimum(is_BxT, cfg.tis_cap)
+  m = {"tis_weight_mean": _wsum(diag_BxT, tis_BxT),
+       "tis_weight_max": jnp.max(jnp.where(on_BxT, tis_BxT, 0.0), initial=0.0),
+       "tis_frac_truncated": (jnp.zeros(()) if cfg.tis_cap is None else
+                              _wsum(diag_BxT, is_BxT > cfg.tis_cap)),
+       "logp_gap_mean": _wsum(diag_BxT, gap_BxT),
+       "logp_gap_max": jnp.max(jnp.where(on_BxT, gap_BxT, 0.0), initial=0.0)}
+  return tis_BxT, m
+
+
 def weighted_policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights: TokenWeights,
                          cfg: LossConfig, *, sampler_logp_BxT=None, ref_logp_BxT=None,
                          entropy_BxT=None):
@@ -291,46 +317,31 @@ def weighted_policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights: Token
   old_logp_BxT = sg(old_logp_BxT)
   adv_Bx1 = sg(jnp.asarray(adv_B, jnp.float32))[:, None]
 
-  def wsum(w_BxT, x_BxT):
-    return jnp.sum(w_BxT * x_BxT)
-
   pg_BxT, flags = PG_LOSSES[cfg.kind](logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg)
-  m = {}
+  m = _ratio_metrics(logp_BxT, old_logp_BxT, flags, on_BxT, weights.diag_BxT)
   if sampler_logp_BxT is not None:
-    sampler_logp_BxT = sg(sampler_logp_BxT)
-    is_BxT = jnp.exp(old_logp_BxT - sampler_logp_BxT)
-    gap_BxT = jnp.abs(old_logp_BxT - sampler_logp_BxT)
-    tis_BxT = is_BxT if cfg.tis_cap is None else jnp.minimum(is_BxT, cfg.tis_cap)
-    m["tis_weight_mean"] = wsum(weights.diag_BxT, tis_BxT)
-    m["tis_weight_max"] = jnp.max(jnp.where(on_BxT, tis_BxT, 0.0), initial=0.0)
-    m["tis_frac_truncated"] = (jnp.zeros(()) if cfg.tis_cap is None else
-                               wsum(weights.diag_BxT, is_BxT > cfg.tis_cap))
-    m["logp_gap_mean"] = wsum(weights.diag_BxT, gap_BxT)
-    m["logp_gap_max"] = jnp.max(jnp.where(on_BxT, gap_BxT, 0.0), initial=0.0)
+    tis_BxT, sampler_m = _sampler_metrics(old_logp_BxT, sg(sampler_logp_BxT), on_BxT,
+                                          weights.diag_BxT, cfg)
+    m.update(sampler_m)
     if cfg.tis_cap is not None:
       pg_BxT = pg_BxT * tis_BxT
   elif cfg.tis_cap is not None:
     raise ValueError("LossConfig.tis_cap is set but sampler_logp_BxT is None")
 
-  m["pg_loss"] = wsum(weights.pg_BxT, pg_BxT)
-  for name in ("clip_low", "clip_high", "clip_dual"):
-    flag_BxT = flags.get(name, jnp.zeros_like(on_BxT))
-    m[f"clip_frac_{name[5:]}"] = wsum(weights.diag_BxT, flag_BxT)
-  log_r_BxT = logp_BxT - old_logp_BxT
-  m["approx_kl_old"] = sg(wsum(weights.diag_BxT, jnp.exp(log_r_BxT) - 1.0 - log_r_BxT))
+  m["pg_loss"] = _wsum(weights.pg_BxT, pg_BxT)
   loss = m["pg_loss"]
 
   if ref_logp_BxT is not None:
     kl_BxT = KL_ESTIMATORS[cfg.kl_estimator](logp_BxT, sg(ref_logp_BxT))
-    m["kl_ref"] = sg(wsum(weights.diag_BxT, kl_BxT))
-    m["kl_loss"] = wsum(weights.reg_BxT, kl_BxT)
+    m["kl_ref"] = sg(_wsum(weights.diag_BxT, kl_BxT))
+    m["kl_loss"] = _wsum(weights.reg_BxT, kl_BxT)
     loss = loss + cfg.kl_coef * m["kl_loss"]
   elif cfg.kl_coef > 0:
     raise ValueError("LossConfig.kl_coef > 0 but ref_logp_BxT is None")
 
   if entropy_BxT is not None:
-    m["entropy"] = sg(wsum(weights.diag_BxT, entropy_BxT))
-    m["entropy_term"] = wsum(weights.reg_BxT, entropy_BxT)
+    m["entropy"] = sg(_wsum(weights.diag_BxT, entropy_BxT))
+    m["entropy_term"] = _wsum(weights.reg_BxT, entropy_BxT)
     loss = loss - cfg.entropy_coef * m["entropy_term"]
   elif cfg.entropy_coef > 0:
     raise ValueError("LossConfig.entropy_coef > 0 but entropy_BxT is None")
@@ -362,11 +373,10 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, cfg: LossConfig, *,
       "off"`` and the ``zero_var_frac`` metric.
 
   Returns:
-    (scalar loss, dict of scalar metrics): loss, pg_loss, clip_frac_low /
-    _high / _dual, approx_kl_old, kl_ref and kl_loss (with a reference),
-    entropy and entropy_term (with entropies), tis_weight_mean / _max,
-    tis_frac_truncated, logp_gap_mean / _max (with sampler log-probs), and
-    zero_var_frac (with zero_var_Bp).
+    (scalar loss, dict of scalar metrics): loss, pg_loss, ``RATIO_METRICS``,
+    kl_ref and kl_loss (with a reference), entropy and entropy_term (with
+    entropies), tis_* and logp_gap_* (with sampler log-probs), zero_var_frac
+    (with zero_var_Bp); see the module docstring.
   """
   shape = jnp.shape(logp_BxT)
   named = {"old_logp_BxT": old_logp_BxT, "mask_BxT": mask_BxT,
