@@ -93,6 +93,16 @@ def test_plan_loss_config_comes_from_config_rl():
     run.plan(c)
 
 
+def test_dropped_rollouts_follow_the_steps_zero_variance_rule(tmp_path):
+  """zero_var_filter="all": the ledger counts every rollout of each group the step
+  found zero-variance (paid for, not trained on); one rule on host and device."""
+  run.run(tiny_config("bp=4,n=4,budget=48", **{"rl.zero_var_filter": "all"}), tmp_path)
+  records = _records(tmp_path)[1:]  # step 0 is the evaluation before any update
+  want = np.cumsum([round(r["train/zero_var_frac"] * 4) * 4 for r in records])
+  assert len(records) == 3 and want[-1] > 0
+  assert [r["dropped_rollouts"] for r in records] == want.tolist()
+
+
 def test_validation_improves_over_the_base_model(trained):
   workdir, last, wall_s = trained
   records = _records(workdir)
