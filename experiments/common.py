@@ -145,18 +145,20 @@ def base_config() -> ml_collections.ConfigDict:
   c.sampler.vllm_probe_timeout_s = 30.0
   c.sampler.vllm_request_timeout_s = 600.0
 
-  # Field names are those of isojax.rl LossConfig / OptimConfig; 0.0 stands for
-  # "off" (None) in clip_dual, tis_cap and max_grad_norm, because a None field
-  # cannot be overridden from the command line.
+  # Field names are those of isojax.rl LossConfig / OptimConfig. clip_dual and
+  # tis_cap are float fields that may hold None (off): --config.rl.clip_dual=3
+  # sets one, a config file may set None. max_grad_norm: 0.0 stands for off.
   c.rl = ml_collections.ConfigDict()
   c.rl.adv_estimator = "grpo"      # grpo | drgrpo | batch | rloo
   c.rl.adv_std_eps = 1e-6
   c.rl.kind = "ppo_clip"           # ppo_clip | cispo | cispo_two_sided | gspo
+  # The clips act on pi/pi_old, exactly 1 with one on-policy update per batch:
+  # a run refuses other values until updates reuse stale batches.
   c.rl.clip_low = 0.2
-  c.rl.clip_high = 0.2
-  c.rl.clip_dual = 0.0             # 0 = off
+  c.rl.clip_high = 0.2             # also CISPO's weight cap
+  c.rl.clip_dual = ml_collections.config_dict.placeholder(float)
   c.rl.agg = "token_mean"
-  c.rl.tis_cap = 2.0               # truncated IS vs. the sampler (App. A); 0 = off
+  c.rl.tis_cap = ml_collections.FieldReference(2.0, field_type=float)  # truncated IS (App. A)
   c.rl.kl_coef = 1e-3              # Table 1: per split, see SPLIT_REGULARIZERS
   c.rl.kl_estimator = "k3"
   c.rl.entropy_coef = 1e-3

@@ -39,6 +39,7 @@ from isojax import files
 from isojax import metrics as metrics_lib
 from isojax import run_setup
 from isojax.errors import IsojaxError, disk_full_as
+from isojax.rl import LossConfig
 from isojax.rollout.memory import check_run_split
 from isojax.run_setup import RunParts, build_parts, model_of, nonfinite_step_message
 
@@ -123,12 +124,8 @@ def plan(config) -> RunPlan:
                      f"'math'")
   val_sets = check_data_config(config.data, run_setup.ASSETS_DIR / "splits")
   rl = config.rl
-  loss = LossConfig(
-      kind=rl.kind, clip_low=rl.clip_low, clip_high=rl.clip_high,
-      clip_dual=_off_if_zero(rl.clip_dual), agg=rl.agg, tis_cap=_off_if_zero(rl.tis_cap),
-      kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef,
-      zero_var_filter=rl.zero_var_filter, adv_estimator=rl.adv_estimator,
-      adv_std_eps=rl.adv_std_eps)
+  loss = LossConfig.from_config(rl, name="config.rl")
+  loss.check_on_policy(name="config.rl")  # clip settings would be silent no-ops
   optim = OptimConfig(
       lr_base=rl.lr_base, batch_base=rl.batch_base, lr_rule=rl.lr_rule,
       warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
@@ -277,17 +274,16 @@ def sample_and_update(parts: RunParts, config, state, step: int):
                                baseline_rewards_B=baseline_B)
   state, step_metrics = parts.train_step(state, batch)
   step_metrics = {f"train/{k}": float(v) for k, v in jax.device_get(step_metrics).items()}
-  # A group is dropped when its baseline rewards are all equal (the step's rule);
-  # every rollout sampled for it was paid for and none trained on.
-  base_BpxN = (rewards_B if baseline_B is None else baseline_B).reshape(-1, n_est)
-  zero_var_B = np.repeat(np.all(base_BpxN == base_BpxN[:, :1], axis=1), n_est)
   host = {"train/reward": float(np.mean(rewards_B)),
           "train/response_len": float(np.mean(rollouts.lengths_B)),
           "train/truncated_frac": float(np.mean(rollouts.finish_reason_B == "length"))}
   if baseline_B is not None:
     host["train/baseline_reward"] = float(np.mean(baseline_B))
-  # Rollouts a filter drops from the loss were still paid for (the ledger says so).
-  dropped = int(zero_var_B.sum()) if config.rl.zero_var_filter == "all" else 0
+  # Rollouts the loss drops were still paid for (the ledger says so): all n_est
+  # sampled for each group it leaves out, by the step's own rule.
+  dropped_Bp = LossConfig.from_config(config.rl).dropped_groups(
+      rewards_B, group_size=n, baseline_rewards_B=baseline_B)
+  dropped = n_est * int(np.sum(dropped_Bp))
   return state, {**host, **step_metrics}, sampled, dropped
 
 

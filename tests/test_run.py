@@ -75,6 +75,34 @@ def test_impossible_point_fails_before_any_work(tmp_path):
   assert not workdir.exists()
 
 
+def test_plan_loss_config_comes_from_config_rl():
+  assert run.plan(tiny_config()).loss.tis_cap == 2.0  # the paper's TIS cap (App. A)
+  assert run.plan(tiny_config(**{"rl.tis_cap": 3})).loss.tis_cap == 3.0
+  loss = run.plan(tiny_config(**{"rl.tis_cap": None, "rl.kl_coef": 0.5})).loss
+  assert (loss.tis_cap, loss.kl_coef, loss.clip_dual) == (None, 0.5, None)
+  with pytest.raises(ValueError, match=r"LossConfig\.tis_cap=0\.0 must be > 0 or None"):
+    run.plan(tiny_config(**{"rl.tis_cap": 0}))
+  assert run.plan(tiny_config(**{"rl.kind": "cispo"})).loss.kind == "cispo"
+  with pytest.raises(ValueError, match=r"config\.rl\.clip_high=0\.28 .* cannot affect"):
+    run.plan(tiny_config(**{"rl.clip_high": 0.28}))
+  with pytest.raises(ValueError, match=r"config\.rl\.clip_dual=3\.0 .* cannot affect"):
+    run.plan(tiny_config(**{"rl.clip_dual": 3}))
+  c = tiny_config()
+  del c.rl["kl_estimator"]
+  with pytest.raises(ValueError, match=r"config\.rl has no LossConfig field kl_estimator"):
+    run.plan(c)
+
+
+def test_dropped_rollouts_follow_the_steps_zero_variance_rule(tmp_path):
+  """zero_var_filter="all": the ledger counts every rollout of each group the step
+  found zero-variance (paid for, not trained on); one rule on host and device."""
+  run.run(tiny_config("bp=4,n=4,budget=48", **{"rl.zero_var_filter": "all"}), tmp_path)
+  records = _records(tmp_path)[1:]  # step 0 is the evaluation before any update
+  want = np.cumsum([round(r["train/zero_var_frac"] * 4) * 4 for r in records])
+  assert len(records) == 3 and want[-1] > 0
+  assert [r["dropped_rollouts"] for r in records] == want.tolist()
+
+
 def test_validation_improves_over_the_base_model(trained):
   workdir, last, wall_s = trained
   records = _records(workdir)

@@ -8,11 +8,11 @@
 """
 
 from isojax.rl.advantages import compute_advantages
+from isojax.rl.batch import Batch, abstract_batch, validate_batch
 from isojax.rl.losses import LossConfig, policy_loss
 from isojax.rl.optim import OptimConfig, learning_rate, make_optimizer
-from isojax.rl.step import (Batch, TrainState, TrainStep, abstract_batch, abstract_train_state,
-                            init_train_state, make_train_step)
-from isojax.rl.step import validate_batch
+from isojax.rl.state import TrainState, abstract_train_state, init_train_state
+from isojax.rl.step import TrainStep, make_train_step
 
 __all__ = ["compute_advantages", "LossConfig", "policy_loss", "OptimConfig", "learning_rate",
            "make_optimizer", "Batch", "TrainState", "TrainStep", "abstract_batch",

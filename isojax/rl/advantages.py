@@ -3,9 +3,10 @@
 Rewards arrive flat, ``rewards_B`` with ``B = Bp * n``, grouped contiguously by
 prompt (prompt-major: rows ``[g*n, (g+1)*n)`` are the ``n`` rollouts of prompt
 ``g``). Every estimator is a small pure function on the ``[Bp, n]`` view, chosen
-by name from ``ESTIMATORS``: ``fn(r_BpxN, base_BpxM, std_eps, keep_Bpx1)``, where
-``keep_Bpx1`` marks the groups the loss trains on (batch-level statistics are
-taken over those).
+by name from ``ESTIMATORS``: ``fn(r_BpxN, base_BpxE, std_eps, keep_Bpx1)``, where
+``base_BpxE`` holds the E rollouts per prompt the baseline is taken over (E = n,
+or n_est with a decoupled baseline) and ``keep_Bpx1`` marks the groups the loss
+trains on (batch-level statistics are taken over those).
 
 Decoupled baseline (IsoCompute playbook, App. G): the baseline statistics may
 come from a larger set of ``n_est >= n_train`` rollouts per prompt than the
@@ -15,9 +16,11 @@ as ``rewards_B``; the training rollouts are assumed to be a subset of the
 baseline rollouts of their prompt (the paper subsamples 64 of 256), which is
 what makes the leave-one-out baseline of ``rloo`` well defined.
 
-A group whose baseline rewards are all equal has advantages of exactly 0 (not
-``0 / eps`` rounding noise), so downstream code can identify zero-variance
-groups as the groups whose advantages are all zero.
+A group is zero-variance when its baseline rewards are all equal; that rule is
+``zero_variance_groups``, the one definition the update step, the loss's filter
+and the run's ledger all call (on NumPy arrays on the host or on traced arrays
+inside jit). Such a group has advantages of exactly 0 (not ``0 / eps`` rounding
+noise).
 
 Zero-variance groups and the "batch" estimator: with ``drop_zero_variance``
 (the loss's zero-variance filter drops those groups, ``zero_var_filter="all"``)
@@ -38,43 +41,43 @@ import jax.numpy as jnp
 __all__ = ["ESTIMATORS", "compute_advantages", "min_group_size", "zero_variance_groups"]
 
 
-def _centred(r_BpxN, base_BpxM):
-  return r_BpxN - base_BpxM.mean(axis=1, keepdims=True)
+def _centred(r_BpxN, base_BpxE):
+  return r_BpxN - base_BpxE.mean(axis=1, keepdims=True)
 
 
-def _grpo(r_BpxN, base_BpxM, std_eps, keep_Bpx1):
+def _grpo(r_BpxN, base_BpxE, std_eps, keep_Bpx1):
   """(r - group mean) / (group std + eps), std with ddof=1 (verl, TRL, tunix)."""
   del keep_Bpx1
-  std_Bpx1 = base_BpxM.std(axis=1, ddof=1, keepdims=True)
-  return _centred(r_BpxN, base_BpxM) / (std_Bpx1 + std_eps)
+  std_Bpx1 = base_BpxE.std(axis=1, ddof=1, keepdims=True)
+  return _centred(r_BpxN, base_BpxE) / (std_Bpx1 + std_eps)
 
 
-def _drgrpo(r_BpxN, base_BpxM, std_eps, keep_Bpx1):
+def _drgrpo(r_BpxN, base_BpxE, std_eps, keep_Bpx1):
   """Dr. GRPO: r - group mean, no std normalisation."""
   del std_eps, keep_Bpx1
-  return _centred(r_BpxN, base_BpxM)
+  return _centred(r_BpxN, base_BpxE)
 
 
-def _batch(r_BpxN, base_BpxM, std_eps, keep_Bpx1):
+def _batch(r_BpxN, base_BpxE, std_eps, keep_Bpx1):
   """ScaleRL batch-level normalisation: centre per group, then divide by the std
   (ddof=1) of the centred values over the batch's kept groups (of baseline
   rollouts, when a decoupled baseline is given)."""
-  c_BpxM = _centred(base_BpxM, base_BpxM)
-  w_BpxM = jnp.broadcast_to(keep_Bpx1, c_BpxM.shape).astype(c_BpxM.dtype)
-  count = w_BpxM.sum()
-  mean = (w_BpxM * c_BpxM).sum() / jnp.maximum(count, 1.0)
-  var = (w_BpxM * jnp.square(c_BpxM - mean)).sum() / jnp.maximum(count - 1.0, 1.0)
-  return _centred(r_BpxN, base_BpxM) / (jnp.sqrt(var) + std_eps)
+  c_BpxE = _centred(base_BpxE, base_BpxE)
+  w_BpxE = jnp.broadcast_to(keep_Bpx1, c_BpxE.shape).astype(c_BpxE.dtype)
+  count = w_BpxE.sum()
+  mean = (w_BpxE * c_BpxE).sum() / jnp.maximum(count, 1.0)
+  var = (w_BpxE * jnp.square(c_BpxE - mean)).sum() / jnp.maximum(count - 1.0, 1.0)
+  return _centred(r_BpxN, base_BpxE) / (jnp.sqrt(var) + std_eps)
 
 
-def _rloo(r_BpxN, base_BpxM, std_eps, keep_Bpx1):
+def _rloo(r_BpxN, base_BpxE, std_eps, keep_Bpx1):
   """Leave-one-out: r_i - mean of the other rollouts of the same prompt.
 
   With a decoupled baseline the "others" are the other ``n_est - 1`` baseline
   rollouts (r_i itself is one of the baseline rollouts by convention)."""
   del std_eps, keep_Bpx1
-  m = base_BpxM.shape[1]
-  loo_mean_BpxN = (base_BpxM.sum(axis=1, keepdims=True) - r_BpxN) / (m - 1)
+  e = base_BpxE.shape[1]
+  loo_mean_BpxN = (base_BpxE.sum(axis=1, keepdims=True) - r_BpxN) / (e - 1)
   return r_BpxN - loo_mean_BpxN
 
 
@@ -121,10 +124,26 @@ def _grouped(rewards_B, group_size, baseline_rewards_B):
   return r_BpxN, baseline_rewards_B.reshape(bp, n_est)
 
 
+def _all_equal_Bp(base_BpxE):
+  # Array methods only, so NumPy arrays stay on the host and traced arrays in jit.
+  return base_BpxE.max(axis=1) == base_BpxE.min(axis=1)
+
+
 def zero_variance_groups(rewards_B, *, group_size, baseline_rewards_B=None):
-  """Per-group flag [Bp]: all baseline rewards of the prompt are equal."""
-  _, base_BpxM = _grouped(rewards_B, group_size, baseline_rewards_B)
-  return base_BpxM.max(axis=1) == base_BpxM.min(axis=1)
+  """Per-group flag [Bp]: all baseline rewards of the prompt are equal.
+
+  The one definition of a zero-variance group. NumPy arrays in give a NumPy
+  array out (no device work: the run's ledger calls it on the host); JAX
+  arrays, traced or not, give a JAX array.
+
+  Args:
+    rewards_B: [Bp * group_size] rewards, grouped contiguously by prompt.
+    group_size: n, rollouts per prompt in ``rewards_B``.
+    baseline_rewards_B: optional [Bp * n_est] decoupled-baseline rewards; the
+      flag then follows them, not the n trained rewards.
+  """
+  _, base_BpxE = _grouped(rewards_B, group_size, baseline_rewards_B)
+  return _all_equal_Bp(base_BpxE)
 
 
 def compute_advantages(rewards_B, *, group_size, estimator="grpo", std_eps=1e-6,
@@ -154,13 +173,13 @@ def compute_advantages(rewards_B, *, group_size, estimator="grpo", std_eps=1e-6,
   rewards_B = jnp.asarray(rewards_B, jnp.float32)
   if baseline_rewards_B is not None:
     baseline_rewards_B = jnp.asarray(baseline_rewards_B, jnp.float32)
-  r_BpxN, base_BpxM = _grouped(rewards_B, group_size, baseline_rewards_B)
-  if base_BpxM.shape[1] < min_group:
+  r_BpxN, base_BpxE = _grouped(rewards_B, group_size, baseline_rewards_B)
+  if base_BpxE.shape[1] < min_group:
     raise ValueError(f"estimator {estimator!r} needs at least {min_group} "
-                     f"rollouts per prompt, got {base_BpxM.shape[1]}")
-  flat_Bpx1 = (base_BpxM.max(axis=1) == base_BpxM.min(axis=1))[:, None]
+                     f"rollouts per prompt, got {base_BpxE.shape[1]}")
+  flat_Bpx1 = _all_equal_Bp(base_BpxE)[:, None]
   keep_Bpx1 = ~flat_Bpx1 if drop_zero_variance else jnp.ones_like(flat_Bpx1)
-  adv_BpxN = fn(r_BpxN, base_BpxM, std_eps, keep_Bpx1)
+  adv_BpxN = fn(r_BpxN, base_BpxE, std_eps, keep_Bpx1)
   # Exactly zero, not (r - fl(mean)) rounding noise amplified by 1/eps.
   adv_BpxN = jnp.where(flat_Bpx1, 0.0, adv_BpxN)
   return jax.lax.stop_gradient(adv_BpxN.reshape(-1))

@@ -6,8 +6,8 @@ are computed once for a whole batch and then sliced into micro-batches: summing
 the micro-batch losses gives exactly the whole-batch loss (``token_mean``
 divides by the *batch's* token count, not each micro-batch's).
 
-A group is "zero-variance" iff all its advantages are exactly 0, which
-``compute_advantages`` guarantees for groups whose rewards are all equal.
+Which groups are zero-variance comes in as per-group flags
+(``isojax.rl.advantages.zero_variance_groups``, the rule's one definition).
 Rollouts are grouped contiguously by prompt (``group_size`` rollouts each).
 """
 
@@ -16,8 +16,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["AGGREGATIONS", "ZERO_VAR_FILTERS", "TokenWeights", "token_weights",
-           "zero_variance_from_advantages"]
+__all__ = ["AGGREGATIONS", "ZERO_VAR_FILTERS", "TokenWeights", "token_weights"]
 
 
 def _row_counts(m_BxT):
@@ -76,31 +75,25 @@ class TokenWeights(NamedTuple):
   diag_BxT: jax.Array  # plain token mean over all trained tokens (metrics)
 
 
-def zero_variance_from_advantages(adv_B, group_size):
-  """[B] bool: the rollout's group has all advantages exactly 0."""
-  if group_size is None:
-    raise ValueError("zero-variance groups need group_size (rollouts per prompt)")
-  if adv_B.shape[0] % group_size:
-    raise ValueError(f"group_size={group_size} does not divide B={adv_B.shape[0]}")
-  flat_Bp = jnp.all(adv_B.reshape(-1, group_size) == 0, axis=1)
-  return jnp.repeat(flat_Bp, group_size)
-
-
-def token_weights(mask_BxT, adv_B, cfg, *, group_size=None) -> TokenWeights:
+def token_weights(mask_BxT, cfg, *, group_size=None, zero_var_Bp=None) -> TokenWeights:
   """Aggregation weights for a whole batch.
 
   Args:
     mask_BxT: 1 on trained tokens.
-    adv_B: advantages (zero-variance groups are those with all advantages 0).
     cfg: anything with ``agg`` and ``zero_var_filter`` (a ``LossConfig``).
     group_size: rollouts per prompt; needed for ``prompt_mean`` and filtering.
+    zero_var_Bp: bool per group, ``advantages.zero_variance_groups``; needed
+      when ``cfg.zero_var_filter`` is not "off".
   """
   mask_BxT = jnp.asarray(mask_BxT, jnp.float32)
   agg = AGGREGATIONS[cfg.agg]
   filter_pg, filter_reg = ZERO_VAR_FILTERS[cfg.zero_var_filter]
   full_BxT = agg(mask_BxT, group_size)
   if filter_pg or filter_reg:
-    keep_B = ~zero_variance_from_advantages(adv_B, group_size)
+    if group_size is None or zero_var_Bp is None:
+      raise ValueError(f"zero_var_filter={cfg.zero_var_filter!r} needs group_size and "
+                       "zero_var_Bp (advantages.zero_variance_groups)")
+    keep_B = ~jnp.repeat(jnp.asarray(zero_var_Bp, bool), group_size)
     kept_BxT = agg(mask_BxT * keep_B[:, None], group_size)
   diag_BxT = _agg_token_mean(mask_BxT, group_size)
   return TokenWeights(pg_BxT=kept_BxT if filter_pg else full_BxT,

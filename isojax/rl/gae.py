@@ -1,7 +1,7 @@
 """Generalised advantage estimation (GAE) over the trained tokens of a batch.
 
 Each completion is an episode whose actions are its trained tokens. Columns are
-aligned as in ``isojax.rl.step.Batch``: column ``t`` is the action of emitting
+aligned as in ``isojax.rl.batch.Batch``: column ``t`` is the action of emitting
 ``input_ids[:, t]``, ``values_BxT[:, t]`` is the critic's value of the state
 before that token (computed at position ``t - 1``, see
 ``isojax.models.critic.token_values``), and ``mask_BxT`` marks the trained

@@ -1,6 +1,6 @@
 """Per-token log-probabilities and entropies of a sequence under a decoder.
 
-Alignment (as in ``isojax.rl.step.Batch``): ``logp_BxT[:, t]`` is the
+Alignment (as in ``isojax.rl.batch.Batch``): ``logp_BxT[:, t]`` is the
 log-probability of ``input_ids[:, t]`` given the tokens before it, i.e. it comes
 from the logits at position ``t - 1``; column 0 has no prediction and is 0.
 
@@ -14,6 +14,10 @@ two float32 numbers per token, the backward recomputes one chunk's logits at a
 time and accumulates the hidden-state and head-weight gradients, so no more
 than one chunk of [tokens, V] logits is ever alive. Chunks in which no token is
 trained (the left-padded prompt region) are skipped outright, both ways.
+
+Shape letters: B rows, T tokens, S = T - 1 predicted positions, D hidden, V
+vocabulary; P positions fed to the head at once (all B * S, or one chunk's B *
+chunk) and Ch chunks.
 """
 
 import functools
@@ -24,48 +28,48 @@ import jax.numpy as jnp
 __all__ = ["chunked_head_logp_entropy", "logits_logp_entropy", "token_logp_entropy"]
 
 
-def logits_logp_entropy(logits_NxV, targets_N):
+def logits_logp_entropy(logits_PxV, targets_P):
   """(log p(target), entropy) per row of float32 logits."""
-  logits_NxV = logits_NxV.astype(jnp.float32)
-  # One exp pass over [N, V] serves both the normaliser and the entropy. The
+  logits_PxV = logits_PxV.astype(jnp.float32)
+  # One exp pass over [P, V] serves both the normaliser and the entropy. The
   # shift is a constant (stop_gradient): the results do not depend on it.
-  shift_Nx1 = jax.lax.stop_gradient(jnp.max(logits_NxV, axis=-1, keepdims=True))
-  z_NxV = logits_NxV - shift_Nx1
-  e_NxV = jnp.exp(z_NxV)
-  sum_N = jnp.sum(e_NxV, axis=-1)
-  log_sum_N = jnp.log(sum_N)
-  tgt_N = jnp.take_along_axis(z_NxV, targets_N[:, None], axis=-1)[:, 0]
-  entropy_N = log_sum_N - jnp.sum(e_NxV * z_NxV, axis=-1) / sum_N
-  return tgt_N - log_sum_N, entropy_N
+  shift_Px1 = jax.lax.stop_gradient(jnp.max(logits_PxV, axis=-1, keepdims=True))
+  z_PxV = logits_PxV - shift_Px1
+  e_PxV = jnp.exp(z_PxV)
+  sum_P = jnp.sum(e_PxV, axis=-1)
+  log_sum_P = jnp.log(sum_P)
+  tgt_P = jnp.take_along_axis(z_PxV, targets_P[:, None], axis=-1)[:, 0]
+  entropy_P = log_sum_P - jnp.sum(e_PxV * z_PxV, axis=-1) / sum_P
+  return tgt_P - log_sum_P, entropy_P
 
 
-def _logits(h_NxD, w, vocab_axis, dtype, temperature):
+def _logits(h_PxD, w, vocab_axis, dtype, temperature):
   """float32 logits / temperature of h against the head weight (either layout)."""
   dims = (((1,), (1 - vocab_axis,)), ((), ()))
-  logits_NxV = jax.lax.dot_general(h_NxD.astype(dtype), w.astype(dtype), dims)
-  return logits_NxV.astype(jnp.float32) / temperature
+  logits_PxV = jax.lax.dot_general(h_PxD.astype(dtype), w.astype(dtype), dims)
+  return logits_PxV.astype(jnp.float32) / temperature
 
 
-def _chunk_forward(h_NxD, w, tgt_N, vocab_axis, dtype, temperature):
-  z_NxV = _logits(h_NxD, w, vocab_axis, dtype, temperature)
-  m_N = jnp.max(z_NxV, axis=-1)
-  e_NxV = jnp.exp(z_NxV - m_N[:, None])
-  sum_N = jnp.sum(e_NxV, axis=-1)
-  lse_N = m_N + jnp.log(sum_N)
-  ent_N = lse_N - jnp.sum(e_NxV * z_NxV, axis=-1) / sum_N
-  tgt_N = jnp.take_along_axis(z_NxV, tgt_N[:, None], axis=-1)[:, 0]
-  return tgt_N - lse_N, ent_N, lse_N
+def _chunk_forward(h_PxD, w, tgt_P, vocab_axis, dtype, temperature):
+  z_PxV = _logits(h_PxD, w, vocab_axis, dtype, temperature)
+  m_P = jnp.max(z_PxV, axis=-1)
+  e_PxV = jnp.exp(z_PxV - m_P[:, None])
+  sum_P = jnp.sum(e_PxV, axis=-1)
+  lse_P = m_P + jnp.log(sum_P)
+  ent_P = lse_P - jnp.sum(e_PxV * z_PxV, axis=-1) / sum_P
+  tgt_P = jnp.take_along_axis(z_PxV, tgt_P[:, None], axis=-1)[:, 0]
+  return tgt_P - lse_P, ent_P, lse_P
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def chunked_head_logp_entropy(h_CxNxD, w, tgt_CxN, need_C, vocab_axis, dtype, temperature):
-  """(log p(target), entropy) [C, N] of C chunks of N hidden states each.
+def chunked_head_logp_entropy(h_ChxPxD, w, tgt_ChxP, need_Ch, vocab_axis, dtype, temperature):
+  """(log p(target), entropy) [Ch, P] of Ch chunks of P positions each.
 
   Args:
-    h_CxNxD: final hidden states, chunked.
+    h_ChxPxD: final hidden states, chunked.
     w: the head weight, [V, D] (vocab_axis=0, tied embedding) or [D, V] (1).
-    tgt_CxN: int target ids.
-    need_C: bool; chunks with False give 0 and get no gradient (not computed).
+    tgt_ChxP: int target ids.
+    need_Ch: bool; chunks with False give 0 and get no gradient (not computed).
     vocab_axis, dtype, temperature: static; logits are float32 after a
       `dtype` matmul, divided by `temperature`.
 
@@ -74,59 +78,59 @@ def chunked_head_logp_entropy(h_CxNxD, w, tgt_CxN, need_C, vocab_axis, dtype, te
   and H = lse - sum(p z),  d logp_t / dz = onehot_t - p  and
   dH / dz = -p (z - lse + H).
   """
-  out, _ = _head_fwd(h_CxNxD, w, tgt_CxN, need_C, vocab_axis, dtype, temperature)
+  out, _ = _head_fwd(h_ChxPxD, w, tgt_ChxP, need_Ch, vocab_axis, dtype, temperature)
   return out
 
 
-def _head_fwd(h_CxNxD, w, tgt_CxN, need_C, vocab_axis, dtype, temperature):
-  N = h_CxNxD.shape[1]
+def _head_fwd(h_ChxPxD, w, tgt_ChxP, need_Ch, vocab_axis, dtype, temperature):
+  P = h_ChxPxD.shape[1]
 
   def body(_, xs):
-    h_NxD, tgt_N, need = xs
-    zeros = (jnp.zeros((N,), jnp.float32),) * 3
+    h_PxD, tgt_P, need = xs
+    zeros = (jnp.zeros((P,), jnp.float32),) * 3
     return None, jax.lax.cond(
-        need, lambda: _chunk_forward(h_NxD, w, tgt_N, vocab_axis, dtype, temperature),
+        need, lambda: _chunk_forward(h_PxD, w, tgt_P, vocab_axis, dtype, temperature),
         lambda: zeros)
 
-  _, (logp_CxN, ent_CxN, lse_CxN) = jax.lax.scan(body, None, (h_CxNxD, tgt_CxN, need_C))
-  return (logp_CxN, ent_CxN), (h_CxNxD, w, tgt_CxN, need_C, lse_CxN, ent_CxN)
+  _, (logp_ChxP, ent_ChxP, lse_ChxP) = jax.lax.scan(body, None, (h_ChxPxD, tgt_ChxP, need_Ch))
+  return (logp_ChxP, ent_ChxP), (h_ChxPxD, w, tgt_ChxP, need_Ch, lse_ChxP, ent_ChxP)
 
 
 def _head_bwd(vocab_axis, dtype, temperature, res, cotangents):
-  h_CxNxD, w, tgt_CxN, need_C, lse_CxN, ent_CxN = res
-  g_logp_CxN, g_ent_CxN = cotangents
-  contract_v = ((1,), (vocab_axis,))  # dlogits [N, V] x w -> [N, D]
-  contract_n = ((0,), (0,))  # [N, V] x [N, D] -> [V, D]  or  [N, D] x [N, V] -> [D, V]
+  h_ChxPxD, w, tgt_ChxP, need_Ch, lse_ChxP, ent_ChxP = res
+  g_logp_ChxP, g_ent_ChxP = cotangents
+  contract_v = ((1,), (vocab_axis,))  # dlogits [P, V] x w -> [P, D]
+  contract_n = ((0,), (0,))  # [P, V] x [P, D] -> [V, D]  or  [P, D] x [P, V] -> [D, V]
 
-  def chunk_grads(h_NxD, tgt_N, lse_N, ent_N, g_lp_N, g_ent_N):
-    z_NxV = _logits(h_NxD, w, vocab_axis, dtype, temperature)
-    p_NxV = jnp.exp(z_NxV - lse_N[:, None])
-    onehot_NxV = jax.nn.one_hot(tgt_N, z_NxV.shape[1], dtype=jnp.float32)
-    dz_NxV = (g_lp_N[:, None] * (onehot_NxV - p_NxV)
-              - g_ent_N[:, None] * p_NxV * (z_NxV - lse_N[:, None] + ent_N[:, None]))
-    dlogits_NxV = (dz_NxV / temperature).astype(dtype)
-    hd_NxD = h_NxD.astype(dtype)
-    dh_NxD = jax.lax.dot_general(dlogits_NxV, w.astype(dtype), (contract_v, ((), ())),
+  def chunk_grads(h_PxD, tgt_P, lse_P, ent_P, g_lp_P, g_ent_P):
+    z_PxV = _logits(h_PxD, w, vocab_axis, dtype, temperature)
+    p_PxV = jnp.exp(z_PxV - lse_P[:, None])
+    onehot_PxV = jax.nn.one_hot(tgt_P, z_PxV.shape[1], dtype=jnp.float32)
+    dz_PxV = (g_lp_P[:, None] * (onehot_PxV - p_PxV)
+              - g_ent_P[:, None] * p_PxV * (z_PxV - lse_P[:, None] + ent_P[:, None]))
+    dlogits_PxV = (dz_PxV / temperature).astype(dtype)
+    hd_PxD = h_PxD.astype(dtype)
+    dh_PxD = jax.lax.dot_general(dlogits_PxV, w.astype(dtype), (contract_v, ((), ())),
                                  preferred_element_type=jnp.float32)
     if vocab_axis == 0:
-      dw = jax.lax.dot_general(dlogits_NxV, hd_NxD, (contract_n, ((), ())),
+      dw = jax.lax.dot_general(dlogits_PxV, hd_PxD, (contract_n, ((), ())),
                                preferred_element_type=jnp.float32)
     else:
-      dw = jax.lax.dot_general(hd_NxD, dlogits_NxV, (contract_n, ((), ())),
+      dw = jax.lax.dot_general(hd_PxD, dlogits_PxV, (contract_n, ((), ())),
                                preferred_element_type=jnp.float32)
-    return dh_NxD, dw
+    return dh_PxD, dw
 
   def body(dw_acc, xs):
     need = xs[-1]
-    dh_NxD, dw = jax.lax.cond(
+    dh_PxD, dw = jax.lax.cond(
         need, lambda: chunk_grads(*xs[:-1]),
-        lambda: (jnp.zeros(h_CxNxD.shape[1:], jnp.float32), jnp.zeros(w.shape, jnp.float32)))
-    return dw_acc + dw, dh_NxD.astype(h_CxNxD.dtype)
+        lambda: (jnp.zeros(h_ChxPxD.shape[1:], jnp.float32), jnp.zeros(w.shape, jnp.float32)))
+    return dw_acc + dw, dh_PxD.astype(h_ChxPxD.dtype)
 
-  xs = (h_CxNxD, tgt_CxN, lse_CxN, ent_CxN, g_logp_CxN.astype(jnp.float32),
-        g_ent_CxN.astype(jnp.float32), need_C)
-  dw, dh_CxNxD = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), xs)
-  return dh_CxNxD, dw.astype(w.dtype), None, None
+  xs = (h_ChxPxD, tgt_ChxP, lse_ChxP, ent_ChxP, g_logp_ChxP.astype(jnp.float32),
+        g_ent_ChxP.astype(jnp.float32), need_Ch)
+  dw, dh_ChxPxD = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), xs)
+  return dh_ChxPxD, dw.astype(w.dtype), None, None
 
 
 chunked_head_logp_entropy.defvjp(_head_fwd, _head_bwd)
@@ -160,30 +164,30 @@ def token_logp_entropy(model, input_ids_BxT, attention_mask_BxT, loss_mask_BxT, 
   S = T - 1
 
   if chunk is None or chunk >= S:
-    logits_NxV = model.lm_head(h_BxSxD.reshape(B * S, D)).astype(jnp.float32)
+    logits_PxV = model.lm_head(h_BxSxD.reshape(B * S, D)).astype(jnp.float32)
     if temperature != 1.0:
-      logits_NxV = logits_NxV / temperature
-    logp_N, ent_N = logits_logp_entropy(logits_NxV, tgt_BxS.reshape(-1))
-    logp_BxS, ent_BxS = logp_N.reshape(B, S), ent_N.reshape(B, S)
+      logits_PxV = logits_PxV / temperature
+    logp_P, ent_P = logits_logp_entropy(logits_PxV, tgt_BxS.reshape(-1))
+    logp_BxS, ent_BxS = logp_P.reshape(B, S), ent_P.reshape(B, S)
   else:
     n_chunks = -(-S // chunk)
     pad = n_chunks * chunk - S
 
-    def chunked(x_BxS, *rest):  # [B, S, ...] -> [C, B * chunk, ...]
+    def chunked(x_BxS, *rest):  # [B, S, ...] -> [Ch, B * chunk, ...]
       x = jnp.pad(x_BxS, ((0, 0), (0, pad)) + ((0, 0),) * len(rest))
       return x.reshape(B, n_chunks, chunk, *rest).swapaxes(0, 1).reshape(
           n_chunks, B * chunk, *rest)
 
     w, vocab_axis, dtype = model.lm_head_weight()
-    need_C = chunked(need_BxS).any(axis=1)
-    lp_CxN, ent_CxN = chunked_head_logp_entropy(
-        chunked(h_BxSxD, D), w, chunked(tgt_BxS), need_C, vocab_axis, dtype,
+    need_Ch = chunked(need_BxS).any(axis=1)
+    lp_ChxP, ent_ChxP = chunked_head_logp_entropy(
+        chunked(h_BxSxD, D), w, chunked(tgt_BxS), need_Ch, vocab_axis, dtype,
         float(temperature))
 
-    def unchunked(x_CxN):
-      return x_CxN.reshape(n_chunks, B, chunk).swapaxes(0, 1).reshape(B, -1)[:, :S]
+    def unchunked(x_ChxP):
+      return x_ChxP.reshape(n_chunks, B, chunk).swapaxes(0, 1).reshape(B, -1)[:, :S]
 
-    logp_BxS, ent_BxS = unchunked(lp_CxN), unchunked(ent_CxN)
+    logp_BxS, ent_BxS = unchunked(lp_ChxP), unchunked(ent_ChxP)
 
   zero_Bx1 = jnp.zeros((B, 1), jnp.float32)
   return (jnp.concatenate([zero_Bx1, logp_BxS], axis=1),

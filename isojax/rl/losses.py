@@ -21,9 +21,9 @@ estimate of KL(pi_old || pi); ``kl_ref``: the configured estimator's token mean
 (``entropy_term``); ``tis_weight_*``: min(exp(old - sampler), tis_cap) (the
 uncapped ratio when tis_cap is None); ``logp_gap_*``: |old - sampler|.
 
-Conventions: ``adv_B`` comes from ``compute_advantages``, which makes every
-advantage of a zero-variance group exactly 0, so a group is "zero-variance"
-here iff all its advantages are 0. Rollouts are grouped contiguously by prompt
+Conventions: ``adv_B`` comes from ``compute_advantages``; which groups are
+zero-variance comes in as flags from ``advantages.zero_variance_groups`` (the
+rule's one definition). Rollouts are grouped contiguously by prompt
 (``group_size`` rollouts each), as everywhere in isojax.
 """
 
@@ -34,13 +34,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from isojax.rl.advantages import ESTIMATORS
+from isojax.rl.advantages import ESTIMATORS, zero_variance_groups
 from isojax.rl.aggregation import AGGREGATIONS, ZERO_VAR_FILTERS, TokenWeights, token_weights
-from isojax.rl.aggregation import zero_variance_from_advantages
 
 __all__ = ["LossConfig", "TokenWeights", "AGGREGATIONS", "KL_ESTIMATORS",
-           "PG_LOSSES", "MAX_METRICS", "policy_loss", "token_weights",
-           "weighted_policy_loss", "zero_variance_from_advantages"]
+           "PG_LOSSES", "MAX_METRICS", "RATIO_FIELDS", "RATIO_METRICS", "policy_loss",
+           "token_weights", "weighted_policy_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +66,10 @@ class LossConfig:
       (clip-higher: clip_high > clip_low); "cispo" uses clip_high only.
     clip_dual: dual-clip constant c > 1 for negative advantages (the token
       loss is capped at -c*A); None disables it. ppo_clip and gspo only.
+      The three clip settings act on the ratio pi / pi_old only, which is
+      exactly 1 with one on-policy update per batch (isojax's update step):
+      they bind once updates reuse stale batches. Until then a run refuses
+      values other than the defaults (``check_on_policy``).
     agg: "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum" |
       "prompt_mean" (ScaleRL: mean over the tokens of each prompt's group,
       then mean over prompts).
@@ -112,12 +115,83 @@ class LossConfig:
     if self.tis_cap is not None and not self.tis_cap > 0:
       raise ValueError(f"LossConfig.tis_cap={self.tis_cap} must be > 0 or None")
 
+  @classmethod
+  def from_config(cls, source, *, name: str | None = None) -> "LossConfig":
+    """The LossConfig whose fields are read from ``source`` by name.
+
+    Args:
+      source: a mapping or an object with the fields as attributes (an
+        ``ml_collections.ConfigDict`` is both; isojax.rl does not import it).
+        Entries that are not LossConfig fields (learning rate, micro-batch, ...)
+        are left to whoever else reads ``source``.
+      name: what ``source`` is called in errors (e.g. "config.rl").
+
+    Raises:
+      ValueError: naming every LossConfig field that ``source`` lacks, or a
+        bad value (``__post_init__``).
+    """
+    values, missing = {}, []
+    for field in dataclasses.fields(cls):
+      try:
+        values[field.name] = _read_field(source, field.name)
+      except LookupError:
+        missing.append(field.name)
+    if missing:
+      raise ValueError(f"{name or type(source).__name__} has no LossConfig field "
+                       f"{', '.join(missing)}; every LossConfig field must be set")
+    return cls(**values)
+
+  def check_on_policy(self, *, name: str = "LossConfig") -> None:
+    """Raises ValueError naming a clip setting that differs from its default.
+
+    With one on-policy update per batch the ratio pi / pi_old is exactly 1, so
+    no clip (nor CISPO's weight cap, ``clip_high``) can bind: such a setting
+    would change nothing, silently. ``name`` prefixes the field in the message.
+    """
+    defaults = LossConfig()
+    for field in RATIO_FIELDS:
+      value, default = getattr(self, field), getattr(defaults, field)
+      if value != default:
+        raise ValueError(
+            f"{name}.{field}={value} (default {default}) cannot affect this run: every "
+            "batch gets one on-policy update, so the ratio pi/pi_old is exactly 1 and no "
+            "clip binds. It takes effect once updates reuse stale batches; leave it at "
+            "its default until then")
+
   @property
   def drops_zero_variance(self) -> bool:
     """Zero-variance groups leave the policy-gradient term (zero_var_filter="all"),
     so batch-level advantage statistics leave them out too
     (``compute_advantages(..., drop_zero_variance=...)``)."""
     return ZERO_VAR_FILTERS[self.zero_var_filter][0]
+
+  def dropped_groups(self, rewards_B, *, group_size, baseline_rewards_B=None):
+    """Per-group flag [Bp]: the group leaves the policy-gradient term entirely.
+
+    Zero-variance groups (``advantages.zero_variance_groups``) when
+    ``zero_var_filter="all"``, none otherwise. NumPy arrays in, NumPy out: the
+    run counts the rollouts it paid for and did not train on.
+    """
+    flat_Bp = zero_variance_groups(rewards_B, group_size=group_size,
+                                   baseline_rewards_B=baseline_rewards_B)
+    return flat_Bp & self.drops_zero_variance
+
+
+# LossConfig fields that act only through the ratio pi / pi_old.
+RATIO_FIELDS = ("clip_low", "clip_high", "clip_dual")
+# Metrics of the ratio pi / pi_old: identically 0 when old_logp is the same
+# forward pass under stop_gradient (one on-policy update per batch).
+RATIO_METRICS = ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl_old")
+
+
+def _read_field(source, name):
+  """source[name], else source.name; LookupError when it has neither."""
+  try:
+    return source[name]
+  except (KeyError, TypeError):
+    if hasattr(source, name):
+      return getattr(source, name)
+    raise LookupError(name) from None
 
 
 def _clipped_surrogate(ratio_BxT, adv_Bx1, cfg):
@@ -191,6 +265,34 @@ KL_ESTIMATORS: dict[str, Callable] = {"k1": _k1, "k2": _k2, "k3": _k3}
 MAX_METRICS = ("tis_weight_max", "logp_gap_max")
 
 
+def _wsum(w_BxT, x_BxT):
+  return jnp.sum(w_BxT * x_BxT)
+
+
+def _ratio_metrics(logp_BxT, old_logp_BxT, flags, on_BxT, diag_BxT):
+  """clip_frac_* of the PG loss's clip flags and approx_kl_old (``RATIO_METRICS``)."""
+  m = {f"clip_frac_{name[5:]}": _wsum(diag_BxT, flags.get(name, jnp.zeros_like(on_BxT)))
+       for name in RATIO_FIELDS}
+  log_r_BxT = logp_BxT - old_logp_BxT
+  m["approx_kl_old"] = jax.lax.stop_gradient(
+      _wsum(diag_BxT, jnp.exp(log_r_BxT) - 1.0 - log_r_BxT))
+  return m
+
+
+def _sampler_metrics(old_logp_BxT, sampler_logp_BxT, on_BxT, diag_BxT, cfg):
+  """TIS weights [B, T] (min(exp(old - sampler), tis_cap)) and the sampler metrics."""
+  is_BxT = jnp.exp(old_logp_BxT - sampler_logp_BxT)
+  gap_BxT = jnp.abs(old_logp_BxT - sampler_logp_BxT)
+  tis_BxT = is_BxT if cfg.tis_cap is None else jnp.minimum(is_BxT, cfg.tis_cap)
+  m = {"tis_weight_mean": _wsum(diag_BxT, tis_BxT),
+       "tis_weight_max": jnp.max(jnp.where(on_BxT, tis_BxT, 0.0), initial=0.0),
+       "tis_frac_truncated": (jnp.zeros(()) if cfg.tis_cap is None else
+                              _wsum(diag_BxT, is_BxT > cfg.tis_cap)),
+       "logp_gap_mean": _wsum(diag_BxT, gap_BxT),
+       "logp_gap_max": jnp.max(jnp.where(on_BxT, gap_BxT, 0.0), initial=0.0)}
+  return tis_BxT, m
+
+
 def weighted_policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights: TokenWeights,
                          cfg: LossConfig, *, sampler_logp_BxT=None, ref_logp_BxT=None,
                          entropy_BxT=None):
@@ -215,46 +317,31 @@ def weighted_policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights: Token
   old_logp_BxT = sg(old_logp_BxT)
   adv_Bx1 = sg(jnp.asarray(adv_B, jnp.float32))[:, None]
 
-  def wsum(w_BxT, x_BxT):
-    return jnp.sum(w_BxT * x_BxT)
-
   pg_BxT, flags = PG_LOSSES[cfg.kind](logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg)
-  m = {}
+  m = _ratio_metrics(logp_BxT, old_logp_BxT, flags, on_BxT, weights.diag_BxT)
   if sampler_logp_BxT is not None:
-    sampler_logp_BxT = sg(sampler_logp_BxT)
-    is_BxT = jnp.exp(old_logp_BxT - sampler_logp_BxT)
-    gap_BxT = jnp.abs(old_logp_BxT - sampler_logp_BxT)
-    tis_BxT = is_BxT if cfg.tis_cap is None else jnp.minimum(is_BxT, cfg.tis_cap)
-    m["tis_weight_mean"] = wsum(weights.diag_BxT, tis_BxT)
-    m["tis_weight_max"] = jnp.max(jnp.where(on_BxT, tis_BxT, 0.0), initial=0.0)
-    m["tis_frac_truncated"] = (jnp.zeros(()) if cfg.tis_cap is None else
-                               wsum(weights.diag_BxT, is_BxT > cfg.tis_cap))
-    m["logp_gap_mean"] = wsum(weights.diag_BxT, gap_BxT)
-    m["logp_gap_max"] = jnp.max(jnp.where(on_BxT, gap_BxT, 0.0), initial=0.0)
+    tis_BxT, sampler_m = _sampler_metrics(old_logp_BxT, sg(sampler_logp_BxT), on_BxT,
+                                          weights.diag_BxT, cfg)
+    m.update(sampler_m)
     if cfg.tis_cap is not None:
       pg_BxT = pg_BxT * tis_BxT
   elif cfg.tis_cap is not None:
     raise ValueError("LossConfig.tis_cap is set but sampler_logp_BxT is None")
 
-  m["pg_loss"] = wsum(weights.pg_BxT, pg_BxT)
-  for name in ("clip_low", "clip_high", "clip_dual"):
-    flag_BxT = flags.get(name, jnp.zeros_like(on_BxT))
-    m[f"clip_frac_{name[5:]}"] = wsum(weights.diag_BxT, flag_BxT)
-  log_r_BxT = logp_BxT - old_logp_BxT
-  m["approx_kl_old"] = sg(wsum(weights.diag_BxT, jnp.exp(log_r_BxT) - 1.0 - log_r_BxT))
+  m["pg_loss"] = _wsum(weights.pg_BxT, pg_BxT)
   loss = m["pg_loss"]
 
   if ref_logp_BxT is not None:
     kl_BxT = KL_ESTIMATORS[cfg.kl_estimator](logp_BxT, sg(ref_logp_BxT))
-    m["kl_ref"] = sg(wsum(weights.diag_BxT, kl_BxT))
-    m["kl_loss"] = wsum(weights.reg_BxT, kl_BxT)
+    m["kl_ref"] = sg(_wsum(weights.diag_BxT, kl_BxT))
+    m["kl_loss"] = _wsum(weights.reg_BxT, kl_BxT)
     loss = loss + cfg.kl_coef * m["kl_loss"]
   elif cfg.kl_coef > 0:
     raise ValueError("LossConfig.kl_coef > 0 but ref_logp_BxT is None")
 
   if entropy_BxT is not None:
-    m["entropy"] = sg(wsum(weights.diag_BxT, entropy_BxT))
-    m["entropy_term"] = wsum(weights.reg_BxT, entropy_BxT)
+    m["entropy"] = sg(_wsum(weights.diag_BxT, entropy_BxT))
+    m["entropy_term"] = _wsum(weights.reg_BxT, entropy_BxT)
     loss = loss - cfg.entropy_coef * m["entropy_term"]
   elif cfg.entropy_coef > 0:
     raise ValueError("LossConfig.entropy_coef > 0 but entropy_BxT is None")
@@ -265,7 +352,7 @@ def weighted_policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights: Token
 
 def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, cfg: LossConfig, *,
                 sampler_logp_BxT=None, ref_logp_BxT=None, entropy_BxT=None,
-                group_size=None):
+                group_size=None, zero_var_Bp=None):
   """The RL loss of a whole batch.
 
   Args:
@@ -280,15 +367,16 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, cfg: LossConfig, *,
     ref_logp_BxT: reference policy log-probs; needed when ``kl_coef > 0``.
     entropy_BxT: per-token policy entropy; needed when ``entropy_coef > 0``.
     group_size: rollouts per prompt (groups contiguous); needed for
-      ``agg="prompt_mean"``, ``zero_var_filter != "off"`` and the
-      ``zero_var_frac`` metric.
+      ``agg="prompt_mean"`` and ``zero_var_filter != "off"``.
+    zero_var_Bp: bool per group (``advantages.zero_variance_groups`` of the
+      rewards the advantages came from); needed for ``zero_var_filter !=
+      "off"`` and the ``zero_var_frac`` metric.
 
   Returns:
-    (scalar loss, dict of scalar metrics): loss, pg_loss, clip_frac_low /
-    _high / _dual, approx_kl_old, kl_ref and kl_loss (with a reference),
-    entropy and entropy_term (with entropies), tis_weight_mean / _max,
-    tis_frac_truncated, logp_gap_mean / _max (with sampler log-probs), and
-    zero_var_frac (with group_size).
+    (scalar loss, dict of scalar metrics): loss, pg_loss, ``RATIO_METRICS``,
+    kl_ref and kl_loss (with a reference), entropy and entropy_term (with
+    entropies), tis_* and logp_gap_* (with sampler log-probs), zero_var_frac
+    (with zero_var_Bp); see the module docstring.
   """
   shape = jnp.shape(logp_BxT)
   named = {"old_logp_BxT": old_logp_BxT, "mask_BxT": mask_BxT,
@@ -301,13 +389,18 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, cfg: LossConfig, *,
       raise ValueError(f"{name} has shape {jnp.shape(x)}, expected {shape} like logp_BxT")
   if jnp.shape(adv_B) != shape[:1]:
     raise ValueError(f"adv_B has shape {jnp.shape(adv_B)}, expected ({shape[0]},)")
+  if group_size is not None and shape[0] % group_size:
+    raise ValueError(f"group_size={group_size} does not divide B={shape[0]}")
+  if zero_var_Bp is not None and (group_size is None or
+                                  jnp.shape(zero_var_Bp) != (shape[0] // group_size,)):
+    raise ValueError(f"zero_var_Bp has shape {jnp.shape(zero_var_Bp)}, expected one flag "
+                     f"per group of group_size={group_size} rows of B={shape[0]}")
   adv_B = jnp.asarray(adv_B, jnp.float32)
-  weights = token_weights(mask_BxT, adv_B, cfg, group_size=group_size)
+  weights = token_weights(mask_BxT, cfg, group_size=group_size, zero_var_Bp=zero_var_Bp)
   loss, metrics = weighted_policy_loss(
       logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights, cfg,
       sampler_logp_BxT=sampler_logp_BxT, ref_logp_BxT=ref_logp_BxT,
       entropy_BxT=entropy_BxT)
-  if group_size is not None:
-    metrics["zero_var_frac"] = jnp.mean(
-        zero_variance_from_advantages(adv_B, group_size).astype(jnp.float32))
+  if zero_var_Bp is not None:
+    metrics["zero_var_frac"] = jnp.mean(jnp.asarray(zero_var_Bp, jnp.float32))
   return loss, metrics

@@ -189,16 +189,21 @@ def value_metrics(values_BxT, returns_BxT, mask_BxT):
   the mean return; reported as 0 when the returns have no variance, e.g. every
   reward of the batch equal). return_mean: mean target.
   """
-  w_BxT = (jnp.asarray(mask_BxT) > 0).astype(jnp.float32)
+  on_BxT = jnp.asarray(mask_BxT) > 0
+  w_BxT = on_BxT.astype(jnp.float32)
   w_BxT = w_BxT / jnp.maximum(w_BxT.sum(), 1.0)
-  v_BxT = jnp.where(w_BxT > 0, jnp.asarray(values_BxT, jnp.float32), 0.0)
-  r_BxT = jnp.where(w_BxT > 0, jnp.asarray(returns_BxT, jnp.float32), 0.0)
+  v_BxT = jnp.where(on_BxT, jnp.asarray(values_BxT, jnp.float32), 0.0)
+  r_BxT = jnp.where(on_BxT, jnp.asarray(returns_BxT, jnp.float32), 0.0)
 
   def var(x_BxT):
     return jnp.sum(w_BxT * jnp.square(x_BxT - jnp.sum(w_BxT * x_BxT)))
 
+  # Equal returns are detected exactly: their float32 mean need not equal them,
+  # and a rounding-sized Var(R) would blow the ratio up.
+  varies = (jnp.max(jnp.where(on_BxT, r_BxT, -jnp.inf))
+            > jnp.min(jnp.where(on_BxT, r_BxT, jnp.inf)))
   var_r = var(r_BxT)
-  explained = jnp.where(var_r > 0, 1.0 - var(r_BxT - v_BxT) / jnp.where(var_r > 0, var_r, 1.0),
-                        0.0)
+  varies = varies & (var_r > 0)
+  explained = jnp.where(varies, 1.0 - var(r_BxT - v_BxT) / jnp.where(varies, var_r, 1.0), 0.0)
   return jax.lax.stop_gradient(
       {"value_explained_var": explained, "return_mean": jnp.sum(w_BxT * r_BxT)})

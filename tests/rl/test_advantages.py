@@ -1,5 +1,6 @@
 """Advantage estimators against hand-computed vectors and NumPy formulas."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -150,6 +151,30 @@ def test_loss_config_says_when_zero_variance_groups_are_dropped():
   assert LossConfig(zero_var_filter="all").drops_zero_variance
   assert not LossConfig(zero_var_filter="regularizers").drops_zero_variance
   assert not LossConfig().drops_zero_variance
+
+
+def test_zero_variance_rule_on_host_and_in_jit():
+  """One rule: NumPy in -> NumPy out (the run's ledger), the same flags under jit."""
+  base = np.array([1, 1, 0, 0, 1, 1, 1, 1, 0.5, 0.5, 0.5, 0.5], np.float32)
+  train = np.array([1, 1, 1, 1, 0.5, 0.5], np.float32)
+  host = zero_variance_groups(train, group_size=2, baseline_rewards_B=base)
+  assert type(host) is np.ndarray and host.dtype == bool
+  np.testing.assert_array_equal(host, [False, True, True])
+  jitted = jax.jit(lambda r, b: zero_variance_groups(r, group_size=2, baseline_rewards_B=b))
+  np.testing.assert_array_equal(np.asarray(jitted(train, base)), host)
+  # Without a decoupled baseline the trained rewards decide.
+  np.testing.assert_array_equal(zero_variance_groups(train, group_size=2), [True, True, True])
+  np.testing.assert_array_equal(
+      zero_variance_groups(np.array([0, 1, 2, 2], np.float32), group_size=2), [False, True])
+
+
+def test_dropped_groups_follow_the_filter():
+  r = np.array([1, 0, 1, 1, 0, 0], np.float32)
+  kept = LossConfig(zero_var_filter="regularizers").dropped_groups(r, group_size=2)
+  dropped = LossConfig(zero_var_filter="all").dropped_groups(r, group_size=2)
+  assert type(dropped) is np.ndarray
+  np.testing.assert_array_equal(kept, [False, False, False])
+  np.testing.assert_array_equal(dropped, [False, True, True])
 
 
 @pytest.mark.parametrize("kw, match", [

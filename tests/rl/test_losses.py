@@ -7,6 +7,7 @@ zero-variance group (all advantages 0).
 
 import dataclasses
 import itertools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -144,10 +145,16 @@ def make_inputs(seed, B=8, T=7, n=2, dtype=np.float32):
                                                ent=ent, adv=adv, mask=mask).items()}
 
 
+def zero_var_flags(x, n):
+  """The inputs' zero-variance groups: those make_inputs gave all-zero advantages."""
+  return np.all(x["adv"].reshape(-1, n) == 0, axis=1)
+
+
 def run_jax(x, cfg, n, with_extras):
   kw = dict(sampler_logp_BxT=x["sampler"], ref_logp_BxT=x["ref"], entropy_BxT=x["ent"]) \
       if with_extras else {}
-  loss, m = policy_loss(x["logp"], x["old"], x["adv"], x["mask"], cfg, group_size=n, **kw)
+  loss, m = policy_loss(x["logp"], x["old"], x["adv"], x["mask"], cfg, group_size=n,
+                        zero_var_Bp=zero_var_flags(x, n), **kw)
   return float(loss), {k: float(v) for k, v in m.items()}
 
 
@@ -253,7 +260,7 @@ def test_micro_batch_slices_sum_to_whole_batch():
     cfg = LossConfig(agg=agg, kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0,
                      zero_var_filter="regularizers")
     full, fm = run_jax(x, cfg, 3, True)
-    w = token_weights(x["mask"], x["adv"], cfg, group_size=3)
+    w = token_weights(x["mask"], cfg, group_size=3, zero_var_Bp=zero_var_flags(x, 3))
     total, parts = 0.0, []
     for rows in (slice(0, 4), slice(4, 8), slice(8, 12)):  # 4 rows: cuts groups
       l, m = weighted_policy_loss(
@@ -325,6 +332,29 @@ def test_bad_config(kw, match):
     LossConfig(**kw)
 
 
+def test_loss_config_from_config_reads_its_own_fields():
+  """Item or attribute access; the source's other fields are not LossConfig's business."""
+  fields = {f.name: getattr(LossConfig(), f.name) for f in dataclasses.fields(LossConfig)}
+  want = LossConfig(kind="cispo", tis_cap=None, kl_coef=0.3, zero_var_filter="all")
+  given = {**fields, **{k: getattr(want, k) for k in ("kind", "tis_cap", "kl_coef",
+                                                       "zero_var_filter")}}
+  assert LossConfig.from_config({**given, "lr_base": 1e-6, "micro_batch": 0}) == want
+  assert LossConfig.from_config(types.SimpleNamespace(**given, n_est=0)) == want
+  del given["agg"], given["clip_dual"]
+  with pytest.raises(ValueError, match=r"config\.rl has no LossConfig field clip_dual, agg"):
+    LossConfig.from_config(given, name="config.rl")
+  with pytest.raises(ValueError, match="LossConfig.tis_cap=0"):
+    LossConfig.from_config({**fields, "tis_cap": 0.0})
+
+
+def test_clip_settings_away_from_the_defaults_are_refused_on_policy():
+  LossConfig(kind="cispo", tis_cap=1.5, kl_coef=0.1).check_on_policy()
+  for field, value in (("clip_low", 0.1), ("clip_high", 0.28), ("clip_dual", 3.0)):
+    with pytest.raises(ValueError, match=rf"config\.rl\.{field}={value} \(default .*\) "
+                                         "cannot affect this run.*on-policy"):
+      LossConfig(**{field: value}).check_on_policy(name="config.rl")
+
+
 def test_bad_inputs():
   x = make_inputs(9)
   with pytest.raises(ValueError, match="mask_BxT has shape"):
@@ -340,3 +370,9 @@ def test_bad_inputs():
   with pytest.raises(ValueError, match="does not divide"):
     policy_loss(x["logp"], x["old"], x["adv"], x["mask"],
                 dataclasses.replace(LossConfig(), zero_var_filter="all"), group_size=3)
+  with pytest.raises(ValueError, match="needs group_size and zero_var_Bp"):
+    policy_loss(x["logp"], x["old"], x["adv"], x["mask"],
+                LossConfig(zero_var_filter="regularizers"), group_size=2)
+  with pytest.raises(ValueError, match="zero_var_Bp has shape"):
+    policy_loss(x["logp"], x["old"], x["adv"], x["mask"], LossConfig(), group_size=2,
+                zero_var_Bp=np.zeros(3, bool))

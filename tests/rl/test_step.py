@@ -16,7 +16,7 @@ from flax import nnx
 from isojax import sharding as shd
 from isojax.models import Decoder, ModelConfig
 from isojax.rl import Batch, LossConfig, OptimConfig, init_train_state, make_train_step
-from isojax.rl.losses import policy_loss
+from isojax.rl.losses import RATIO_METRICS, policy_loss
 
 B, T, N = 8, 12, 4  # rows, tokens, rollouts per prompt (Bp = 2)
 PROMPT = 5  # prompt width (left-padded); completion columns [PROMPT, T)
@@ -114,7 +114,8 @@ def reference_grad_and_loss(model):
     lp, ent = logp_entropy(params)
     return policy_loss(lp, jax.lax.stop_gradient(lp), jnp.asarray(adv, jnp.float32),
                        batch.loss_mask_BxT, LOSS, sampler_logp_BxT=batch.sampler_logp_BxT,
-                       ref_logp_BxT=ref_logp, entropy_BxT=ent, group_size=N)
+                       ref_logp_BxT=ref_logp, entropy_BxT=ent, group_size=N,
+                       zero_var_Bp=r.max(1) == r.min(1))
 
   (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params)
   return jax.tree.map(np.asarray, grads), float(loss), metrics
@@ -136,6 +137,9 @@ def test_step_gradient_matches_direct_full_batch_reference(model, full_batch_run
     np.testing.assert_allclose(metrics[k], float(ref_metrics[k]), rtol=1e-5, err_msg=k)
   assert metrics["kl_ref"] > 0 and metrics["skipped"] == 0
   assert metrics["zero_var_frac"] == 0.5 and metrics["tokens"] == 35
+  # The ratio metrics are identically 0 on-policy (one update per batch): not reported.
+  assert all(float(ref_metrics[k]) == 0.0 for k in RATIO_METRICS)
+  assert not set(RATIO_METRICS) & set(metrics)
 
 
 def test_micro_batch_invariance(model, full_batch_run):

@@ -1,0 +1,119 @@
+"""The update's input batch: its type, host-side checks and abstract shapes.
+
+``Batch`` is what the run builds from rollouts (``isojax.batching``) and the
+step (``isojax.rl.step``) consumes; ``validate_batch`` runs on the host before
+every update, ``abstract_batch`` gives its shapes for ahead-of-time compiles.
+"""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from isojax import sharding as shd
+from isojax.rl.state import default_mesh
+
+__all__ = ["Batch", "abstract_batch", "validate_batch"]
+
+
+@flax.struct.dataclass
+class Batch:
+  """One update's rollouts; B = Bp * n rows, prompt-major groups of n.
+
+  Attributes:
+    input_ids_BxT: int32, left-padded prompt ++ right-padded completion.
+    attention_mask_BxT: 1 on real (non-pad) tokens.
+    loss_mask_BxT: 1 where input_ids[t] is a completion token trained on
+      (never column 0, which has no prediction).
+    sampler_logp_BxT: the sampler's log-prob of input_ids[t], aligned like
+      loss_mask; 0 elsewhere.
+    rewards_B: float32 rewards.
+    baseline_rewards_B: optional [Bp * n_est] rewards for a decoupled baseline
+      (see ``isojax.rl.advantages``); None: baseline from ``rewards_B``.
+  """
+
+  input_ids_BxT: jax.Array
+  attention_mask_BxT: jax.Array
+  loss_mask_BxT: jax.Array
+  sampler_logp_BxT: jax.Array
+  rewards_B: jax.Array
+  baseline_rewards_B: jax.Array | None = None
+
+
+_BxT_FIELDS = ("input_ids_BxT", "attention_mask_BxT", "loss_mask_BxT", "sampler_logp_BxT")
+
+
+def validate_batch(batch: Batch, *, group_size: int, batch_size: int | None = None,
+                   micro_batch_size: int | None = None, batch_shards: int = 1) -> None:
+  """Host-side checks before an update; raises ValueError naming the input.
+
+  Checks shapes against each other and the static sizes, that group_size
+  divides B, that the masks are 0/1 with the loss mask inside the attention
+  mask and off column 0, and that rewards and sampler log-probs are finite.
+  """
+  if not isinstance(batch, Batch):
+    raise ValueError(f"batch must be an isojax.rl.Batch, got {type(batch).__name__}")
+  shape = np.shape(batch.input_ids_BxT)
+  if len(shape) != 2:
+    raise ValueError(f"Batch.input_ids_BxT must be 2-D [B, T], got shape {shape}")
+  for name in _BxT_FIELDS[1:]:
+    if np.shape(getattr(batch, name)) != shape:
+      raise ValueError(f"Batch.{name} has shape {np.shape(getattr(batch, name))}, "
+                       f"expected {shape} like input_ids_BxT")
+  b = shape[0]
+  if np.shape(batch.rewards_B) != (b,):
+    raise ValueError(f"Batch.rewards_B has shape {np.shape(batch.rewards_B)}, expected ({b},)")
+  if batch_size is not None and b != batch_size:
+    raise ValueError(f"batch has B={b} rows but the step was built for batch_size="
+                     f"{batch_size} (the learning rate depends on it)")
+  if b % group_size:
+    raise ValueError(f"group_size={group_size} does not divide B={b}")
+  if micro_batch_size is not None and b % micro_batch_size:
+    raise ValueError(f"micro_batch_size={micro_batch_size} does not divide B={b}")
+  if not np.issubdtype(np.asarray(batch.input_ids_BxT[:1, :1]).dtype, np.integer):
+    raise ValueError("Batch.input_ids_BxT must be an integer array")
+  attn = np.asarray(batch.attention_mask_BxT)
+  loss_mask = np.asarray(batch.loss_mask_BxT)
+  for name, m in (("attention_mask_BxT", attn), ("loss_mask_BxT", loss_mask)):
+    if not np.all((m == 0) | (m == 1)):
+      raise ValueError(f"Batch.{name} must hold only 0/1")
+  if np.any((loss_mask > 0) & (attn == 0)):
+    raise ValueError("Batch.loss_mask_BxT is 1 where attention_mask_BxT is 0")
+  if np.any(loss_mask[:, 0] > 0):
+    raise ValueError("Batch.loss_mask_BxT[:, 0] must be 0 (the first token has no "
+                     "prediction)")
+  checks = [("rewards_B", batch.rewards_B), ("sampler_logp_BxT", batch.sampler_logp_BxT)]
+  if batch.baseline_rewards_B is not None:
+    checks.append(("baseline_rewards_B", batch.baseline_rewards_B))
+    nb = np.shape(batch.baseline_rewards_B)
+    bp = b // group_size
+    if len(nb) != 1 or nb[0] % bp or nb[0] // bp < group_size or nb[0] % batch_shards:
+      raise ValueError(f"Batch.baseline_rewards_B has shape {nb}; expected [Bp*n_est] "
+                       f"with Bp={bp}, n_est >= {group_size}, divisible by "
+                       f"{batch_shards} batch shards")
+  for name, x in checks:
+    bad = ~np.isfinite(np.asarray(x, np.float64))
+    if bad.any():
+      first = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(f"Batch.{name} has {int(bad.sum())} non-finite values "
+                       f"(first at index {first})")
+
+
+def abstract_batch(batch_size: int, seq_len: int, *, mesh: Mesh | None = None,
+                   baseline_size: int | None = None) -> Batch:
+  """A ``Batch`` of ``jax.ShapeDtypeStruct`` [batch_size, seq_len] placed like the step's.
+
+  ``baseline_size``: length of ``baseline_rewards_B`` (Bp * n_est), if any.
+  """
+  sh = shd.batch_sharding(default_mesh(mesh))
+
+  def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+  bxt = (batch_size, seq_len)
+  return Batch(input_ids_BxT=spec(bxt, jnp.int32), attention_mask_BxT=spec(bxt, jnp.int32),
+               loss_mask_BxT=spec(bxt, jnp.float32), sampler_logp_BxT=spec(bxt, jnp.float32),
+               rewards_B=spec((batch_size,), jnp.float32),
+               baseline_rewards_B=None if baseline_size is None
+               else spec((baseline_size,), jnp.float32))
