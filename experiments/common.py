@@ -159,7 +159,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.clip_dual = ml_collections.config_dict.placeholder(float)
   c.rl.agg = "token_mean"
   c.rl.tis_cap = ml_collections.FieldReference(2.0, field_type=float)  # truncated IS (App. A)
-  c.rl.kl_coef = 1e-3              # Table 1: per split, see SPLIT_REGULARIZERS
+  c.rl.kl_coef = 1e-3              # Table 1: each study file sets its split's value
   c.rl.kl_estimator = "k3"
   c.rl.entropy_coef = 1e-3
   c.rl.zero_var_filter = "off"     # off | all | regularizers (Table 1: off)
