@@ -96,16 +96,11 @@ def plan(config) -> RunPlan:
 
   n_est = config.rl.n_est or None
   per = n_est or config.n
-  batch = config.bp * per
-  if batch > config.b_max:
-    what = "Bp*n" if n_est is None else "Bp*n_est"
-    raise ValueError(f"infeasible budget point: {what} = {config.bp}*{per} = {batch} "
-                     f"exceeds b_max = {config.b_max} (budget C={config.budget:g})")
   if n_est is not None and n_est < config.n:
     raise ValueError(f"config.rl.n_est={n_est} must be 0 (off) or >= n={config.n}: the "
                      f"baseline is estimated from n_est rollouts, n of them trained on")
-  point = budget_lib.BudgetPoint.from_budget(config.budget, bp=config.bp, n=config.n,
-                                             n_est=n_est)
+  point = budget_lib.BudgetPoint.feasible(config.budget, bp=config.bp, n=config.n,
+                                          n_est=n_est, b_max=config.b_max)
   # The estimator's baseline is taken over the n_est sampled rollouts when set.
   check_min_n(per, config.rl.adv_estimator)
   for name in ("eval_every", "checkpoint_every", "keep_checkpoints",
