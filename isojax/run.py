@@ -35,16 +35,12 @@ from absl import logging
 
 from isojax import budget as budget_lib
 from isojax import checkpoint as ckpt_lib
-from isojax import files
+from isojax import assets, files, rundir
 from isojax import metrics as metrics_lib
-from isojax import run_setup
 from isojax.errors import IsojaxError, disk_full_as
 from isojax.rollout.memory import check_run_split
+from isojax.rundir import CHECKPOINT_DIR, CONFIG_FILE, DONE_FILE, METRICS_FILE
 from isojax.run_setup import RunParts, build_parts, model_of, nonfinite_step_message
-
-CONFIG_FILE = "config.json"
-DONE_FILE = "DONE"
-CHECKPOINT_DIR = "checkpoints"
 
 # Streams of seed-derived randomness (see `derive_seed`). Validation set i > 0
 # (data.val's i-th set) uses stream _VAL_EXTRA + i.
@@ -116,7 +112,7 @@ def plan(config) -> RunPlan:
   if config.data.reward not in ("exact", "math"):
     raise ValueError(f"config.data.reward={config.data.reward!r}; expected 'exact' or "
                      f"'math'")
-  val_sets = check_data_config(config.data, run_setup.ASSETS_DIR / "splits")
+  val_sets = check_data_config(config.data, assets.ASSETS_DIR / "splits")
   rl = config.rl
   loss = LossConfig(
       kind=rl.kind, clip_low=rl.clip_low, clip_high=rl.clip_high,
@@ -312,7 +308,7 @@ def run(config, workdir: str | os.PathLike) -> dict:
   point = run_plan.point
   workdir = pathlib.Path(workdir)
   resolved = resolved_config(config, run_plan)
-  if (workdir / DONE_FILE).exists():
+  if rundir.is_done(workdir):
     _check_same_config(workdir / CONFIG_FILE, resolved)
     done = json.loads((workdir / DONE_FILE).read_text())
     logging.info("%s: finished at step %d already; not rerunning", workdir, done["step"])
@@ -402,7 +398,7 @@ def run(config, workdir: str | os.PathLike) -> dict:
   finally:
     _close_all(writer.close, ckpt.close, parts.close)
   if last is None:  # resumed at the last step: nothing was left to do
-    last = metrics_lib.read_metrics(workdir / metrics_lib.METRICS_FILE)[-1]
+    last = rundir.read_metrics(workdir / METRICS_FILE).records[-1]
   if writes_files:
     with disk_full_as(workdir, DONE_FILE):
       _write_json(workdir / DONE_FILE, {"step": point.m, "wall_s": time.time() - t0,

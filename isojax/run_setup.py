@@ -14,12 +14,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
+from isojax import assets, batching, models, rl, sharding
+from isojax import data as data_lib
+from isojax.assets import BASE_MODEL_DIR
+from isojax.data import problem_sets
+from isojax.data.lengths import fit_prompts
 from isojax.rollout.jax_sampler import JaxSampler
 
-ASSETS_DIR = pathlib.Path(__file__).resolve().parent / "assets"
-BASE_MODEL_DIR = ASSETS_DIR / "base_model"
 REWARDS = {"exact": "exact_match", "math": "math_verify"}
 
 
@@ -76,14 +80,10 @@ def load_problem_sets(config) -> tuple[list, dict[str, list]]:
   mixtures, files), data.num_train and the validation-set mapping are those of
   `isojax.data.problem_sets`.
   """
-  from isojax.data import problem_sets
-
-  return problem_sets.load_problem_sets(config.data, ASSETS_DIR / "splits")
+  return problem_sets.load_problem_sets(config.data, assets.ASSETS_DIR / "splits")
 
 
 def _mesh(config):
-  from isojax import sharding
-
   m = config.mesh
   sizes = (m.data, m.fsdp, m.tensor)
   devices = jax.devices()
@@ -93,7 +93,8 @@ def _mesh(config):
 
 
 def _sampler(config, model, mesh):
-  # Each backend is imported only when chosen: the vLLM client needs `requests`.
+  # Each backend is imported only when chosen: the vLLM client needs `requests`
+  # (the `vllm` extra), which a JAX-only install lacks.
   if config.sampler.backend == "jax":
     return JaxSampler(model, mesh=mesh, max_rows=config.sampler.get("max_rows") or None,
                       kv_budget_gib=config.sampler.get("kv_budget_gib") or None)
@@ -114,8 +115,6 @@ def _sampler(config, model, mesh):
 
 def make_step(config, run_plan, model, mesh):
   """The run's jitted update step (`model` may be abstract: `nnx.eval_shape`)."""
-  from isojax import rl, sharding
-
   return rl.make_train_step(model, run_plan.loss, run_plan.optim,
                             batch_size=run_plan.point.batch, group_size=run_plan.point.n,
                             micro_batch_size=run_plan.micro_batch, mesh=mesh,
@@ -125,8 +124,6 @@ def make_step(config, run_plan, model, mesh):
 
 def build_parts(config, run_plan) -> RunParts:
   """Loads model, tokenizer and data; builds sampler, loader and the jitted step."""
-  from isojax import batching, data as data_lib, models, rl, sharding
-
   mesh = _mesh(config)
   path = model_path(config)
   model, _ = models.load_pretrained(
@@ -176,9 +173,6 @@ def fit_context(config, tokenizer, context: int, max_tokens: int, problems: list
   config.data.drop_too_long, which leaves them out with a count in the log.
   `what` names the set in messages ("training", "validation (NAME)").
   """
-  from absl import logging
-  from isojax.data.lengths import fit_prompts
-
   kept, ids, out = fit_prompts(tokenizer, problems, context=context, max_tokens=max_tokens,
                                drop=config.data.drop_too_long, what=f"{what} problem",
                                chat_template=config.data.chat_template)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from experiments import tiny
-from isojax import batching, checkpoint as ckpt_lib, metrics as metrics_lib, run
+from isojax import assets, batching, checkpoint as ckpt_lib, run, rundir
 from isojax import run_setup
 from tests.config_overrides import set_fields
 from tests.xla_cache import persistent_compilation_cache
@@ -54,7 +54,7 @@ def tiny_config(arg=POINT, **overrides):
 
 
 def _records(workdir):
-  return metrics_lib.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
+  return rundir.read_metrics(pathlib.Path(workdir) / "metrics.jsonl").records
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +251,7 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
 
 
 def test_missing_split_file_is_named(monkeypatch, tmp_path):
-  monkeypatch.setattr(run_setup, "ASSETS_DIR", tmp_path)
+  monkeypatch.setattr(assets, "ASSETS_DIR", tmp_path)
   config = tiny_config(**{"data.train": "synthetic:easy"})
   with pytest.raises(ValueError, match=r"no split file .*easy\.jsonl; .*launch/difficulty_splits\.py"):
     run_setup.load_problem_sets(config)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from experiments import difficulty_mix, tiny
-from isojax import metrics as metrics_lib, run
+from isojax import assets, run, rundir
 from isojax.data import Problem, write_jsonl
 from tests.config_overrides import set_fields
 from tests.xla_cache import persistent_compilation_cache
@@ -41,7 +41,7 @@ def _config(arg="bp=4,n=4,budget=48", **overrides):
 
 
 def _records(workdir):
-  return metrics_lib.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
+  return rundir.read_metrics(pathlib.Path(workdir) / "metrics.jsonl").records
 
 
 @pytest.fixture
@@ -111,7 +111,7 @@ def test_num_train_subsample(tmp_path, captured):
   parts = captured["parts"][0]
   assert len(parts.train_problems) == 24
   easy = {json.loads(line)["prompt"]
-          for line in (run_setup_splits() / "easy.jsonl").read_text().splitlines()}
+          for line in (_splits_dir() / "easy.jsonl").read_text().splitlines()}
   assert {p.prompt for p in parts.train_problems} <= easy
   assert not {p.prompt for p in parts.train_problems} & {
       p.prompt for p in parts.val_problems}
@@ -123,9 +123,8 @@ def test_num_train_subsample(tmp_path, captured):
                                        "seed": 0}
 
 
-def run_setup_splits():
-  from isojax import run_setup
-  return run_setup.ASSETS_DIR / "splits"
+def _splits_dir():
+  return assets.ASSETS_DIR / "splits"
 
 
 def test_decoupled_baseline(tmp_path, captured):
@@ -185,7 +184,7 @@ def test_difficulty_mixture_run(tmp_path, captured):
   assert [len(v) for v in parts.val_sets.values()] == [16, 16, 16]
   assert list(parts.val_sets) == ["hard", "easy", "very_easy"]
   splits = {name: {json.loads(line)["prompt"] for line in
-                   (run_setup_splits() / f"{name}.jsonl").read_text().splitlines()}
+                   (_splits_dir() / f"{name}.jsonl").read_text().splitlines()}
             for name in ("extremely_hard", "easy_pass128", "very_easy")}
   prompts = [p.prompt for p in parts.train_problems]
   assert len(prompts) == 40

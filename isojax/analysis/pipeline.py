@@ -30,7 +30,8 @@ from isojax.analysis.bootstrap import BootstrapResult, bootstrap
 from isojax.analysis.frontier import (CurveSet, ExtrapolationCheck, Frontier,
                                       extrapolation_check, fit_curves, frontier, key_label,
                                       log_grid)
-from isojax.analysis.runs import METRICS_FILE, LoadProblem, eval_metrics, pass1_histogram
+from isojax.analysis.runs import LoadProblem, eval_metrics, pass1_histogram
+from isojax.rundir import METRICS_FILE
 
 _METRIC_RE = re.compile(r"^val/(avg|best|worst)@(\d+)$")
 SIGMOID_PARAMS = ("a", "b", "c_mid", "r0")

@@ -18,9 +18,11 @@ from collections.abc import Callable
 
 from isojax import files
 from isojax.errors import IsojaxError
+from isojax.files import log_tail
+from isojax.rundir import DONE_FILE, METRICS_FILE, is_done, last_record
+from isojax.sweep.attempts import (ATTEMPTS_FILE, LOG_FILE, lock_holder, record_attempt,
+                                   try_lock)
 from isojax.sweep.points import Sweep, SweepPoint
-from isojax.sweep.rundir import (ATTEMPTS_FILE, DONE_MARKER, LOG_FILE, is_done, lock_holder, log_tail,
-                                 read_progress, record_attempt, try_lock)
 
 
 def cpu_count() -> int:
@@ -143,7 +145,7 @@ def run_local(sweep: Sweep, *, max_concurrent: int, env: dict | None = None,
     run_dir = sweep.run_dir(sp)
     if is_done(run_dir):
       report.skipped.append(sp.name)
-      print_fn(f"skip   {sp.name}: already finished ({DONE_MARKER} present)")
+      print_fn(f"skip   {sp.name}: already finished ({DONE_FILE} present)")
       return
     try:
       fd = try_lock(run_dir)
@@ -174,7 +176,7 @@ def run_local(sweep: Sweep, *, max_concurrent: int, env: dict | None = None,
     log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launcher "
               f"{os.getpid()}: {' '.join(cmd)}\n".encode())
     log.flush()
-    resumed = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+    resumed = os.path.exists(os.path.join(run_dir, METRICS_FILE))
     try:
       proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                               stdin=subprocess.DEVNULL, pass_fds=(fd,),
@@ -204,7 +206,7 @@ def run_local(sweep: Sweep, *, max_concurrent: int, env: dict | None = None,
       print_fn(f"done   {r.sp.name} in {_fmt_s(seconds)} [{n_done}/{total}]")
       return
     why = (f"exit code {rc}" if rc != 0
-           else f"exit code 0 but no {DONE_MARKER} marker was written")
+           else f"exit code 0 but no {DONE_FILE} marker was written")
     report.failed[r.sp.name] = why
     log_path = os.path.join(run_dir, LOG_FILE)
     print_fn(f"FAILED {r.sp.name}: {why} after {_fmt_s(seconds)}; log: {log_path}\n"
@@ -246,7 +248,7 @@ def run_local(sweep: Sweep, *, max_concurrent: int, env: dict | None = None,
 def _rollouts(sweep: Sweep, sp: SweepPoint) -> int:
   if is_done(sweep.run_dir(sp)):
     return sp.point.compute
-  progress = read_progress(sweep.run_dir(sp)) or {}
+  progress = last_record(sweep.run_dir(sp)) or {}
   return int(progress.get("rollouts", 0))
 
 
@@ -254,7 +256,7 @@ def _status_line(sweep, report, running, waiting, start_progress, t0, total) -> 
   """'3/8 done | bp8_n4_m16_s0 step 5/16 | ETA 3m20s', ETA from rollouts per second."""
   parts = [f"progress: {len(report.finished) + len(report.skipped)}/{total} done"]
   for r in running.values():
-    step = (read_progress(sweep.run_dir(r.sp)) or {}).get("step", 0)
+    step = (last_record(sweep.run_dir(r.sp)) or {}).get("step", 0)
     parts.append(f"{r.sp.name} step {step}/{r.sp.point.m}")
   if waiting:
     parts.append(f"{len(waiting)} locked elsewhere")

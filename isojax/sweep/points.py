@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterable, Sequence
 
 from isojax import budget as budget_lib
+from isojax.assets import BASE_MODEL_DIR
 
 DEFAULT_RUNNER = ("-m", "isojax.main")  # what follows the interpreter in a run command
 
@@ -101,18 +102,14 @@ def load_experiment(config_path: str, arg: str = ""):
   return get_config(arg) if inspect.signature(get_config).parameters else get_config()
 
 
-# What an empty config.model.path means to the run: the committed tiny base model.
-BASE_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "assets", "base_model")
-
-
 def vllm_model(config) -> str | None:
   """The HF directory a vLLM server must serve for runs of `config`, or None when the
   config samples in-process."""
   sampler = config.get("sampler") or {}
   if sampler.get("backend", "jax") != "vllm":
     return None
-  return (config.get("model") or {}).get("path", "") or BASE_MODEL_DIR
+  # An empty model.path means the committed tiny base model, to the run as here.
+  return (config.get("model") or {}).get("path", "") or str(BASE_MODEL_DIR)
 
 
 def apply_overrides(config, args: Sequence[str]):
