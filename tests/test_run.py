@@ -138,7 +138,7 @@ def test_finished_run_is_not_rerun(trained, monkeypatch):
   def no_work(*args, **kwargs):
     raise AssertionError("a finished run must not build anything")
 
-  monkeypatch.setattr(run, "build_parts", no_work)
+  monkeypatch.setattr(run_setup, "build_parts", no_work)
   assert run.run(tiny_config(), workdir) == last
   assert (workdir / "metrics.jsonl").read_bytes() == before
   with pytest.raises(ValueError, match=r"different config .*rl\.kl_coef"):
@@ -222,7 +222,7 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run(tmp_path, monke
 
 
 def _restore_all(workdir, config):
-  parts = run_setup.build_parts(config, run.plan(config))
+  parts = run_setup.build_parts(config, run.plan_run(config))
   template = parts.init_state()
   ck = ckpt_lib.RunCheckpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=5)
   out = {s: ck.restore(s, template)[0] for s in ck.all_steps()}
@@ -284,7 +284,7 @@ def test_extra_eval_steps(tmp_path):
 def test_only_the_first_process_writes_the_run_files(trained, tmp_path, monkeypatch):
   # Another host of a multi-host run: it trains in step with the first (same
   # records) but leaves config.json, metrics.jsonl, TensorBoard and DONE to it.
-  monkeypatch.setattr(run, "writes_run_files", lambda: False)
+  monkeypatch.setattr(run_setup, "writes_run_files", lambda: False)
   workdir = tmp_path / "host1"
   last = run.run(tiny_config(), workdir)
   assert last == _records(trained[0])[-1]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from experiments import difficulty_mix, tiny
-from isojax import assets, run, rundir
+from isojax import assets, run, run_setup, rundir
 from isojax.data import Problem, write_jsonl
 from tests.config_overrides import set_fields
 from tests.xla_cache import persistent_compilation_cache
@@ -48,7 +48,7 @@ def _records(workdir):
 def captured(monkeypatch):
   """The parts each run builds and the batches its step gets."""
   seen = {"parts": [], "batches": []}
-  build = run.build_parts
+  build = run_setup.build_parts
 
   def build_and_watch(config, run_plan):
     parts = build(config, run_plan)
@@ -62,7 +62,7 @@ def captured(monkeypatch):
     seen["parts"].append(parts)
     return parts
 
-  monkeypatch.setattr(run, "build_parts", build_and_watch)
+  monkeypatch.setattr(run_setup, "build_parts", build_and_watch)
   return seen
 
 
@@ -200,7 +200,7 @@ def test_decoupled_run_with_two_val_sets_resumes_exactly(tmp_path, ood_file, mon
   overrides = {"rl.n_est": 8, "data.val": f"in_domain=heldout,ood={ood_file}",
                "checkpoint_every": 2}
   run.run(_config("bp=4,n=4,budget=96", **overrides), tmp_path / "whole")
-  build = run.build_parts
+  build = run_setup.build_parts
 
   def build_and_stop(config, run_plan):
     parts = build(config, run_plan)
@@ -215,10 +215,10 @@ def test_decoupled_run_with_two_val_sets_resumes_exactly(tmp_path, ood_file, mon
     parts.train_step = stop_at_third
     return parts
 
-  monkeypatch.setattr(run, "build_parts", build_and_stop)
+  monkeypatch.setattr(run_setup, "build_parts", build_and_stop)
   with pytest.raises(KeyboardInterrupt):
     run.run(_config("bp=4,n=4,budget=96", **overrides), tmp_path / "cut")
-  monkeypatch.setattr(run, "build_parts", build)
+  monkeypatch.setattr(run_setup, "build_parts", build)
   run.run(_config("bp=4,n=4,budget=96", **overrides), tmp_path / "cut")
   whole = (tmp_path / "whole" / "metrics.jsonl").read_text()
   assert (tmp_path / "cut" / "metrics.jsonl").read_text() == whole

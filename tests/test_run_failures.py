@@ -44,9 +44,9 @@ def test_n_below_the_estimators_minimum_fails_before_any_work(tmp_path):
                                        r"'grpo' needs n >= 2 .*\['batch', 'drgrpo'\]"):
     run.run(small_config("bp=4,n=1,budget=64"), tmp_path / "x1")
   assert not (tmp_path / "x1").exists()
-  run.plan(small_config("bp=4,n=1,budget=64", **{"rl.adv_estimator": "drgrpo"}))
+  run.plan_run(small_config("bp=4,n=1,budget=64", **{"rl.adv_estimator": "drgrpo"}))
   # A decoupled baseline: grpo's std is taken over the n_est = 4 sampled rollouts.
-  run.plan(small_config("bp=4,n=1,budget=64", **{"rl.n_est": 4}))
+  run.plan_run(small_config("bp=4,n=1,budget=64", **{"rl.n_est": 4}))
 
 
 def test_prompt_longer_than_the_context_fails_at_load_naming_the_line(tmp_path):
