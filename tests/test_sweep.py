@@ -501,7 +501,8 @@ def test_dry_run_lists_the_points_it_leaves_out(tmp_path):
       "left out 3 infeasible grid point(s):",
       "  Bp=4 n=1 C=64: n < 2, the fewest the grpo estimator is defined for",
       "  Bp=64 n=1 C=64: n < 2, the fewest the grpo estimator is defined for",
-      "  Bp=64 n=2 C=64: Bp*n = 128 exceeds the budget (M = 0)"]
+      "  Bp=64 n=2 C=64: budget C=64 rollouts is smaller than one batch Bp*n = 64*2 = "
+      "128: M = floor(C/(Bp*n)) = 0 updates"]
 
 
 def test_grid_of_only_infeasible_n_fails_in_one_line(tmp_path):
