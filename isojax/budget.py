@@ -20,6 +20,7 @@ PAPER_BP_VALUES = tuple(2**e for e in range(5, 11))
 PAPER_N_VALUES = tuple(2**e for e in range(3, 12))
 PAPER_B_MAX_EASY = 65_536
 PAPER_B_MAX_HARD = 16_384
+PAPER_B_MAX = {"easy": PAPER_B_MAX_EASY, "hard": PAPER_B_MAX_HARD}  # by difficulty split
 
 
 def _as_positive_int(value, name: str) -> int:
@@ -121,14 +122,31 @@ class BudgetPoint:
     return cls(bp=bp, n=n, m=m, n_est=n_est)
 
   def validate(self, b_max=None) -> "BudgetPoint":
-    """Raises ValueError naming the numbers if Bp * n exceeds `b_max`; else self."""
+    """The one batch-size feasibility rule: raises ValueError naming the numbers if
+    the batch sampled per update, Bp * n (Bp * n_est for a decoupled baseline),
+    exceeds `b_max`; else returns self. None means no bound."""
     if b_max is not None:
       b_max = _as_positive_int(b_max, "b_max")
-      if self.batch > b_max:
+      if self.sampled_batch > b_max:
+        what = "Bp*n" if self.n_est is None else "Bp*n_est"
         raise ValueError(
-            f"infeasible budget point: Bp*n = {self.bp}*{self.n} = {self.batch} "
-            f"exceeds b_max = {b_max}")
+            f"infeasible budget point: {what} = {self.bp}*{self.rollouts_per_problem} "
+            f"= {self.sampled_batch} exceeds b_max = {b_max}")
     return self
+
+  @classmethod
+  def feasible(cls, compute, *, bp, n, n_est=None, b_max=None) -> "BudgetPoint":
+    """The point `from_budget` gives, checked by `validate(b_max)`.
+
+    The batch is checked first (on a one-update point: it does not depend on M), so
+    a point that is both too wide and too expensive is reported for its batch.
+
+    Raises:
+      ValueError: naming the numbers, when Bp * n (Bp * n_est) exceeds b_max or the
+        budget pays for no update (M = 0).
+    """
+    cls(bp=bp, n=n, m=1, n_est=n_est).validate(b_max)
+    return cls.from_budget(compute, bp=bp, n=n, n_est=n_est)
 
   def to_dict(self) -> dict:
     """Plain dict for config.json / metrics, including the derived numbers.
@@ -153,8 +171,8 @@ def sweep_grid(bp_values: Iterable, n_values: Iterable, *, b_max,
                budget) -> list[BudgetPoint]:
   """Feasible budget points of a (Bp, n) grid at one or several budgets.
 
-  A pair is feasible when Bp * n <= b_max and at least one update fits the budget
-  (Bp * n <= C). Points are returned sorted by (compute budget, Bp, n) and deduplicated.
+  A pair is feasible when `BudgetPoint.feasible` accepts it: Bp * n <= b_max and at
+  least one update fits the budget (Bp * n <= C). Points are returned sorted by (compute budget, Bp, n) and deduplicated.
 
   Args:
     bp_values: problems-per-batch values.
@@ -178,9 +196,10 @@ def sweep_grid(bp_values: Iterable, n_values: Iterable, *, b_max,
   for compute in sorted(set(budgets)):
     for bp in sorted(set(bp_values)):
       for n in sorted(set(n_values)):
-        if bp * n > b_max or bp * n > compute:
-          continue
-        points.append(BudgetPoint.from_budget(compute, bp=bp, n=n))
+        try:
+          points.append(BudgetPoint.feasible(compute, bp=bp, n=n, b_max=b_max))
+        except ValueError:
+          continue  # left out; an all-infeasible grid is reported below
   if not points:
     raise ValueError(
         f"no feasible budget point: every Bp*n in Bp={bp_values} x n={n_values} "

@@ -4,8 +4,8 @@ One orbax `CheckpointManager` under `<workdir>/checkpoints/<step>/` holds two
 items per step:
   state  the train-state pytree (params, optimiser state, step, ...), sharded
          arrays restored onto the shardings of a template state;
-  host   a JSON dict: data-loader position, compute ledger, RNG key data, the
-         consecutive-skip count, anything else the loop needs to continue.
+  host   a `HostState` as JSON: data-loader position, compute ledger, RNG key
+         data, the consecutive-skip count: what else the loop needs to continue.
 Orbax writes a step into a temporary directory and renames it when complete, so
 a run killed mid-save leaves the previous checkpoint as the latest one. Saving is
 synchronous: the loop's metrics line for a step is on disk before the step's
@@ -18,6 +18,7 @@ first and raises `NonFiniteStateError` naming the leaves instead of writing.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any
 
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from isojax.budget import Ledger
 from isojax.errors import IsojaxError
 
 
@@ -45,8 +47,50 @@ def nonfinite_leaves(tree: Any) -> list[str]:
   return bad
 
 
+@dataclasses.dataclass(frozen=True)
+class HostState:
+  """What a checkpoint stores beside the train state's arrays, so that a resumed
+  run continues exactly; written and read only through this definition.
+
+  Attributes:
+    step: the update the checkpoint follows.
+    loader: the data loader's position (`EpochLoader.state_dict()`).
+    ledger: the compute spent up to `step`.
+    consecutive_skips: non-finite updates in a row up to `step`.
+    rng: the run's PRNG key data (`key_to_host`), checked against the seed on resume.
+  """
+
+  step: int
+  loader: dict
+  ledger: Ledger
+  consecutive_skips: int
+  rng: tuple[int, ...]
+
+  def to_json(self) -> dict:
+    """The JSON object the checkpoint's `host` item holds."""
+    return {"step": self.step, "loader": dict(self.loader),
+            "ledger": self.ledger.state_dict(),
+            "consecutive_skips": self.consecutive_skips, "rng": list(self.rng)}
+
+  @classmethod
+  def from_json(cls, host: dict) -> "HostState":
+    """Inverse of `to_json`; accepts NumPy scalars (as orbax restores them).
+
+    Raises:
+      ValueError: naming the keys, for a host item of another layout.
+    """
+    expected = sorted(f.name for f in dataclasses.fields(cls))
+    if sorted(host) != expected:
+      raise ValueError(f"checkpoint host state has keys {sorted(host)}; expected "
+                       f"{expected}")
+    return cls(step=int(host["step"]), loader=dict(host["loader"]),
+               ledger=Ledger.from_state_dict(host["ledger"]),
+               consecutive_skips=int(host["consecutive_skips"]),
+               rng=tuple(int(x) for x in host["rng"]))
+
+
 class RunCheckpointer:
-  """Saves and restores (train state, host state) pairs under `directory`."""
+  """Saves and restores (train state, `HostState`) pairs under `directory`."""
 
   def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int):
     if max_to_keep < 1:
@@ -64,8 +108,8 @@ class RunCheckpointer:
   def all_steps(self) -> list[int]:
     return list(self._manager.all_steps())
 
-  def save(self, step: int, state: Any, host: dict) -> None:
-    """Writes `state` and the JSON-serialisable `host` dict as checkpoint `step`.
+  def save(self, step: int, state: Any, host: HostState) -> None:
+    """Writes `state` and `host` as checkpoint `step`.
 
     Raises:
       NonFiniteStateError: if any floating leaf of `state` is NaN/inf; nothing is
@@ -77,16 +121,16 @@ class RunCheckpointer:
       raise NonFiniteStateError(
           f"refusing to checkpoint step {step}: non-finite values in {shown}")
     self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host)))
+        state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host.to_json())))
     self._manager.wait_until_finished()
 
-  def restore(self, step: int, template_state: Any) -> tuple[Any, dict]:
+  def restore(self, step: int, template_state: Any) -> tuple[Any, HostState]:
     """Restores checkpoint `step` onto the shapes, dtypes and shardings of
     `template_state` (e.g. a freshly initialised state); returns (state, host)."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template_state)
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), host=ocp.args.JsonRestore()))
-    return restored["state"], dict(restored["host"])
+    return restored["state"], HostState.from_json(dict(restored["host"]))
 
   def close(self) -> None:
     self._manager.close()

@@ -1,4 +1,5 @@
-"""Creating the files of a run directory or sweep root without following links.
+"""Creating the files of a run directory or sweep root without following links;
+reading the tail of a log.
 
 A run directory or sweep root may sit on a shared cluster filesystem, where
 anyone who can write into it could plant a symbolic link at a name isojax is
@@ -81,3 +82,20 @@ def make_dir(path: str | os.PathLike) -> None:
   check_not_link(path)
   os.makedirs(path, exist_ok=True)
   check_not_link(path)  # lost a race with someone planting a link
+
+
+# How much of a log `log_tail` reads: the last lines of any real log.
+_LOG_TAIL_BYTES = 64 * 1024
+
+
+def log_tail(path: str | os.PathLike, lines: int = 20) -> str:
+  """The last `lines` lines of a log file (a run's, the vLLM server's) for an error
+  message, or a note saying why there is none."""
+  try:
+    with open(path, "rb") as f:
+      f.seek(0, os.SEEK_END)
+      f.seek(max(0, f.tell() - _LOG_TAIL_BYTES))
+      text = f.read().decode("utf-8", "replace")
+  except OSError as e:
+    return f"(no log: {e})"
+  return "\n".join(text.splitlines()[-lines:])

@@ -46,7 +46,7 @@ def main(argv):
     return
   if _WORKDIR.value is None:
     raise app.UsageError("flag --workdir is required (the run directory), unless --dry_run")
-  from isojax import run
+  from isojax import run  # after flag parsing, like memory: JAX loads only for work
   run.run(_CONFIG.value, _WORKDIR.value)
 
 

@@ -14,7 +14,13 @@ import json
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from isojax import batching, models, rl, run, run_setup
+from isojax import data as data_lib
+from isojax.models import Decoder, ModelConfig
 
 GIB = 1024 ** 3
 
@@ -97,10 +103,6 @@ def step_memory(train_step, state, batch) -> StepMemory:
 
 def abstract_decoder(cfg):
   """An ``isojax.models.Decoder`` of ``cfg`` with shapes only (no parameter memory)."""
-  from flax import nnx
-
-  from isojax.models import Decoder
-
   return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
 
 
@@ -113,11 +115,7 @@ def dry_run(config) -> tuple[StepMemory, dict]:
   Returns:
     (StepMemory, a dict describing what was compiled: B, T, micro-batch, mesh).
   """
-  import jax.numpy as jnp
-
-  from isojax import batching, data as data_lib, models, rl, run, run_setup
-
-  run_plan = run.plan(config)
+  run_plan = run.plan_run(config)
   path = run_setup.model_path(config)
   config_file = path / "config.json"
   if not config_file.exists():
@@ -171,8 +169,6 @@ MODEL_SHAPES = {
 
 def model_shape(name: str, **overrides):
   """The ``ModelConfig`` of a ``MODEL_SHAPES`` entry, with field overrides."""
-  from isojax.models import ModelConfig
-
   if name not in MODEL_SHAPES:
     raise ValueError(f"unknown model shape {name!r}; known: {sorted(MODEL_SHAPES)}")
   return ModelConfig(**{**MODEL_SHAPES[name], **overrides})
@@ -193,8 +189,6 @@ def extrapolated_step_memory(cfg, loss_cfg, optim_cfg, *, batch_size: int, seq_l
   from 2 and 4 layers are within 1 % of the full-depth compile; from 1 and 2
   layers the 7B's temporaries came out negative).
   """
-  from isojax import rl
-
   def measure(layers):
     model = abstract_decoder(cfg.replace(num_layers=layers))
     step = rl.make_train_step(model, loss_cfg, optim_cfg, batch_size=batch_size,

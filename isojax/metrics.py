@@ -23,13 +23,11 @@ import re
 from typing import Any
 
 import numpy as np
+from tensorboardX import SummaryWriter
 
-from isojax import files
+from isojax import files, rundir
 
 _TB_ILLEGAL = re.compile(r"[^-/\w\.]")
-
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
 
 
 def _plain(value: Any) -> Any:
@@ -56,23 +54,6 @@ def tb_tag(key: str) -> str:
   return _TB_ILLEGAL.sub("_", key)
 
 
-def read_metrics(path: str | pathlib.Path) -> list[dict]:
-  """All complete lines of a metrics.jsonl file, parsed (a torn last line is skipped)."""
-  path = pathlib.Path(path)
-  if not path.exists():
-    return []
-  lines = path.read_text().splitlines(keepends=True)
-  out = []
-  for i, line in enumerate(lines):
-    if not line.endswith("\n"):
-      break  # torn write of a killed run
-    try:
-      out.append(json.loads(line))
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{path}:{i + 1}: not a JSON object ({e})") from e
-  return out
-
-
 def truncate_metrics(path: str | pathlib.Path, max_step: int | None) -> int:
   """Keeps only complete lines with step <= max_step (none if max_step is None).
 
@@ -82,7 +63,7 @@ def truncate_metrics(path: str | pathlib.Path, max_step: int | None) -> int:
   path = pathlib.Path(path)
   files.check_not_link(path)
   kept = [] if max_step is None else [
-      r for r in read_metrics(path) if int(r["step"]) <= max_step]
+      r for r in rundir.read_metrics(path).records if int(r["step"]) <= max_step]
   files.write_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
   return len(kept)
 
@@ -101,18 +82,17 @@ class MetricsWriter:
 
   def __init__(self, workdir: str | pathlib.Path, *, resume_step: int | None,
                tensorboard: bool = True, enabled: bool = True):
-    self.path = pathlib.Path(workdir) / METRICS_FILE
+    self.path = pathlib.Path(workdir) / rundir.METRICS_FILE
     self._file = self._tb = None
     if not enabled:
       return
     truncate_metrics(self.path, resume_step)
     self._file = files.open_append(self.path)
     if tensorboard:
-      from tensorboardX import SummaryWriter  # lazy: heavy import
       # purge_step hides events a killed run wrote after its last checkpoint.
       purge = None if resume_step is None else resume_step + 1
-      files.make_dir(pathlib.Path(workdir) / TENSORBOARD_DIR)
-      self._tb = SummaryWriter(str(pathlib.Path(workdir) / TENSORBOARD_DIR),
+      files.make_dir(pathlib.Path(workdir) / rundir.TENSORBOARD_DIR)
+      self._tb = SummaryWriter(str(pathlib.Path(workdir) / rundir.TENSORBOARD_DIR),
                                purge_step=purge)
 
   def write(self, step: int, metrics: dict) -> dict:

@@ -3,19 +3,21 @@
     sample Bp problems -> n rollouts each -> rewards -> Batch -> step (advantages,
     loss, update inside) -> weight sync -> ledger -> [eval] -> metrics -> [checkpoint]
 
-`plan(config)` validates everything that can be checked without work (the budget
-point above all: an infeasible point fails here, naming its numbers); `run`
-then builds the parts and loops until M updates are done. The workdir holds
+`plan_run(config)` validates everything that can be checked without work (the
+budget point above all: an infeasible point fails here, naming its numbers); `run`
+then opens the run (builds the parts, resumes from the last checkpoint) and loops
+until M updates are done. The workdir (layout: `isojax.rundir`) holds
 
     config.json     the resolved config, with the derived budget point
     metrics.jsonl   one line per step (step 0: the base model's eval)
     tensorboard/    the same scalars, plus pass@1 histograms
-    checkpoints/    orbax steps: train state + data position, ledger, RNG
+    checkpoints/    orbax steps: train state + `HostState` (data position, ledger, RNG)
     DONE            written last; a finished run is not rerun
 
 Determinism: the samples of step s are drawn with a seed derived from (seed, s)
 alone via `jax.random.fold_in`, evals with fixed per-run seeds, and the data
-order comes from (seed, epoch); nothing depends on process history. A run restarted from its checkpoint at step k therefore redoes
+order comes from (seed, epoch); nothing depends on process history. A run
+restarted from its checkpoint at step k therefore redoes
 steps k+1.. exactly as the uninterrupted run did (bitwise on CPU), and
 metrics.jsonl is cut back to step k first so it ends up identical.
 """
@@ -31,21 +33,22 @@ import time
 
 import jax
 import numpy as np
+import tqdm
 from absl import logging
 
+from isojax import assets, batching, rundir, run_setup
 from isojax import budget as budget_lib
-from isojax import checkpoint as ckpt_lib
-from isojax import files
+from isojax import evaluate as ev
 from isojax import metrics as metrics_lib
-from isojax import run_setup
+from isojax.checkpoint import HostState
+from isojax.data.problem_sets import check_data_config, metric_prefix
 from isojax.errors import IsojaxError, disk_full_as
-from isojax.rl import LossConfig
-from isojax.rollout.memory import check_run_split
-from isojax.run_setup import RunParts, build_parts, model_of, nonfinite_step_message
-
-CONFIG_FILE = "config.json"
-DONE_FILE = "DONE"
-CHECKPOINT_DIR = "checkpoints"
+from isojax.evaluate import score_rollouts
+from isojax.rl import LossConfig, OptimConfig, learning_rate
+from isojax.rl.advantages import ESTIMATORS, min_group_size
+from isojax.rundir import CONFIG_FILE, DONE_FILE, METRICS_FILE
+from isojax.run_setup import (OpenRun, RunParts, check_same_config, model_of,
+                              nonfinite_step_message, open_run, run_key, write_json)
 
 # Streams of seed-derived randomness (see `derive_seed`). Validation set i > 0
 # (data.val's i-th set) uses stream _VAL_EXTRA + i.
@@ -84,29 +87,20 @@ def _off_if_zero(x):
   return None if x == 0 else x
 
 
-def plan(config) -> RunPlan:
+def plan_run(config) -> RunPlan:
   """Validates `config` and derives the budget point; does no work.
 
   Raises:
     ValueError: naming the numbers, for an infeasible budget point (Bp * n >
       b_max, or a budget below one batch so that M = 0) or any bad field.
   """
-  from isojax.rl import LossConfig, OptimConfig, learning_rate  # lazy: JAX import
-
-  from isojax.data.problem_sets import check_data_config
-
   n_est = config.rl.n_est or None
   per = n_est or config.n
-  batch = config.bp * per
-  if batch > config.b_max:
-    what = "Bp*n" if n_est is None else "Bp*n_est"
-    raise ValueError(f"infeasible budget point: {what} = {config.bp}*{per} = {batch} "
-                     f"exceeds b_max = {config.b_max} (budget C={config.budget:g})")
   if n_est is not None and n_est < config.n:
     raise ValueError(f"config.rl.n_est={n_est} must be 0 (off) or >= n={config.n}: the "
                      f"baseline is estimated from n_est rollouts, n of them trained on")
-  point = budget_lib.BudgetPoint.from_budget(config.budget, bp=config.bp, n=config.n,
-                                             n_est=n_est)
+  point = budget_lib.BudgetPoint.feasible(config.budget, bp=config.bp, n=config.n,
+                                          n_est=n_est, b_max=config.b_max)
   # The estimator's baseline is taken over the n_est sampled rollouts when set.
   check_min_n(per, config.rl.adv_estimator)
   for name in ("eval_every", "checkpoint_every", "keep_checkpoints",
@@ -122,7 +116,7 @@ def plan(config) -> RunPlan:
   if config.data.reward not in ("exact", "math"):
     raise ValueError(f"config.data.reward={config.data.reward!r}; expected 'exact' or "
                      f"'math'")
-  val_sets = check_data_config(config.data, run_setup.ASSETS_DIR / "splits")
+  val_sets = check_data_config(config.data, assets.ASSETS_DIR / "splits")
   rl = config.rl
   loss = LossConfig.from_config(rl, name="config.rl")
   loss.check_on_policy(name="config.rl")  # clip settings would be silent no-ops
@@ -141,8 +135,6 @@ def plan(config) -> RunPlan:
 
 def check_min_n(n: int, estimator: str) -> None:
   """Raises ValueError when n rollouts per problem are too few for the estimator."""
-  from isojax.rl.advantages import ESTIMATORS, min_group_size  # lazy: JAX import
-
   need = min_group_size(estimator)
   if n < need:
     fits = sorted(k for k in ESTIMATORS if min_group_size(k) <= n)
@@ -180,46 +172,11 @@ def derive_seed(seed: int, *path: int) -> int:
   return int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
 
 
-def writes_run_files() -> bool:
-  """Whether this process writes config.json, metrics.jsonl and DONE.
-
-  Only the first process of a multi-host run does (orbax coordinates the
-  checkpoints itself): every process appending to one metrics.jsonl on a shared
-  filesystem would write each line once per host.
-  """
-  return jax.process_index() == 0
-
-
-def _write_json(path: pathlib.Path, obj) -> None:
-  files.write_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
-
-
-def _check_same_config(path: pathlib.Path, resolved: dict) -> None:
-  old, new = _flat(json.loads(path.read_text())), _flat(resolved)
-  diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-  if diff:
-    raise ValueError(f"{path} was written by a run with a different config (differs in "
-                     f"{diff[:8]}); use a fresh --workdir or the same config")
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(_flat(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = json.dumps(v)
-  return out
-
-
 def evaluate_step(parts: RunParts, config) -> tuple[dict, np.ndarray | None]:
   """Validation avg/best/worst@k of every set and the training set's pass@1 histogram.
 
   The primary set logs val/avg@k etc., set NAME val/NAME/avg@k etc.
   """
-  from isojax import evaluate as ev
-  from isojax.data.problem_sets import metric_prefix
-
   kwargs = dict(k=config.eval.k, temperature=config.eval.temperature,
                 max_tokens=parts.max_tokens, top_p=config.sampler.top_p,
                 reward_fn=parts.reward_fn, chat_template=config.data.chat_template,
@@ -244,10 +201,14 @@ def evaluate_step(parts: RunParts, config) -> tuple[dict, np.ndarray | None]:
 
 
 def sample_and_update(parts: RunParts, config, state, step: int):
-  """One update: sample, score, pack, step. Returns (state, host metrics, rollouts)."""
-  from isojax import batching
-  from isojax.evaluate import score_rollouts
+  """One update: sample, score, pack, step.
 
+  Returns:
+    (state, metrics, rollouts, dropped): the new train state; the step's metrics
+    ("train/...", the device's and the host's); every rollout sampled, also those
+    only the baseline saw (the ledger pays for all); and how many of them a
+    filter dropped from the loss.
+  """
   n = config.n
   n_est = config.rl.n_est or n  # rollouts sampled per problem
   problems = parts.loader.next_batch()
@@ -309,120 +270,91 @@ def run(config, workdir: str | os.PathLike) -> dict:
     NonFiniteLossError: after config.max_consecutive_skips non-finite updates in
       a row (the last checkpoint is still clean: NaN is never checkpointed).
   """
-  run_plan = plan(config)
-  point = run_plan.point
+  run_plan = plan_run(config)
   workdir = pathlib.Path(workdir)
   resolved = resolved_config(config, run_plan)
-  if (workdir / DONE_FILE).exists():
-    _check_same_config(workdir / CONFIG_FILE, resolved)
+  if rundir.is_done(workdir):
+    check_same_config(workdir / CONFIG_FILE, resolved)
     done = json.loads((workdir / DONE_FILE).read_text())
     logging.info("%s: finished at step %d already; not rerunning", workdir, done["step"])
     return done["last"]
-  writes_files = writes_run_files()
-  workdir.mkdir(parents=True, exist_ok=True)
-  if (workdir / CONFIG_FILE).exists():
-    _check_same_config(workdir / CONFIG_FILE, resolved)
-  logging.info("budget point %s: B=%d, C=%d rollouts, lr=%.3g", point.name, point.batch,
-               point.compute, run_plan.lr)
-
-  t0 = time.time()
-  parts = build_parts(config, run_plan)
-  state = parts.init_state()
-  files.check_not_link(workdir / CHECKPOINT_DIR)
-  split = check_run_split(config, model_of(parts, state).cfg, state,
-                          rollouts=point.bp * (config.rl.n_est or config.n),
-                          max_len=parts.prompt_width + parts.max_tokens)
-  if split is not None:
-    logging.info("memory per device: trainer state %.2f GiB + sampler KV cache %.2f GiB "
-                 "(%d rows) of %.2f GiB", split["trainer_gib"], split["kv_gib"],
-                 split["rows"], split["device_gib"])
-  ckpt = ckpt_lib.RunCheckpointer(workdir / CHECKPOINT_DIR,
-                                  max_to_keep=config.keep_checkpoints)
-  ledger, skips, start = budget_lib.Ledger(), 0, ckpt.latest_step()
-  if start is not None:
-    state, host = ckpt.restore(start, state)
-    if host["rng"] != ckpt_lib.key_to_host(jax.random.key(config.seed)):
-      raise ValueError(f"checkpoint {start} in {workdir} was made with another seed")
-    parts.loader.load_state_dict(host["loader"])
-    ledger = budget_lib.Ledger.from_state_dict(host["ledger"])
-    skips = int(host["consecutive_skips"])
-    parts.sampler.update_weights(model_of(parts, state))
-    logging.info("resumed from the checkpoint at step %d", start)
-  # Only a run that really started (model, data, sampler and state loaded) records
-  # its config: a failed start (a bad model path) must not hold its config against
-  # the corrected command in the same workdir.
-  if writes_files and not (workdir / CONFIG_FILE).exists():
-    with disk_full_as(workdir, CONFIG_FILE):
-      _write_json(workdir / CONFIG_FILE, resolved)
-  writer = metrics_lib.MetricsWriter(workdir, resume_step=start, enabled=writes_files)
-  last = None
+  opened = open_run(config, run_plan, workdir, resolved)
   try:
-    if start is None:
-      start = 0
-      val, counts = evaluate_step(parts, config)
-      with disk_full_as(writer.path, "the metrics of step 0"):
-        last = writer.write(0, {"rollouts": 0, "tokens": 0, "dropped_rollouts": 0, **val})
-        if counts is not None:
-          writer.write_histogram(0, "train/pass@1", counts / config.eval.k)
-    extra_evals = frozenset(config.eval_steps)
-    bar = _progress(point.m, start, point.name)
-    for step in range(start + 1, point.m + 1):
-      state, record, rollouts, dropped = sample_and_update(parts, config, state, step)
-      # The step donates its input: the sampler must get the new arrays even when
-      # the update was skipped (same values, fresh buffers).
-      parts.sampler.update_weights(model_of(parts, state))
-      ledger = ledger.add_rollouts(rollouts, dropped_rollouts=dropped)
-      skips = skips + 1 if record["train/skipped"] > 0 else 0
-      record = {"rollouts": ledger.rollouts, "tokens": ledger.tokens,
-                "dropped_rollouts": ledger.dropped_rollouts, **record,
-                "consecutive_skips": skips}
-      counts = None
-      if step % config.eval_every == 0 or step == point.m or step in extra_evals:
-        val, counts = evaluate_step(parts, config)
-        record.update(val)
-      with disk_full_as(writer.path, f"the metrics of step {step}"):
-        last = writer.write(step, record)
-        if counts is not None:
-          writer.write_histogram(step, "train/pass@1", counts / config.eval.k)
-      bar.update(1)
-      bar.set_postfix(reward=f"{record['train/reward']:.3f}")
-      if counts is not None:
-        logging.info("step %d/%d: train reward %.3f, val avg@%d %.3f (%.0f s)", step,
-                     point.m, record["train/reward"], config.eval.k,
-                     record[f"val/avg@{config.eval.k}"], time.time() - t0)
-      if skips >= config.max_consecutive_skips:
-        raise NonFiniteLossError(nonfinite_step_message(
-            step, skips, config.max_consecutive_skips, ckpt.latest_step()))
-      if step % config.checkpoint_every == 0 or step == point.m:
-        with disk_full_as(ckpt.directory, f"checkpoint {step}"):
-          ckpt.save(step, state, {
-              "step": step, "loader": parts.loader.state_dict(),
-              "ledger": ledger.state_dict(), "consecutive_skips": skips,
-              "rng": ckpt_lib.key_to_host(jax.random.key(config.seed))})
-    bar.close()
+    last = train_loop(opened, config, run_plan.point)
   finally:
-    _close_all(writer.close, ckpt.close, parts.close)
+    opened.close()
   if last is None:  # resumed at the last step: nothing was left to do
-    last = metrics_lib.read_metrics(workdir / metrics_lib.METRICS_FILE)[-1]
-  if writes_files:
+    last = rundir.read_metrics(workdir / METRICS_FILE).records[-1]
+  point = run_plan.point
+  if run_setup.writes_run_files():  # on the module: a test stands in for another host
     with disk_full_as(workdir, DONE_FILE):
-      _write_json(workdir / DONE_FILE, {"step": point.m, "wall_s": time.time() - t0,
-                                        "last": last})
-  logging.info("done: %s in %.1f s", point.name, time.time() - t0)
+      write_json(workdir / DONE_FILE, {"step": point.m, "wall_s": time.time() - opened.t0,
+                                       "last": last})
+  logging.info("done: %s in %.1f s", point.name, time.time() - opened.t0)
   return last
 
 
-def _close_all(*closes) -> None:
-  """Calls every close; while an error propagates (called from `finally`), a close
-  that fails too (a full disk) is logged, not raised over the error's cause."""
-  failing = sys.exc_info()[0] is not None
-  for close in closes:
-    try:
-      close()
-    except Exception as e:  # pylint: disable=broad-except
-      if not failing:
-        raise
-      logging.warning("while stopping after an error, %s failed: %s", close, e)
+def train_loop(opened: OpenRun, config, point: budget_lib.BudgetPoint) -> dict | None:
+  """Runs the updates after the opened run's last step up to M: sample, update,
+  sync weights, count, [eval], write metrics, [checkpoint].
+
+  Returns:
+    the last metrics record written, or None when nothing was left to do.
+  """
+  parts, writer, ckpt, state = opened.parts, opened.writer, opened.ckpt, opened.state
+  last = None
+  if opened.resumed is None:
+    start, ledger, skips = 0, budget_lib.Ledger(), 0
+    val, counts = evaluate_step(parts, config)
+    last = _write_step(writer, 0, {"rollouts": 0, "tokens": 0, "dropped_rollouts": 0, **val},
+                       counts, config.eval.k)
+  else:
+    start, ledger = opened.resumed.step, opened.resumed.ledger
+    skips = opened.resumed.consecutive_skips
+  extra_evals = frozenset(config.eval_steps)
+  bar = _progress(point.m, start, point.name)
+  for step in range(start + 1, point.m + 1):
+    state, record, rollouts, dropped = sample_and_update(parts, config, state, step)
+    # The step donates its input: the sampler must get the new arrays even when
+    # the update was skipped (same values, fresh buffers).
+    parts.sampler.update_weights(model_of(parts, state))
+    ledger = ledger.add_rollouts(rollouts, dropped_rollouts=dropped)
+    skips = skips + 1 if record["train/skipped"] > 0 else 0
+    record = {"rollouts": ledger.rollouts, "tokens": ledger.tokens,
+              "dropped_rollouts": ledger.dropped_rollouts, **record,
+              "consecutive_skips": skips}
+    counts = None
+    if step % config.eval_every == 0 or step == point.m or step in extra_evals:
+      val, counts = evaluate_step(parts, config)
+      record.update(val)
+    last = _write_step(writer, step, record, counts, config.eval.k)
+    bar.update(1)
+    bar.set_postfix(reward=f"{record['train/reward']:.3f}")
+    if counts is not None:
+      logging.info("step %d/%d: train reward %.3f, val avg@%d %.3f (%.0f s)", step,
+                   point.m, record["train/reward"], config.eval.k,
+                   record[f"val/avg@{config.eval.k}"], time.time() - opened.t0)
+    if skips >= config.max_consecutive_skips:
+      raise NonFiniteLossError(nonfinite_step_message(
+          step, skips, config.max_consecutive_skips, ckpt.latest_step()))
+    if step % config.checkpoint_every == 0 or step == point.m:
+      host = HostState(step=step, loader=parts.loader.state_dict(), ledger=ledger,
+                       consecutive_skips=skips, rng=tuple(run_key(config)))
+      with disk_full_as(ckpt.directory, f"checkpoint {step}"):
+        ckpt.save(step, state, host)
+  bar.close()
+  return last
+
+
+def _write_step(writer: metrics_lib.MetricsWriter, step: int, record: dict,
+                counts: np.ndarray | None, k: int) -> dict:
+  """Writes a step's metrics line (and its pass@1 histogram at an eval); returns the
+  record. A full disk becomes one message naming the step."""
+  with disk_full_as(writer.path, f"the metrics of step {step}"):
+    last = writer.write(step, record)
+    if counts is not None:
+      writer.write_histogram(step, "train/pass@1", counts / k)
+  return last
 
 
 class _NoBar:
@@ -440,5 +372,4 @@ def _progress(total: int, initial: int, desc: str):
   """A tqdm bar with ETA on an interactive terminal; nothing in logs/pipes."""
   if not sys.stderr.isatty():
     return _NoBar()
-  import tqdm
   return tqdm.tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)

@@ -1,25 +1,40 @@
-"""Builds the parts a run loop drives: model, data, sampler, step, reward.
+"""Builds the parts a run loop drives (model, data, sampler, step, reward) and
+opens a run directory (resume from its last checkpoint, config.json, metrics).
 
 Kept apart from `isojax/run.py` so the loop reads as the loop. Everything here
-is set-up (load, tokenize, compile-once objects); no training happens.
+is set-up (load, tokenize, compile-once objects, restore); no training happens.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
+from isojax import assets, batching, files, models, rl, sharding
+from isojax import budget as budget_lib
+from isojax import checkpoint as ckpt_lib
+from isojax import data as data_lib
+from isojax import metrics as metrics_lib
+from isojax.assets import BASE_MODEL_DIR
+from isojax.checkpoint import HostState
+from isojax.data import problem_sets
+from isojax.data.lengths import fit_prompts
+from isojax.errors import disk_full_as
 from isojax.rollout.jax_sampler import JaxSampler
+from isojax.rollout.memory import check_run_split
+from isojax.rundir import CHECKPOINT_DIR, CONFIG_FILE
 
-ASSETS_DIR = pathlib.Path(__file__).resolve().parent / "assets"
-BASE_MODEL_DIR = ASSETS_DIR / "base_model"
 REWARDS = {"exact": "exact_match", "math": "math_verify"}
 
 
@@ -76,14 +91,10 @@ def load_problem_sets(config) -> tuple[list, dict[str, list]]:
   mixtures, files), data.num_train and the validation-set mapping are those of
   `isojax.data.problem_sets`.
   """
-  from isojax.data import problem_sets
-
-  return problem_sets.load_problem_sets(config.data, ASSETS_DIR / "splits")
+  return problem_sets.load_problem_sets(config.data, assets.ASSETS_DIR / "splits")
 
 
 def _mesh(config):
-  from isojax import sharding
-
   m = config.mesh
   sizes = (m.data, m.fsdp, m.tensor)
   devices = jax.devices()
@@ -93,7 +104,8 @@ def _mesh(config):
 
 
 def _sampler(config, model, mesh):
-  # Each backend is imported only when chosen: the vLLM client needs `requests`.
+  # Each backend is imported only when chosen: the vLLM client needs `requests`
+  # (the `vllm` extra), which a JAX-only install lacks.
   if config.sampler.backend == "jax":
     return JaxSampler(model, mesh=mesh, max_rows=config.sampler.get("max_rows") or None,
                       kv_budget_gib=config.sampler.get("kv_budget_gib") or None)
@@ -114,8 +126,6 @@ def _sampler(config, model, mesh):
 
 def make_step(config, run_plan, model, mesh):
   """The run's jitted update step (`model` may be abstract: `nnx.eval_shape`)."""
-  from isojax import rl, sharding
-
   return rl.make_train_step(model, run_plan.loss, run_plan.optim,
                             batch_size=run_plan.point.batch, group_size=run_plan.point.n,
                             micro_batch_size=run_plan.micro_batch, mesh=mesh,
@@ -125,8 +135,6 @@ def make_step(config, run_plan, model, mesh):
 
 def build_parts(config, run_plan) -> RunParts:
   """Loads model, tokenizer and data; builds sampler, loader and the jitted step."""
-  from isojax import batching, data as data_lib, models, rl, sharding
-
   mesh = _mesh(config)
   path = model_path(config)
   model, _ = models.load_pretrained(
@@ -176,9 +184,6 @@ def fit_context(config, tokenizer, context: int, max_tokens: int, problems: list
   config.data.drop_too_long, which leaves them out with a count in the log.
   `what` names the set in messages ("training", "validation (NAME)").
   """
-  from absl import logging
-  from isojax.data.lengths import fit_prompts
-
   kept, ids, out = fit_prompts(tokenizer, problems, context=context, max_tokens=max_tokens,
                                drop=config.data.drop_too_long, what=f"{what} problem",
                                chat_template=config.data.chat_template)
@@ -191,3 +196,133 @@ def fit_context(config, tokenizer, context: int, max_tokens: int, problems: list
     raise ValueError(f"no {what} problem fits the model's context of {context} tokens "
                      f"with max_tokens={max_tokens} (config.sampler.max_tokens)")
   return kept, ids
+
+
+def writes_run_files() -> bool:
+  """Whether this process writes config.json, metrics.jsonl and DONE.
+
+  Only the first process of a multi-host run does (orbax coordinates the
+  checkpoints itself): every process appending to one metrics.jsonl on a shared
+  filesystem would write each line once per host.
+  """
+  return jax.process_index() == 0
+
+
+def write_json(path: pathlib.Path, obj) -> None:
+  """A run file (config.json, DONE) as indented JSON, written atomically."""
+  files.write_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def check_same_config(path: pathlib.Path, resolved: dict) -> None:
+  """Raises ValueError naming the fields where `path` (a run's config.json) differs
+  from `resolved`."""
+  old, new = _flat(json.loads(path.read_text())), _flat(resolved)
+  diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+  if diff:
+    raise ValueError(f"{path} was written by a run with a different config (differs in "
+                     f"{diff[:8]}); use a fresh --workdir or the same config")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = json.dumps(v)
+  return out
+
+
+@dataclasses.dataclass
+class OpenRun:
+  """A run ready to loop: what `open_run` built and where the loop continues.
+
+  Attributes:
+    parts: model, data, sampler and the jitted step.
+    state: the train state (fresh, or restored from the last checkpoint).
+    ckpt: the run's checkpointer.
+    writer: the metrics writer (cut back to the restored step).
+    resumed: the checkpoint the run continues from, or None for a fresh start
+      (the loop then evaluates the base model as step 0).
+    t0: when the run started opening (wall-clock seconds).
+  """
+
+  parts: RunParts
+  state: object
+  ckpt: ckpt_lib.RunCheckpointer
+  writer: metrics_lib.MetricsWriter
+  resumed: HostState | None
+  t0: float
+
+  def close(self) -> None:
+    _close_all(self.writer.close, self.ckpt.close, self.parts.close)
+
+
+def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun:
+  """Builds the run's parts, resumes from the last checkpoint in `workdir` if any,
+  records config.json and opens metrics.jsonl.
+
+  Raises:
+    ValueError: if `workdir` holds a run with a different config or seed.
+  """
+  point = run_plan.point
+  workdir.mkdir(parents=True, exist_ok=True)
+  if (workdir / CONFIG_FILE).exists():
+    check_same_config(workdir / CONFIG_FILE, resolved)
+  logging.info("budget point %s: B=%d, C=%d rollouts, lr=%.3g", point.name, point.batch,
+               point.compute, run_plan.lr)
+  t0 = time.time()
+  parts = build_parts(config, run_plan)
+  state = parts.init_state()
+  files.check_not_link(workdir / CHECKPOINT_DIR)
+  _log_memory_split(config, parts, state, point)
+  ckpt = ckpt_lib.RunCheckpointer(workdir / CHECKPOINT_DIR,
+                                  max_to_keep=config.keep_checkpoints)
+  resumed, start = None, ckpt.latest_step()
+  if start is not None:
+    state, resumed = ckpt.restore(start, state)
+    if list(resumed.rng) != run_key(config):
+      raise ValueError(f"checkpoint {start} in {workdir} was made with another seed")
+    parts.loader.load_state_dict(resumed.loader)
+    parts.sampler.update_weights(model_of(parts, state))
+    logging.info("resumed from the checkpoint at step %d", start)
+  writes_files = writes_run_files()
+  # Only a run that really started (model, data, sampler and state loaded) records
+  # its config: a failed start (a bad model path) must not hold its config against
+  # the corrected command in the same workdir.
+  if writes_files and not (workdir / CONFIG_FILE).exists():
+    with disk_full_as(workdir, CONFIG_FILE):
+      write_json(workdir / CONFIG_FILE, resolved)
+  writer = metrics_lib.MetricsWriter(workdir, resume_step=start, enabled=writes_files)
+  return OpenRun(parts=parts, state=state, ckpt=ckpt, writer=writer, resumed=resumed,
+                 t0=t0)
+
+
+def _log_memory_split(config, parts: RunParts, state, point: budget_lib.BudgetPoint) -> None:
+  """Checks trainer state + sampler cache against the device (raises if they do not
+  fit) and logs the split."""
+  split = check_run_split(config, model_of(parts, state).cfg, state,
+                          rollouts=point.bp * (config.rl.n_est or config.n),
+                          max_len=parts.prompt_width + parts.max_tokens)
+  if split is not None:
+    logging.info("memory per device: trainer state %.2f GiB + sampler KV cache %.2f GiB "
+                 "(%d rows) of %.2f GiB", split["trainer_gib"], split["kv_gib"],
+                 split["rows"], split["device_gib"])
+
+
+def run_key(config) -> list[int]:
+  """The run's PRNG key data, as the checkpoint's `HostState.rng` holds it."""
+  return ckpt_lib.key_to_host(jax.random.key(config.seed))
+
+
+def _close_all(*closes) -> None:
+  """Calls every close; while an error propagates (called from `finally`), a close
+  that fails too (a full disk) is logged, not raised over the error's cause."""
+  failing = sys.exc_info()[0] is not None
+  for close in closes:
+    try:
+      close()
+    except Exception as e:  # pylint: disable=broad-except
+      if not failing:
+        raise
+      logging.warning("while stopping after an error, %s failed: %s", close, e)

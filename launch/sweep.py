@@ -81,16 +81,16 @@ def _main(argv):
     sys.exit(slurm.run_task(_TASK_FILE.value, _TASK_INDEX.value))
   if not _CONFIG.value or not _ROOT.value:
     raise app.UsageError("--config and --root are required")
-  plan, config = sweep.plan_sweep(
+  study, config = sweep.plan_sweep(
       _CONFIG.value, _ROOT.value, bp=_numbers("bp", _BP.value, float),
       n=_numbers("n", _N.value, float), budgets=_numbers("budget", _BUDGET.value, float),
       b_max=_B_MAX.value, seeds=_numbers("seeds", _SEEDS.value, int),
       runner=_RUNNER.value, extra_args=argv[1:])
-  if plan.dropped:
-    print(f"left out {len(plan.dropped)} infeasible grid point(s):\n  "
-          + "\n  ".join(plan.dropped), file=sys.stderr)
+  if study.dropped:
+    print(f"left out {len(study.dropped)} infeasible grid point(s):\n  "
+          + "\n  ".join(study.dropped), file=sys.stderr)
   if _DRY_RUN.value:
-    print(sweep.format_points(plan.points, sweep.max_tokens(config)))
+    print(sweep.format_points(study.points, sweep.max_tokens(config)))
     return
   if _SLURM.value:
     options = slurm.SlurmOptions(
@@ -98,16 +98,16 @@ def _main(argv):
         mem=_MEM.value, partition=_PARTITION.value, account=_ACCOUNT.value,
         time=_TIME.value, max_parallel=_MAX_PARALLEL.value,
         sbatch_args=tuple(_SBATCH_ARG.value))
-    script, points = slurm.write_array(plan, options,
+    script, points = slurm.write_array(study, options,
                                        vllm_model=sweep.vllm_model(config),
                                        launcher=os.path.relpath(__file__))
-    print(f"wrote {script} ({len(plan.points)} tasks) and {points}")
+    print(f"wrote {script} ({len(study.points)} tasks) and {points}")
     if _SUBMIT.value:
       print(f"submitted job {slurm.submit(script)}")
     return
   concurrent = _MAX_CONCURRENT.value or sweep.default_concurrency()
   try:
-    report = sweep.run_local(plan, max_concurrent=concurrent,
+    report = sweep.run_local(study, max_concurrent=concurrent,
                              status_every_s=_STATUS_EVERY.value)
   except KeyboardInterrupt:  # the runs were stopped; their checkpoints stay
     print("interrupted: rerun the same command to resume")

@@ -64,6 +64,21 @@ def test_validate_b_max_names_numbers():
     assert num in str(e.value)
 
 
+def test_validate_a_decoupled_point_bounds_the_sampled_batch():
+  p = BudgetPoint(bp=4, n=8, m=1, n_est=64)
+  assert p.validate(256) is p
+  with pytest.raises(ValueError, match=r"Bp\*n_est = 4\*64 = 256 exceeds b_max = 255"):
+    p.validate(255)
+
+
+def test_feasible_checks_the_batch_before_the_budget():
+  assert BudgetPoint.feasible(1000, bp=8, n=4, b_max=32) == BudgetPoint(bp=8, n=4, m=31)
+  with pytest.raises(ValueError, match=r"Bp\*n = 8\*8 = 64 exceeds b_max = 32"):
+    BudgetPoint.feasible(10, bp=8, n=8, b_max=32)  # M = 0 too: the batch is named
+  with pytest.raises(ValueError, match=r"C=10 .* = 0 updates"):
+    BudgetPoint.feasible(10, bp=8, n=4, b_max=32)
+
+
 def test_paper_grid_feasible_counts():
   # Paper: Bp in 2^5..2^10, n in 2^3..2^11. With Bp*n <= 2^16 (easy) the exponent
   # pairs (a, b) need a + b <= 16: 9+8+7+6+5+4 = 39 pairs; with 2^14 (hard):

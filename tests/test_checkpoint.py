@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from isojax import checkpoint as ckpt_lib
+from isojax.budget import Ledger
 
 
 def _state(scale=1.0):
@@ -14,11 +15,17 @@ def _state(scale=1.0):
           "opt": {"count": jnp.array(7, jnp.int32), "mu": jnp.ones((2, 3)) / 3}}
 
 
+def _host(step=4):
+  return ckpt_lib.HostState(step=step, loader={"epoch": 1, "index": 5},
+                            ledger=Ledger(rollouts=64, tokens=300, updates=step),
+                            consecutive_skips=1,
+                            rng=tuple(ckpt_lib.key_to_host(jax.random.key(3))))
+
+
 def test_round_trip_is_bitwise(tmp_path):
   ck = ckpt_lib.RunCheckpointer(tmp_path / "ckpt", max_to_keep=2)
   state = _state(1.0 / 7.0)  # non-representable decimals: would show any text round-off
-  host = {"loader": {"epoch": 1, "index": 5}, "ledger": {"rollouts": 64},
-          "rng": ckpt_lib.key_to_host(jax.random.key(3))}
+  host = _host()
   ck.save(4, state, host)
   assert ck.latest_step() == 4
   template = jax.tree.map(jnp.zeros_like, state)
@@ -28,7 +35,7 @@ def test_round_trip_is_bitwise(tmp_path):
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
     assert a.dtype == b.dtype
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  key = ckpt_lib.key_from_host(host2["rng"])
+  key = ckpt_lib.key_from_host(host2.rng)
   np.testing.assert_array_equal(jax.random.key_data(key),
                                 jax.random.key_data(jax.random.key(3)))
 
@@ -38,20 +45,26 @@ def test_refuses_non_finite_state(tmp_path):
   state = _state()
   state["params"]["w"] = state["params"]["w"].at[1, 2].set(jnp.nan)
   with pytest.raises(ckpt_lib.NonFiniteStateError, match=r"step 3.*\['params'\]\['w'\]"):
-    ck.save(3, state, {})
+    ck.save(3, state, _host(3))
   assert ck.latest_step() is None
   state["params"]["w"] = jnp.ones((2, 3))
   state["opt"]["mu"] = state["opt"]["mu"].at[0, 0].set(jnp.inf)
   with pytest.raises(ckpt_lib.NonFiniteStateError, match="mu"):
-    ck.save(3, state, {})
+    ck.save(3, state, _host(3))
   assert ck.latest_step() is None and not list((tmp_path / "ckpt").glob("3*"))
 
 
 def test_keeps_only_the_newest(tmp_path):
   ck = ckpt_lib.RunCheckpointer(tmp_path / "ckpt", max_to_keep=2)
   for step in (2, 4, 6):
-    ck.save(step, _state(step), {"step": step})
+    ck.save(step, _state(step), _host(step))
   assert ck.all_steps() == [4, 6]
   restored, host = ck.restore(4, _state())
-  assert host == {"step": 4}
+  assert host == _host(4)
   np.testing.assert_array_equal(restored["params"]["w"], _state(4)["params"]["w"])
+
+
+def test_host_state_of_another_layout_is_named():
+  assert ckpt_lib.HostState.from_json(_host().to_json()) == _host()
+  with pytest.raises(ValueError, match=r"host state has keys \['loader', 'step'\]"):
+    ckpt_lib.HostState.from_json({"step": 4, "loader": {}})

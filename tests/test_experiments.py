@@ -39,7 +39,7 @@ def test_all_study_files_exist():
 def test_every_file_loads_and_validates(path, monkeypatch):
   monkeypatch.chdir(ROOT)
   config = _load(f"experiments/{path.name}")
-  plan = run.plan(config)
+  plan = run.plan_run(config)
   assert plan.point.m >= 1 and plan.point.batch <= config.b_max
   for field in ("eval_every", "checkpoint_every", "seed"):
     assert field in config
@@ -54,7 +54,7 @@ def test_docstring_commands_load_and_validate(path, monkeypatch):
   for spec in commands:
     assert spec.startswith(f"experiments/{path.name}")
     config = _load(spec)
-    plan = run.plan(config)
+    plan = run.plan_run(config)
     assert plan.point.m >= 1
     assert plan.point.batch <= config.b_max
     assert _load(spec, "--config.rl.kl_coef=0.5").rl.kl_coef == 0.5
@@ -79,13 +79,13 @@ def test_paper_recipe(path, monkeypatch):
   else:
     assert c.rl.kl_coef == 0 and c.rl.entropy_coef == 0 and c.b_max == 16_384
   smoke = _load(f"experiments/{path.name}:smoke")
-  assert smoke.b_max == 256 and run.plan(smoke).point.compute <= 2048
+  assert smoke.b_max == 256 and run.plan_run(smoke).point.compute <= 2048
 
 
 def test_tiny_point_and_overrides(monkeypatch):
   monkeypatch.chdir(ROOT)
   c = _load("experiments/tiny.py:bp=8,n=4,budget=2048", "--config.rl.kl_coef=0")
-  plan = run.plan(c)
+  plan = run.plan_run(c)
   assert (plan.point.bp, plan.point.n, plan.point.m) == (8, 4, 64)
   assert c.rl.kl_coef == 0.0
   # The derived M is never written back into the config.
@@ -112,9 +112,9 @@ def test_bad_arguments_are_named(monkeypatch):
 def test_impossible_points_fail_in_preflight(monkeypatch):
   monkeypatch.chdir(ROOT)
   with pytest.raises(ValueError, match=r"32\*16 = 512 exceeds b_max = 256"):
-    run.plan(_load("experiments/tiny.py:bp=32,n=16,budget=4096"))
+    run.plan_run(_load("experiments/tiny.py:bp=32,n=16,budget=4096"))
   with pytest.raises(ValueError, match=r"C=16 .* 8\*4 = 32.*M = .* = 0"):
-    run.plan(_load("experiments/tiny.py:bp=8,n=4,budget=16"))
+    run.plan_run(_load("experiments/tiny.py:bp=8,n=4,budget=16"))
 
 
 @pytest.mark.parametrize("path", STUDY_FILES + AXIS_FILES, ids=lambda p: p.stem)
@@ -124,10 +124,10 @@ def test_study_length_follows_the_model(path, monkeypatch):
   monkeypatch.chdir(ROOT)
   spec = f"experiments/{path.name}"
   assert _load(spec).sampler.max_tokens == 0
-  assert run.plan(_load(spec)).max_tokens == 8
-  real = run.plan(_load(spec, "--config.model.path=/ckpt/Qwen2.5-7B-Instruct"))
+  assert run.plan_run(_load(spec)).max_tokens == 8
+  real = run.plan_run(_load(spec, "--config.model.path=/ckpt/Qwen2.5-7B-Instruct"))
   assert real.max_tokens == 8192
-  assert run.plan(_load(spec, "--config.model.path=/ckpt/m",
+  assert run.plan_run(_load(spec, "--config.model.path=/ckpt/m",
                         "--config.sampler.max_tokens=4096")).max_tokens == 4096
 
 
@@ -136,9 +136,9 @@ def test_axis_files(monkeypatch):
   small = _load("experiments/data_size.py:d=500")
   assert small.data.num_train == 500 and small.data.difficulty == "easy_d500"
   assert _load("experiments/data_size.py").data.num_train == 0
-  dec = run.plan(_load("experiments/decoupled_baseline.py:setting=decoupled,budget=2e6"))
+  dec = run.plan_run(_load("experiments/decoupled_baseline.py:setting=decoupled,budget=2e6"))
   assert (dec.point.bp, dec.point.n, dec.point.n_est, dec.point.m) == (128, 64, 256, 61)
-  large = run.plan(_load("experiments/decoupled_baseline.py:setting=large,budget=2e6"))
+  large = run.plan_run(_load("experiments/decoupled_baseline.py:setting=large,budget=2e6"))
   assert (large.point.n, large.point.m) == (256, 61)  # same M as decoupled
   with pytest.raises(Exception, match="n is set by setting="):
     _load("experiments/decoupled_baseline.py:n=8")
@@ -146,4 +146,4 @@ def test_axis_files(monkeypatch):
                        ("tri", "extremely_hard:0.5,easy_pass128:0.25,very_easy:0.25")):
     c = _load(f"experiments/difficulty_mix.py:mix={mix}")
     assert c.data.train == f"mix:{weights}" and c.data.num_train == 320
-    assert [name for name, _ in run.plan(c).val_sets] == ["hard", "easy", "very_easy"]
+    assert [name for name, _ in run.plan_run(c).val_sets] == ["hard", "easy", "very_easy"]

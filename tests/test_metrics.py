@@ -34,9 +34,3 @@ def test_write_and_truncate_on_resume(tmp_path):
   # No checkpoint: a fresh start empties the file.
   metrics_lib.MetricsWriter(tmp_path, resume_step=None, tensorboard=False).close()
   assert (tmp_path / "metrics.jsonl").read_text() == ""
-
-
-def test_corrupt_line_is_named(tmp_path):
-  (tmp_path / "metrics.jsonl").write_text('{"step": 0}\nnot json\n')
-  with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
-    metrics_lib.read_metrics(tmp_path / "metrics.jsonl")

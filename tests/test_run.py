@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from experiments import tiny
-from isojax import batching, checkpoint as ckpt_lib, metrics as metrics_lib, run
+from isojax import assets, batching, checkpoint as ckpt_lib, run, rundir
 from isojax import run_setup
 from tests.config_overrides import set_fields
 from tests.xla_cache import persistent_compilation_cache
@@ -54,7 +54,7 @@ def tiny_config(arg=POINT, **overrides):
 
 
 def _records(workdir):
-  return metrics_lib.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
+  return rundir.read_metrics(pathlib.Path(workdir) / "metrics.jsonl").records
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,7 @@ def test_finished_run_is_not_rerun(trained, monkeypatch):
   def no_work(*args, **kwargs):
     raise AssertionError("a finished run must not build anything")
 
-  monkeypatch.setattr(run, "build_parts", no_work)
+  monkeypatch.setattr(run_setup, "build_parts", no_work)
   assert run.run(tiny_config(), workdir) == last
   assert (workdir / "metrics.jsonl").read_bytes() == before
   with pytest.raises(ValueError, match=r"different config .*rl\.kl_coef"):
@@ -250,7 +250,7 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run(tmp_path, monke
 
 
 def _restore_all(workdir, config):
-  parts = run_setup.build_parts(config, run.plan(config))
+  parts = run_setup.build_parts(config, run.plan_run(config))
   template = parts.init_state()
   ck = ckpt_lib.RunCheckpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=5)
   out = {s: ck.restore(s, template)[0] for s in ck.all_steps()}
@@ -279,7 +279,7 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
 
 
 def test_missing_split_file_is_named(monkeypatch, tmp_path):
-  monkeypatch.setattr(run_setup, "ASSETS_DIR", tmp_path)
+  monkeypatch.setattr(assets, "ASSETS_DIR", tmp_path)
   config = tiny_config(**{"data.train": "synthetic:easy"})
   with pytest.raises(ValueError, match=r"no split file .*easy\.jsonl; .*launch/difficulty_splits\.py"):
     run_setup.load_problem_sets(config)
@@ -312,7 +312,7 @@ def test_extra_eval_steps(tmp_path):
 def test_only_the_first_process_writes_the_run_files(trained, tmp_path, monkeypatch):
   # Another host of a multi-host run: it trains in step with the first (same
   # records) but leaves config.json, metrics.jsonl, TensorBoard and DONE to it.
-  monkeypatch.setattr(run, "writes_run_files", lambda: False)
+  monkeypatch.setattr(run_setup, "writes_run_files", lambda: False)
   workdir = tmp_path / "host1"
   last = run.run(tiny_config(), workdir)
   assert last == _records(trained[0])[-1]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from experiments import difficulty_mix, tiny
-from isojax import metrics as metrics_lib, run
+from isojax import assets, run, run_setup, rundir
 from isojax.data import Problem, write_jsonl
 from tests.config_overrides import set_fields
 from tests.xla_cache import persistent_compilation_cache
@@ -41,14 +41,14 @@ def _config(arg="bp=4,n=4,budget=48", **overrides):
 
 
 def _records(workdir):
-  return metrics_lib.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
+  return rundir.read_metrics(pathlib.Path(workdir) / "metrics.jsonl").records
 
 
 @pytest.fixture
 def captured(monkeypatch):
   """The parts each run builds and the batches its step gets."""
   seen = {"parts": [], "batches": []}
-  build = run.build_parts
+  build = run_setup.build_parts
 
   def build_and_watch(config, run_plan):
     parts = build(config, run_plan)
@@ -62,7 +62,7 @@ def captured(monkeypatch):
     seen["parts"].append(parts)
     return parts
 
-  monkeypatch.setattr(run, "build_parts", build_and_watch)
+  monkeypatch.setattr(run_setup, "build_parts", build_and_watch)
   return seen
 
 
@@ -111,7 +111,7 @@ def test_num_train_subsample(tmp_path, captured):
   parts = captured["parts"][0]
   assert len(parts.train_problems) == 24
   easy = {json.loads(line)["prompt"]
-          for line in (run_setup_splits() / "easy.jsonl").read_text().splitlines()}
+          for line in (_splits_dir() / "easy.jsonl").read_text().splitlines()}
   assert {p.prompt for p in parts.train_problems} <= easy
   assert not {p.prompt for p in parts.train_problems} & {
       p.prompt for p in parts.val_problems}
@@ -123,9 +123,8 @@ def test_num_train_subsample(tmp_path, captured):
                                        "seed": 0}
 
 
-def run_setup_splits():
-  from isojax import run_setup
-  return run_setup.ASSETS_DIR / "splits"
+def _splits_dir():
+  return assets.ASSETS_DIR / "splits"
 
 
 def test_decoupled_baseline(tmp_path, captured):
@@ -185,7 +184,7 @@ def test_difficulty_mixture_run(tmp_path, captured):
   assert [len(v) for v in parts.val_sets.values()] == [16, 16, 16]
   assert list(parts.val_sets) == ["hard", "easy", "very_easy"]
   splits = {name: {json.loads(line)["prompt"] for line in
-                   (run_setup_splits() / f"{name}.jsonl").read_text().splitlines()}
+                   (_splits_dir() / f"{name}.jsonl").read_text().splitlines()}
             for name in ("extremely_hard", "easy_pass128", "very_easy")}
   prompts = [p.prompt for p in parts.train_problems]
   assert len(prompts) == 40
@@ -201,7 +200,7 @@ def test_decoupled_run_with_two_val_sets_resumes_exactly(tmp_path, ood_file, mon
   overrides = {"rl.n_est": 8, "data.val": f"in_domain=heldout,ood={ood_file}",
                "checkpoint_every": 2}
   run.run(_config("bp=4,n=4,budget=96", **overrides), tmp_path / "whole")
-  build = run.build_parts
+  build = run_setup.build_parts
 
   def build_and_stop(config, run_plan):
     parts = build(config, run_plan)
@@ -216,10 +215,10 @@ def test_decoupled_run_with_two_val_sets_resumes_exactly(tmp_path, ood_file, mon
     parts.train_step = stop_at_third
     return parts
 
-  monkeypatch.setattr(run, "build_parts", build_and_stop)
+  monkeypatch.setattr(run_setup, "build_parts", build_and_stop)
   with pytest.raises(KeyboardInterrupt):
     run.run(_config("bp=4,n=4,budget=96", **overrides), tmp_path / "cut")
-  monkeypatch.setattr(run, "build_parts", build)
+  monkeypatch.setattr(run_setup, "build_parts", build)
   run.run(_config("bp=4,n=4,budget=96", **overrides), tmp_path / "cut")
   whole = (tmp_path / "whole" / "metrics.jsonl").read_text()
   assert (tmp_path / "cut" / "metrics.jsonl").read_text() == whole

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from experiments import tiny
-from isojax import checkpoint as ckpt_lib, metrics as metrics_lib, run
+from isojax import checkpoint as ckpt_lib, run, rundir
 from isojax.errors import DiskFullError, UnsafePathError
 from tests.config_overrides import set_fields
 
@@ -44,9 +44,9 @@ def test_n_below_the_estimators_minimum_fails_before_any_work(tmp_path):
                                        r"'grpo' needs n >= 2 .*\['batch', 'drgrpo'\]"):
     run.run(small_config("bp=4,n=1,budget=64"), tmp_path / "x1")
   assert not (tmp_path / "x1").exists()
-  run.plan(small_config("bp=4,n=1,budget=64", **{"rl.adv_estimator": "drgrpo"}))
+  run.plan_run(small_config("bp=4,n=1,budget=64", **{"rl.adv_estimator": "drgrpo"}))
   # A decoupled baseline: grpo's std is taken over the n_est = 4 sampled rollouts.
-  run.plan(small_config("bp=4,n=1,budget=64", **{"rl.n_est": 4}))
+  run.plan_run(small_config("bp=4,n=1,budget=64", **{"rl.n_est": 4}))
 
 
 def test_prompt_longer_than_the_context_fails_at_load_naming_the_line(tmp_path):
@@ -104,13 +104,13 @@ def test_full_disk_while_checkpointing_is_one_message_and_resumable(tmp_path, mo
   assert str(info.value) == (
       f"no space left on {workdir.absolute() / 'checkpoints' / '4'} while writing "
       f"checkpoint 4; the run can be resumed: free space and rerun the same command")
-  steps = [r["step"] for r in metrics_lib.read_metrics(workdir / "metrics.jsonl")]
+  steps = [r["step"] for r in rundir.read_metrics(workdir / "metrics.jsonl").records]
   assert steps == [0, 1, 2, 3, 4] and not (workdir / "DONE").exists()
 
   monkeypatch.setattr(ckpt_lib.RunCheckpointer, "save", real_save)
   last = run.run(small_config(), workdir)  # resumes from checkpoint 2
   assert last["step"] == 4 and (workdir / "DONE").exists()
-  steps = [r["step"] for r in metrics_lib.read_metrics(workdir / "metrics.jsonl")]
+  steps = [r["step"] for r in rundir.read_metrics(workdir / "metrics.jsonl").records]
   assert steps == [0, 1, 2, 3, 4]
 
 

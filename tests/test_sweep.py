@@ -339,7 +339,7 @@ def test_slurm_vllm_config_starts_a_server_per_task(tmp_path, fake_runner, monke
           "--slurm", f"--runner={fake_runner}", "--", "--config.sampler.backend=vllm")
   points_file = str(root / "slurm" / "points.json")
   spec = json.loads(open(points_file).read())
-  assert spec["vllm_model"] == sweep.BASE_MODEL_DIR  # model.path "" = the base model
+  assert spec["vllm_model"] == str(sweep.BASE_MODEL_DIR)  # model.path "" = the base model
   assert "vLLM server" in (root / "slurm" / "sweep.sbatch").read_text()
 
   events = []
@@ -362,7 +362,7 @@ def test_slurm_vllm_config_starts_a_server_per_task(tmp_path, fake_runner, monke
   monkeypatch.setenv("XLA_FLAGS", "")
   assert slurm.run_task(points_file, 1, print_fn=lambda *_: None) == 0
   # The server came up before the run, which was pointed at it, and went down after.
-  assert events == [("init", sweep.BASE_MODEL_DIR, "vllm"), ("start",), ("stop", True)]
+  assert events == [("init", str(sweep.BASE_MODEL_DIR), "vllm"), ("start",), ("stop", True)]
   argv = json.loads((root / spec["points"][1]["name"] / "argv.json").read_text())
   assert argv == spec["points"][1]["command"][2:] + [
       "--config.sampler.vllm_url=http://127.0.0.1:54321"]
@@ -501,7 +501,8 @@ def test_dry_run_lists_the_points_it_leaves_out(tmp_path):
       "left out 3 infeasible grid point(s):",
       "  Bp=4 n=1 C=64: n < 2, the fewest the grpo estimator is defined for",
       "  Bp=64 n=1 C=64: n < 2, the fewest the grpo estimator is defined for",
-      "  Bp=64 n=2 C=64: Bp*n = 128 exceeds the budget (M = 0)"]
+      "  Bp=64 n=2 C=64: budget C=64 rollouts is smaller than one batch Bp*n = 64*2 = "
+      "128: M = floor(C/(Bp*n)) = 0 updates"]
 
 
 def test_grid_of_only_infeasible_n_fails_in_one_line(tmp_path):

@@ -25,8 +25,8 @@ from isojax.analysis.frontier import (CurveSet, ExtrapolationCheck, Frontier,
                                       observed_frontier)
 from isojax.analysis.law_points import (LawPoints, bin_points, fit_law,
                                         running_average_points)
-from isojax.analysis.pipeline import (Analysis, FrontierOptions, GroupAnalysis, Sweep,
-                                      analyze, analyze_sweep)
+from isojax.analysis.pipeline import (Analysis, FrontierFit, FrontierOptions, GroupAnalysis,
+                                      analyze, fit_frontier)
 from isojax.analysis.plan import plan, round_pow2
 from isojax.analysis.prescriptions import LawChoice, Prescription, choose_law, prescribe
 from isojax.analysis.recipes import (RecipeComparison, RecipeExtrapolation, RecipeFit,
@@ -38,12 +38,12 @@ from isojax.analysis.runs import (LoadProblem, LoadResult, Run, RunLoadWarning, 
 
 __all__ = [
     "Analysis", "BootstrapResult", "CurveSet", "ExtrapolationCheck", "FixedBatch",
-    "Frontier", "FrontierOptions", "GroupAnalysis", "Interval", "LawChoice", "LawPoints",
+    "Frontier", "FrontierFit", "FrontierOptions", "GroupAnalysis", "Interval", "LawChoice", "LawPoints",
     "LoadProblem", "LoadResult", "NStarFit", "Prescription", "Run", "RunLoadWarning",
-    "Sensitivity", "SigmoidFit", "Sweep", "analyze", "analyze_sweep", "batch_sizes",
+    "Sensitivity", "SigmoidFit", "analyze", "batch_sizes",
     "bin_points", "bootstrap", "choose_law", "compare_recipes", "eval_metrics",
     "extrapolation_check",
-    "fit_curves", "fit_law", "fit_n_star", "fit_sigmoid", "fits_dict", "fixed_batch",
+    "fit_curves", "fit_frontier", "fit_law", "fit_n_star", "fit_sigmoid", "fits_dict", "fixed_batch",
     "frontier", "group_recipes", "load_runs", "log_grid", "observed_frontier", "plan",
     "pool_points", "prescribe", "read_runs", "recipe_labels", "record_breaking_points",
     "record_points",

@@ -30,7 +30,8 @@ from isojax.analysis.bootstrap import BootstrapResult, bootstrap
 from isojax.analysis.frontier import (CurveSet, ExtrapolationCheck, Frontier,
                                       extrapolation_check, fit_curves, frontier, key_label,
                                       log_grid)
-from isojax.analysis.runs import METRICS_FILE, LoadProblem, eval_metrics, pass1_histogram
+from isojax.analysis.runs import LoadProblem, eval_metrics, pass1_histogram
+from isojax.rundir import METRICS_FILE
 
 _METRIC_RE = re.compile(r"^val/(avg|best|worst)@(\d+)$")
 SIGMOID_PARAMS = ("a", "b", "c_mid", "r0")
@@ -74,7 +75,7 @@ class FrontierOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sweep:
+class FrontierFit:
   """One frontier: curves of `metric` vs `unit` compute over configurations.
 
   `frontier`, `law` and `law_points` are None (with the reason in `problems`) when
@@ -91,9 +92,9 @@ class Sweep:
   law_points: law_points_lib.LawPoints | None = None
 
 
-def analyze_sweep(runs, *, metric: str, unit: str = "rollouts", key="n",
-                  bin_width: float = 0.005, label: str = "", num: int = 200,
-                  options: FrontierOptions | None = None) -> Sweep:
+def fit_frontier(runs, *, metric: str, unit: str = "rollouts", key="n",
+                 bin_width: float = 0.005, label: str = "", num: int = 200,
+                 options: FrontierOptions | None = None) -> FrontierFit:
   """Curves per configuration, their frontier, and the n*(C) law fitted along it.
 
   `options` sets the tie tolerance and the law's points (default: the paper's
@@ -108,7 +109,7 @@ def analyze_sweep(runs, *, metric: str, unit: str = "rollouts", key="n",
     if f.flags:
       problems.append(f"{where}: {key_label(k)} fit flags: {'; '.join(f.flags)}")
   if not curves.fits:
-    return Sweep(label, metric, unit, curves, None, None, tuple(problems))
+    return FrontierFit(label, metric, unit, curves, None, None, tuple(problems))
   fr = frontier(curves.fits, log_grid(curves.fits, num), tie_tol=opts.tie_tol)
   points = law = None
   try:
@@ -119,7 +120,7 @@ def analyze_sweep(runs, *, metric: str, unit: str = "rollouts", key="n",
     problems.append(f"{where}: no n* law: {e}")
   if law is not None:
     problems += _law_caveats(where, fr, law, opts)
-  return Sweep(label, metric, unit, curves, fr, law, tuple(problems), points)
+  return FrontierFit(label, metric, unit, curves, fr, law, tuple(problems), points)
 
 
 def _law_caveats(where: str, fr: Frontier, law, opts: FrontierOptions) -> list[str]:
@@ -149,8 +150,8 @@ class GroupAnalysis:
   difficulty: str | None
   run_names: tuple[str, ...]
   metric: str
-  primary: Sweep | None  # the main §4.1 sweep: fixed Bp, primary metric, rollouts
-  sweeps: tuple[Sweep, ...]
+  primary: FrontierFit | None  # the main §4.1 sweep: fixed Bp, primary metric, rollouts
+  sweeps: tuple[FrontierFit, ...]
   fixed_batches: tuple[allocation.FixedBatch, ...]
   sensitivity: allocation.Sensitivity
   extrapolation: ExtrapolationCheck | None
@@ -227,8 +228,8 @@ def _sweep_specs(runs, metric: str) -> tuple[list[tuple], list[str]]:
   return specs, problems
 
 
-def _run_sweeps(runs, specs, opts: FrontierOptions) -> list[Sweep]:
-  return [analyze_sweep([r for r in runs if bp is None or r.bp == bp], metric=m, unit=u,
+def _run_sweeps(runs, specs, opts: FrontierOptions) -> list[FrontierFit]:
+  return [fit_frontier([r for r in runs if bp is None or r.bp == bp], metric=m, unit=u,
                         key=key, label=label, options=opts)
           for label, bp, m, u, key in specs]
 
@@ -248,7 +249,7 @@ def _run_fixed(runs, batches, metric, opts: FrontierOptions):
   return fixed, problems
 
 
-def sweep_name(sweep: Sweep) -> str:
+def sweep_name(sweep: FrontierFit) -> str:
   """The prefix of a sweep's parameters in bootstrap intervals."""
   return f"{sweep.label}|{sweep.metric}|{sweep.unit}"
 

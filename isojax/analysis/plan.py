@@ -30,8 +30,9 @@ def plan(budget, nstar_fit: NStarFit, *, bp: int, b_max: int | None = None) -> B
     b_max: the largest batch Bp * n the hardware takes, if any.
 
   Raises:
-    ValueError: naming budget, bp and n, when the batch exceeds b_max or the budget
-      cannot pay for one update (M = 0); or when the law is not in rollouts.
+    ValueError: naming budget, bp and n, when `BudgetPoint.feasible` refuses the point
+      (the batch exceeds b_max, or the budget cannot pay for one update: M = 0); or
+      when the law is not in rollouts.
   """
   if nstar_fit.unit != "rollouts":
     raise ValueError(f"plan: the n* law was fitted with compute in "
@@ -43,10 +44,7 @@ def plan(budget, nstar_fit: NStarFit, *, bp: int, b_max: int | None = None) -> B
     raise ValueError(f"plan: budget must be a positive number of rollouts, got {budget!r}")
   n_pred = float(nstar_fit.predict(budget))
   n = round_pow2(n_pred)
-  if b_max is not None and bp * n > b_max:
-    raise ValueError(f"plan: budget={budget:g}, bp={bp}, n={n} (n*={n_pred:.4g}): "
-                     f"batch bp*n={bp * n} exceeds b_max={b_max}")
-  if budget < bp * n:
-    raise ValueError(f"plan: budget={budget:g} rollouts cannot pay for one update of "
-                     f"bp={bp} x n={n} (n*={n_pred:.4g}) = {bp * n} rollouts: M = 0")
-  return BudgetPoint.from_budget(budget, bp=bp, n=n)
+  try:
+    return BudgetPoint.feasible(budget, bp=bp, n=n, b_max=b_max)
+  except ValueError as e:
+    raise ValueError(f"plan: budget={budget:g}, bp={bp}, n={n} (n*={n_pred:.4g}): {e}") from e

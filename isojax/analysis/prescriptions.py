@@ -112,7 +112,7 @@ def choose_law(sweeps, runs, *, primary, primary_bp: int | None, bp: int | None 
   """The law and Bp of the prescriptions (see the module docstring); None without one.
 
   Args:
-    sweeps: the group's sweeps (pipeline.Sweep), labelled "bp=<Bp>" and "joint".
+    sweeps: the group's sweeps (pipeline.FrontierFit), labelled "bp=<Bp>" and "joint".
     runs: the group's runs.
     primary: the primary (fixed-Bp, primary metric, rollouts) sweep, or None.
     primary_bp: the Bp of the primary sweep.

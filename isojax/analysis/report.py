@@ -213,98 +213,126 @@ def _group_md(g: GroupAnalysis) -> list[str]:
   p = g.primary
   if p is None:
     return out + ["No curve could be fitted.", ""]
-  unit = p.unit
-  level = f"{100 * g.intervals.level:.0f}%" if g.intervals else ""
   if g.intervals is not None:
-    out += [f"Intervals: {level} bootstrap over whole runs ({g.intervals.n_boot} "
-            f"resamples, {g.intervals.n_failed} failed, "
-            f"{'within each configuration' if g.intervals.stratified else 'unstratified: one run per configuration, so they reflect which configurations were run, not seed noise'}).", ""]
+    out += _intervals_md(g)
   laws = [p] + [s for s in g.sweeps if g.law_choice is not None and s is not p
                 and s.label == g.law_choice.label and s.metric == g.metric
                 and s.unit == "rollouts"]
   for sweep in laws:
     out += _law_md(g, sweep)
-  fr = p.frontier
-  if fr is not None:
-    siblings = [s for s in g.sweeps if s.label == p.label and s is not p
-                and s.frontier is not None and s.unit == unit]
-    averaged = p.law_points is not None and p.law_points.method == "running_average"
-    header = (["C", f"frontier {g.metric}", "n*"] + ["n* running avg"] * averaged
-              + [f"n* ({s.metric})" for s in siblings])
-    out += [f"### Frontier ({p.label}, {unit})", "",
-            "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    for i in np.unique(np.linspace(0, fr.compute.size - 1, 9).round().astype(int)):
-      cols = [f"{fr.compute[i]:.3g}", f"{fr.reward[i]:.4f}", str(fr.n_star[i])]
-      if averaged:
-        j = np.flatnonzero(p.law_points.compute == fr.compute[i])
-        cols.append(f"{p.law_points.n_star[j[0]]:.3g}" if j.size else "–")
-      for s in siblings:
-        j = int(np.argmin(np.abs(np.log(s.frontier.compute / fr.compute[i]))))
-        cols.append(str(s.frontier.n_star[j]) if s.frontier.defined[j] else "–")
-      out.append("| " + " | ".join(cols) + " |")
-    out += ["", "Per-configuration sigmoids R = R0 + (A − R0)/(1 + (C_mid/C)^B):", "",
-            "| config | runs | A | B | C_mid | R0 | rms | R² | flags |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for k, f in p.curves.fits.items():
-      out.append(f"| {key_label(k)} | {p.curves.n_runs[k]} | {f.a:.4f}"
-                 f"{_ci(g, f'{sweep_name(p)}|curve[{key_label(k)}].a')} | "
-                 f"{f.b:.3f} | {f.c_mid:.4g} | "
-                 f"{f.r0:.4f} | {f.rms:.4f} | {_g(f.r2)} | {'; '.join(f.flags)} |")
-    out.append("")
+  if p.frontier is not None:
+    out += _frontier_md(g, p) + _curves_md(g, p)
   if g.prescriptions:
-    out += ["### Prescriptions", "", f"From {g.law_choice.reason}.", "",
-            "| budget C | n* (law) | n | Bp | M | C used | note |",
-            "|---|---|---|---|---|---|---|"]
-    for pr in g.prescriptions:
-      note = "; ".join(x for x in ("extrapolated beyond the data"
-                                   if pr.extrapolated else "", pr.note) if x)
-      pt = pr.point
-      cells = ([str(pt.n), str(pt.bp), str(pt.m), str(pt.compute)] if pt else
-               ["–"] * 4)
-      out.append(f"| {pr.budget:.3g} | {pr.n_star:.3g}"
-                 f"{_ci(g, f'n_star@{pr.budget:g}')} | " + " | ".join(cells)
-                 + f" | {note} |")
-    out += ["", "n is n* rounded to a power of two (in log2); M = floor(C / (Bp·n)). "
-            "An extrapolation whose n* interval spans more than a factor of "
-            f"{MAX_SPREAD:g} is refused.", ""]
+    out += _prescriptions_md(g)
   if g.fixed_batches:
-    out += ["### Fixed batch B = Bp·n (n*(M), Bp*(M))", ""]
-    for fb in g.fixed_batches:
-      m, n = fb.frontier.n_star_points()
-      idx = np.unique(np.linspace(0, m.size - 1, 5).round().astype(int))
-      pts = ", ".join(f"M={m[i]:.3g}: n*={int(n[i])}, Bp*={fb.batch // int(n[i])}"
-                      for i in idx)
-      law_s = (f"; law L={fb.law.L:.4g}, k={fb.law.k:.4g}, x0={fb.law.x0:.4g}, "
-               f"b={fb.law.b:.4g}" if fb.law else f"; no law ({fb.problem})")
-      out.append(f"- B={fb.batch}: {pts}{law_s}")
-    out.append("")
-  s = g.sensitivity
-  if s.across_bp or s.across_n:
-    def line(what, spreads, mean, name):
-      if not spreads:
-        return f"- across {what}: no comparison (needs >= 2 values)"
-      per = ", ".join(f"{name}={k}: {100 * v:.2f}" for k, v in spreads.items())
-      return f"- across {what}: mean range {100 * mean:.2f} points ({per})"
-
-    out += ["### Sensitivity (reward range at matched compute)", "",
-            line("Bp at fixed n", s.spread_bp, s.mean_spread_bp, "n"),
-            line("n at fixed Bp", s.spread_n, s.mean_spread_n, "Bp"), ""]
-  ex = g.extrapolation
-  if ex is not None:
-    out += ["### Extrapolation check", "",
-            f"Curves fitted on C ≤ {ex.c_cut:.3g} predict the frontier beyond it with "
-            f"RMSE {ex.frontier_rmse:.4f} (max {ex.frontier_max_error:.4f}) against the "
-            f"all-data frontier; same n* at {100 * ex.n_star_agreement:.0f}% of the "
-            f"grid; RMSE {ex.heldout_rmse:.4f} on {ex.n_heldout} held-out record "
-            f"points." + (f" Not fittable below the cut: "
-                          f"{', '.join(key_label(k) for k in ex.lost)}." if ex.lost else "")
-            + (f" Cut fits at a bound (their extrapolation is unreliable): "
-               f"{', '.join(key_label(k) for k in ex.flagged)}." if ex.flagged else ""),
-            ""]
+    out += _fixed_batch_md(g)
+  if g.sensitivity.across_bp or g.sensitivity.across_n:
+    out += _sensitivity_md(g.sensitivity)
+  if g.extrapolation is not None:
+    out += _extrapolation_md(g.extrapolation)
   if g.problems:
     out += ["### Problems found in the analysis", ""] + [f"- {q}" for q in g.problems]
     out.append("")
   return out
+
+
+def _intervals_md(g: GroupAnalysis) -> list[str]:
+  level = f"{100 * g.intervals.level:.0f}%"
+  return [f"Intervals: {level} bootstrap over whole runs ({g.intervals.n_boot} "
+          f"resamples, {g.intervals.n_failed} failed, "
+          f"{'within each configuration' if g.intervals.stratified else 'unstratified: one run per configuration, so they reflect which configurations were run, not seed noise'}).", ""]
+
+
+def _frontier_md(g: GroupAnalysis, p) -> list[str]:
+  """The primary frontier at 9 points of compute, beside its siblings' n*."""
+  fr, unit = p.frontier, p.unit
+  siblings = [s for s in g.sweeps if s.label == p.label and s is not p
+              and s.frontier is not None and s.unit == unit]
+  averaged = p.law_points is not None and p.law_points.method == "running_average"
+  header = (["C", f"frontier {g.metric}", "n*"] + ["n* running avg"] * averaged
+            + [f"n* ({s.metric})" for s in siblings])
+  out = [f"### Frontier ({p.label}, {unit})", "",
+         "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+  for i in np.unique(np.linspace(0, fr.compute.size - 1, 9).round().astype(int)):
+    cols = [f"{fr.compute[i]:.3g}", f"{fr.reward[i]:.4f}", str(fr.n_star[i])]
+    if averaged:
+      j = np.flatnonzero(p.law_points.compute == fr.compute[i])
+      cols.append(f"{p.law_points.n_star[j[0]]:.3g}" if j.size else "–")
+    for s in siblings:
+      j = int(np.argmin(np.abs(np.log(s.frontier.compute / fr.compute[i]))))
+      cols.append(str(s.frontier.n_star[j]) if s.frontier.defined[j] else "–")
+    out.append("| " + " | ".join(cols) + " |")
+  return out
+
+
+def _curves_md(g: GroupAnalysis, p) -> list[str]:
+  out = ["", "Per-configuration sigmoids R = R0 + (A − R0)/(1 + (C_mid/C)^B):", "",
+         "| config | runs | A | B | C_mid | R0 | rms | R² | flags |",
+         "|---|---|---|---|---|---|---|---|---|"]
+  for k, f in p.curves.fits.items():
+    out.append(f"| {key_label(k)} | {p.curves.n_runs[k]} | {f.a:.4f}"
+               f"{_ci(g, f'{sweep_name(p)}|curve[{key_label(k)}].a')} | "
+               f"{f.b:.3f} | {f.c_mid:.4g} | "
+               f"{f.r0:.4f} | {f.rms:.4f} | {_g(f.r2)} | {'; '.join(f.flags)} |")
+  out.append("")
+  return out
+
+
+def _prescriptions_md(g: GroupAnalysis) -> list[str]:
+  out = ["### Prescriptions", "", f"From {g.law_choice.reason}.", "",
+         "| budget C | n* (law) | n | Bp | M | C used | note |",
+         "|---|---|---|---|---|---|---|"]
+  for pr in g.prescriptions:
+    note = "; ".join(x for x in ("extrapolated beyond the data"
+                                 if pr.extrapolated else "", pr.note) if x)
+    pt = pr.point
+    cells = ([str(pt.n), str(pt.bp), str(pt.m), str(pt.compute)] if pt else
+             ["–"] * 4)
+    out.append(f"| {pr.budget:.3g} | {pr.n_star:.3g}"
+               f"{_ci(g, f'n_star@{pr.budget:g}')} | " + " | ".join(cells)
+               + f" | {note} |")
+  return out + ["", "n is n* rounded to a power of two (in log2); M = floor(C / (Bp·n)). "
+                "An extrapolation whose n* interval spans more than a factor of "
+                f"{MAX_SPREAD:g} is refused.", ""]
+
+
+def _fixed_batch_md(g: GroupAnalysis) -> list[str]:
+  out = ["### Fixed batch B = Bp·n (n*(M), Bp*(M))", ""]
+  for fb in g.fixed_batches:
+    m, n = fb.frontier.n_star_points()
+    idx = np.unique(np.linspace(0, m.size - 1, 5).round().astype(int))
+    pts = ", ".join(f"M={m[i]:.3g}: n*={int(n[i])}, Bp*={fb.batch // int(n[i])}"
+                    for i in idx)
+    law_s = (f"; law L={fb.law.L:.4g}, k={fb.law.k:.4g}, x0={fb.law.x0:.4g}, "
+             f"b={fb.law.b:.4g}" if fb.law else f"; no law ({fb.problem})")
+    out.append(f"- B={fb.batch}: {pts}{law_s}")
+  out.append("")
+  return out
+
+
+def _sensitivity_md(s) -> list[str]:
+  def line(what, spreads, mean, name):
+    if not spreads:
+      return f"- across {what}: no comparison (needs >= 2 values)"
+    per = ", ".join(f"{name}={k}: {100 * v:.2f}" for k, v in spreads.items())
+    return f"- across {what}: mean range {100 * mean:.2f} points ({per})"
+
+  return ["### Sensitivity (reward range at matched compute)", "",
+          line("Bp at fixed n", s.spread_bp, s.mean_spread_bp, "n"),
+          line("n at fixed Bp", s.spread_n, s.mean_spread_n, "Bp"), ""]
+
+
+def _extrapolation_md(ex) -> list[str]:
+  return ["### Extrapolation check", "",
+          f"Curves fitted on C ≤ {ex.c_cut:.3g} predict the frontier beyond it with "
+          f"RMSE {ex.frontier_rmse:.4f} (max {ex.frontier_max_error:.4f}) against the "
+          f"all-data frontier; same n* at {100 * ex.n_star_agreement:.0f}% of the "
+          f"grid; RMSE {ex.heldout_rmse:.4f} on {ex.n_heldout} held-out record "
+          f"points." + (f" Not fittable below the cut: "
+                        f"{', '.join(key_label(k) for k in ex.lost)}." if ex.lost else "")
+          + (f" Cut fits at a bound (their extrapolation is unreliable): "
+             f"{', '.join(key_label(k) for k in ex.flagged)}." if ex.flagged else ""),
+          ""]
 
 
 def _procedure_md(analysis: Analysis) -> str:

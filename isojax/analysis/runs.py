@@ -22,8 +22,7 @@ from typing import Any
 
 import numpy as np
 
-CONFIG_FILE = "config.json"
-METRICS_FILE = "metrics.jsonl"
+from isojax.rundir import CONFIG_FILE, METRICS_FILE, read_metrics
 
 # Compute axes a curve can be drawn against: rollouts (the IsoCompute playbook's),
 # generated tokens (its App. E), updates M = rollouts / (Bp * n), and device-hours
@@ -183,29 +182,19 @@ def _parse_config(config: Mapping) -> dict:
 
 def _read_metrics(path: str, problems: list[LoadProblem]) -> list[dict]:
   """Rows of metrics.jsonl; corrupt lines and non-finite values are reported."""
+  lines = read_metrics(path, tolerant=True)
   rows: dict[Any, dict] = {}
-  corrupt, duplicates, non_finite = [], 0, {}
-  with open(path, encoding="utf-8", errors="replace") as f:
-    for lineno, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        corrupt.append(lineno)
-        continue
-      if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)):
-        corrupt.append(lineno)
-        continue
-      clean = {}
-      for k, v in row.items():
-        if isinstance(v, float) and not math.isfinite(v):
-          non_finite[k] = non_finite.get(k, 0) + 1
-          continue  # dropped: a NaN reward must not pull a fit
-        clean[k] = v
-      if row["step"] in rows:
-        duplicates += 1  # a resumed run re-logs steps; the last write wins
-      rows[row["step"]] = clean
+  corrupt, duplicates, non_finite = list(lines.corrupt), 0, {}
+  for row in lines.records:
+    clean = {}
+    for k, v in row.items():
+      if isinstance(v, float) and not math.isfinite(v):
+        non_finite[k] = non_finite.get(k, 0) + 1
+        continue  # dropped: a NaN reward must not pull a fit
+      clean[k] = v
+    if row["step"] in rows:
+      duplicates += 1  # a resumed run re-logs steps; the last write wins
+    rows[row["step"]] = clean
   if corrupt:
     shown = ", ".join(map(str, corrupt[:10])) + (" ..." if len(corrupt) > 10 else "")
     problems.append(LoadProblem(path, "corrupt_lines",

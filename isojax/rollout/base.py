@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from isojax.errors import IsojaxError
+
+if TYPE_CHECKING:  # for the annotation only: this interface loads no JAX
+  from flax import nnx
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -134,8 +137,9 @@ class Sampler(Protocol):
     """Samples n completions per prompt; temperature 0 means greedy."""
     ...
 
-  def update_weights(self, model: Any) -> None:
-    """Makes subsequent `generate` calls sample from `model`'s parameters."""
+  def update_weights(self, model: nnx.Module) -> None:
+    """Makes subsequent `generate` calls sample from `model`'s parameters (the
+    trainer passes its Decoder: the vLLM client saves it as a checkpoint)."""
     ...
 
 

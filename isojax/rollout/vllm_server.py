@@ -18,7 +18,6 @@ to the network.
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import json
 import os
@@ -31,6 +30,8 @@ import time
 from collections.abc import Sequence
 
 import requests
+
+from isojax.files import log_tail
 
 VENV_ENV_VAR = "VLLM_VENV"
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,15 +54,6 @@ def free_port(host: str = "127.0.0.1") -> int:
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind((host, 0))
     return s.getsockname()[1]
-
-
-def log_tail(path: str, num_lines: int = 40) -> str:
-  """The last lines of a log file, or a note that there is none."""
-  try:
-    with open(path, errors="replace") as f:
-      return "".join(collections.deque(f, maxlen=num_lines))
-  except OSError as e:
-    return f"<no log: {e}>"
 
 
 def stop_process_group(pid: int, *, grace_s: float = 20.0) -> None:
@@ -220,7 +212,7 @@ class VLLMServer:
       if code is not None:
         raise RuntimeError(
             f"vLLM server for {self.model_dir} exited with code {code} before "
-            f"{url} answered; last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+            f"{url} answered; last lines of {self.log_path}:\n{log_tail(self.log_path, lines=40)}")
       try:
         if requests.get(url, timeout=2).status_code == 200:
           return
@@ -230,7 +222,7 @@ class VLLMServer:
         raise TimeoutError(
             f"vLLM server for {self.model_dir} did not answer {url} within "
             f"{self.startup_timeout_s:.0f} s; last lines of {self.log_path}:\n"
-            f"{log_tail(self.log_path)}")
+            f"{log_tail(self.log_path, lines=40)}")
       time.sleep(0.5)
 
   def _warm_up(self) -> None:

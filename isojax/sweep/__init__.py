@@ -6,7 +6,8 @@ sweep root, named from the point (`bp32_n64_m12_s0`). All budget arithmetic live
 `isojax.budget`; launch scripts only pass numbers through.
 
     points.py   SweepPoint, Sweep (a run's command and directory), plan_sweep, dry run
-    rundir.py   a run directory's state: DONE marker, lock, progress, log tail
+    attempts.py a point's lock, log and attempts record (the run's own files:
+                isojax.rundir)
     local.py    run_local: a bounded pool of subprocesses on this machine
     slurm.py    write_array / run_task: one SLURM array task per point
 
@@ -14,20 +15,18 @@ Nothing here imports JAX: the launcher must start quickly and run where the trai
 not importable (a login node, a laptop that only writes SLURM scripts).
 """
 
+from isojax.sweep.attempts import (ATTEMPTS_FILE, LOCK_FILE, LOG_FILE, lock_holder,
+                                   record_attempt, try_lock)
 from isojax.sweep.local import (CORES_PER_RUN, SweepReport, cpu_count, default_concurrency,
                                 has_accelerator, run_env, run_local)
 from isojax.sweep.points import (BASE_MODEL_DIR, DEFAULT_RUNNER, Sweep, SweepPoint,
                                  apply_overrides, expand_points, format_points,
                                  load_experiment, max_tokens, plan_sweep, vllm_model)
-from isojax.sweep.rundir import (ATTEMPTS_FILE, DONE_MARKER, LOCK_FILE, LOG_FILE, is_done,
-                                 lock_holder, log_tail, read_progress, record_attempt,
-                                 try_lock)
 
 __all__ = [
-    "ATTEMPTS_FILE", "BASE_MODEL_DIR", "CORES_PER_RUN", "DEFAULT_RUNNER", "DONE_MARKER",
-    "LOCK_FILE", "LOG_FILE", "Sweep", "SweepPoint", "SweepReport", "apply_overrides",
-    "cpu_count", "default_concurrency", "expand_points", "format_points",
-    "has_accelerator", "is_done", "load_experiment", "lock_holder", "log_tail",
-    "max_tokens", "plan_sweep", "read_progress", "record_attempt", "run_env", "run_local",
-    "try_lock", "vllm_model",
+    "ATTEMPTS_FILE", "BASE_MODEL_DIR", "CORES_PER_RUN", "DEFAULT_RUNNER", "LOCK_FILE",
+    "LOG_FILE", "Sweep", "SweepPoint", "SweepReport", "apply_overrides", "cpu_count",
+    "default_concurrency", "expand_points", "format_points", "has_accelerator",
+    "load_experiment", "lock_holder", "max_tokens", "plan_sweep", "record_attempt",
+    "run_env", "run_local", "try_lock", "vllm_model",
 ]

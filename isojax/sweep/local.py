@@ -8,6 +8,7 @@ reported with the tail of its log while the sweep goes on.
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import os
 import shutil
@@ -18,9 +19,11 @@ from collections.abc import Callable
 
 from isojax import files
 from isojax.errors import IsojaxError
+from isojax.files import log_tail
+from isojax.rundir import DONE_FILE, METRICS_FILE, is_done, last_record
+from isojax.sweep.attempts import (ATTEMPTS_FILE, LOG_FILE, lock_holder, record_attempt,
+                                   try_lock)
 from isojax.sweep.points import Sweep, SweepPoint
-from isojax.sweep.rundir import (ATTEMPTS_FILE, DONE_MARKER, LOG_FILE, is_done, lock_holder, log_tail,
-                                 read_progress, record_attempt, try_lock)
 
 
 def cpu_count() -> int:
@@ -76,7 +79,6 @@ def _die_with_launcher(launcher_pid: int) -> Callable[[], None]:
   launcher does not leave orphans; elsewhere the inherited lock still protects."""
   def preexec():
     try:
-      import ctypes
       libc = ctypes.CDLL(None, use_errno=True)
       libc.prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -127,126 +129,150 @@ def run_local(sweep: Sweep, *, max_concurrent: int, env: dict | None = None,
   if max_concurrent < 1:
     raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
   threads = max(1, cpu_count() // max_concurrent)
-  env = run_env(env, threads=threads)
-  report = SweepReport()
-  pending = collections.deque(sweep.points)
-  waiting: list[SweepPoint] = []    # locked elsewhere; retried after each poll
-  running: dict[str, _Running] = {}
-  announced: set[str] = set()       # names already reported as locked
-  total = len(sweep.points)
-  start_progress = {sp.name: _rollouts(sweep, sp) for sp in sweep.points}
-  t0 = last_status = time.time()
-  print_fn(f"sweep: {total} runs under {sweep.root}, up to {max_concurrent} at a time "
-           f"({threads} thread(s) each)")
+  pool = _Pool(sweep, run_env(env, threads=threads), print_fn)
+  print_fn(f"sweep: {pool.total} runs under {sweep.root}, up to {max_concurrent} at a "
+           f"time ({threads} thread(s) each)")
+  try:
+    pool.drive(max_concurrent, poll_s=poll_s, status_every_s=status_every_s)
+  finally:
+    pool.stop_all()  # interrupted (Ctrl-C): stop runs, keep checkpoints
+  report = pool.report
+  print_fn(f"sweep: {len(report.finished)} finished, {len(report.skipped)} already done, "
+           f"{len(report.failed)} failed in {_fmt_s(time.time() - pool.t0)}")
+  return report
 
-  def launch(sp: SweepPoint) -> None:
-    run_dir = sweep.run_dir(sp)
+
+class _Pool:
+  """The runs of one local sweep: which are pending, locked elsewhere or running."""
+
+  def __init__(self, sweep: Sweep, env: dict, print_fn: Callable[[str], None]):
+    self.sweep, self.env, self.print_fn = sweep, env, print_fn
+    self.report = SweepReport()
+    self.pending = collections.deque(sweep.points)
+    self.waiting: list[SweepPoint] = []    # locked elsewhere; retried after each poll
+    self.running: dict[str, _Running] = {}
+    self.announced: set[str] = set()       # names already reported as locked
+    self.total = len(sweep.points)
+    self.start_progress = {sp.name: _rollouts(sweep, sp) for sp in sweep.points}
+    self.t0 = time.time()
+
+  def drive(self, max_concurrent: int, *, poll_s: float, status_every_s: float) -> None:
+    """Starts, reaps and retries runs until every point is done, skipped or failed."""
+    last_status = self.t0
+    while self.pending or self.running or self.waiting:
+      while self.pending and len(self.running) < max_concurrent:
+        self.launch(self.pending.popleft())
+      for name, r in list(self.running.items()):
+        if r.proc.poll() is not None:
+          del self.running[name]
+          self.reap(r)
+      if time.time() - last_status >= status_every_s and (self.running or self.waiting):
+        last_status = time.time()
+        self.print_fn(_status_line(self.sweep, self.report, self.running, self.waiting,
+                                   self.start_progress, self.t0, self.total))
+      if self.pending and len(self.running) < max_concurrent:
+        continue  # a run just ended: fill its slot now
+      time.sleep(poll_s)
+      if self.waiting and not self.pending:
+        self.pending.extend(self.waiting)  # retry locked points; `launch` re-queues held ones
+        self.waiting.clear()
+
+  def _fail(self, sp: SweepPoint, why: str, shown: str | None = None) -> None:
+    self.report.failed[sp.name] = why
+    self.print_fn(f"FAILED {sp.name}: {shown or why}")
+
+  def _skip(self, sp: SweepPoint, why: str) -> None:
+    self.report.skipped.append(sp.name)
+    self.print_fn(f"skip   {sp.name}: {why}")
+
+  def launch(self, sp: SweepPoint) -> None:
+    """Starts `sp` unless it is finished or locked by another launcher."""
+    run_dir = self.sweep.run_dir(sp)
     if is_done(run_dir):
-      report.skipped.append(sp.name)
-      print_fn(f"skip   {sp.name}: already finished ({DONE_MARKER} present)")
+      self._skip(sp, f"already finished ({DONE_FILE} present)")
       return
     try:
       fd = try_lock(run_dir)
     except IsojaxError as e:  # a link at the run dir or its lock file: never followed
-      report.failed[sp.name] = str(e)
-      print_fn(f"FAILED {sp.name}: {e}")
+      self._fail(sp, str(e))
       return
     if fd is None:
-      waiting.append(sp)
-      if sp.name not in announced:
-        announced.add(sp.name)
-        print_fn(f"wait   {sp.name}: locked by {lock_holder(run_dir)}")
+      self.waiting.append(sp)
+      if sp.name not in self.announced:
+        self.announced.add(sp.name)
+        self.print_fn(f"wait   {sp.name}: locked by {lock_holder(run_dir)}")
       return
     if is_done(run_dir):  # finished by another launcher while we were not looking
       os.close(fd)
-      report.skipped.append(sp.name)
-      print_fn(f"skip   {sp.name}: finished by another launcher")
+      self._skip(sp, "finished by another launcher")
       return
-    cmd = sweep.command(sp)
+    self._start(sp, run_dir, fd)
+
+  def _start(self, sp: SweepPoint, run_dir: str, fd: int) -> None:
+    """Starts the run of a locked point, its output appended to the point's log."""
+    cmd = self.sweep.command(sp)
     try:
       files.check_not_link(os.path.join(run_dir, ATTEMPTS_FILE))
       log = files.open_append(os.path.join(run_dir, LOG_FILE), binary=True)
     except IsojaxError as e:
       os.close(fd)
-      report.failed[sp.name] = str(e)
-      print_fn(f"FAILED {sp.name}: {e}")
+      self._fail(sp, str(e))
       return
     log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launcher "
               f"{os.getpid()}: {' '.join(cmd)}\n".encode())
     log.flush()
-    resumed = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+    resumed = os.path.exists(os.path.join(run_dir, METRICS_FILE))
     try:
-      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                               stdin=subprocess.DEVNULL, pass_fds=(fd,),
                               preexec_fn=_die_with_launcher(os.getpid()))
     except OSError as e:
       log.close()
       os.close(fd)
-      report.failed[sp.name] = f"could not start {cmd[0]}: {e}"
-      print_fn(f"FAILED {sp.name}: could not start {cmd}: {e}")
+      self._fail(sp, f"could not start {cmd[0]}: {e}", f"could not start {cmd}: {e}")
       return
     record_attempt(run_dir, event="start", pid=proc.pid, resumed=resumed)
-    running[sp.name] = _Running(sp, proc, fd, log, time.time())
-    print_fn(f"start  {sp.name} ({'resume' if resumed else 'fresh'}, "
-             f"M={sp.point.m}) log: {os.path.join(run_dir, LOG_FILE)}")
+    self.running[sp.name] = _Running(sp, proc, fd, log, time.time())
+    self.print_fn(f"start  {sp.name} ({'resume' if resumed else 'fresh'}, "
+                  f"M={sp.point.m}) log: {os.path.join(run_dir, LOG_FILE)}")
 
-  def reap(r: _Running) -> None:
+  def reap(self, r: _Running) -> None:
+    """Records how a run ended; a failure is printed with the tail of its log."""
     rc = r.proc.returncode
-    run_dir = sweep.run_dir(r.sp)
+    run_dir = self.sweep.run_dir(r.sp)
     r.log.close()
     seconds = time.time() - r.started
     record_attempt(run_dir, event="end", pid=r.proc.pid, rc=rc,
                    done=is_done(run_dir), seconds=round(seconds, 3))
     os.close(r.lock_fd)  # after the attempt is recorded: the lock orders the records
     if rc == 0 and is_done(run_dir):
-      report.finished.append(r.sp.name)
-      n_done = len(report.finished) + len(report.skipped)
-      print_fn(f"done   {r.sp.name} in {_fmt_s(seconds)} [{n_done}/{total}]")
+      self.report.finished.append(r.sp.name)
+      n_done = len(self.report.finished) + len(self.report.skipped)
+      self.print_fn(f"done   {r.sp.name} in {_fmt_s(seconds)} [{n_done}/{self.total}]")
       return
     why = (f"exit code {rc}" if rc != 0
-           else f"exit code 0 but no {DONE_MARKER} marker was written")
-    report.failed[r.sp.name] = why
+           else f"exit code 0 but no {DONE_FILE} marker was written")
     log_path = os.path.join(run_dir, LOG_FILE)
-    print_fn(f"FAILED {r.sp.name}: {why} after {_fmt_s(seconds)}; log: {log_path}\n"
-             f"--- last lines of {log_path} ---\n{log_tail(log_path)}\n---")
+    self._fail(r.sp, why, f"{why} after {_fmt_s(seconds)}; log: {log_path}\n"
+               f"--- last lines of {log_path} ---\n{log_tail(log_path)}\n---")
 
-  try:
-    while pending or running or waiting:
-      while pending and len(running) < max_concurrent:
-        launch(pending.popleft())
-      for name, r in list(running.items()):
-        if r.proc.poll() is not None:
-          del running[name]
-          reap(r)
-      if time.time() - last_status >= status_every_s and (running or waiting):
-        last_status = time.time()
-        print_fn(_status_line(sweep, report, running, waiting, start_progress,
-                              t0, total))
-      if pending and len(running) < max_concurrent:
-        continue  # a run just ended: fill its slot now
-      time.sleep(poll_s)
-      if waiting and not pending:
-        pending.extend(waiting)  # retry locked points; `launch` re-queues held ones
-        waiting.clear()
-  finally:
-    for r in running.values():  # interrupted (Ctrl-C): stop runs, keep checkpoints
+  def stop_all(self) -> None:
+    """Terminates the runs still going (SIGTERM, then SIGKILL after 30 s)."""
+    for r in self.running.values():
       r.proc.terminate()
-    for r in running.values():
+    for r in self.running.values():
       try:
         r.proc.wait(timeout=30)
       except subprocess.TimeoutExpired:
         r.proc.kill()
       r.log.close()
       os.close(r.lock_fd)
-  print_fn(f"sweep: {len(report.finished)} finished, {len(report.skipped)} already done, "
-           f"{len(report.failed)} failed in {_fmt_s(time.time() - t0)}")
-  return report
 
 
 def _rollouts(sweep: Sweep, sp: SweepPoint) -> int:
   if is_done(sweep.run_dir(sp)):
     return sp.point.compute
-  progress = read_progress(sweep.run_dir(sp)) or {}
+  progress = last_record(sweep.run_dir(sp)) or {}
   return int(progress.get("rollouts", 0))
 
 
@@ -254,7 +280,7 @@ def _status_line(sweep, report, running, waiting, start_progress, t0, total) -> 
   """'3/8 done | bp8_n4_m16_s0 step 5/16 | ETA 3m20s', ETA from rollouts per second."""
   parts = [f"progress: {len(report.finished) + len(report.skipped)}/{total} done"]
   for r in running.values():
-    step = (read_progress(sweep.run_dir(r.sp)) or {}).get("step", 0)
+    step = (last_record(sweep.run_dir(r.sp)) or {}).get("step", 0)
     parts.append(f"{r.sp.name} step {step}/{r.sp.point.m}")
   if waiting:
     parts.append(f"{len(waiting)} locked elsewhere")

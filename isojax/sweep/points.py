@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterable, Sequence
 
 from isojax import budget as budget_lib
+from isojax.assets import BASE_MODEL_DIR
 
 DEFAULT_RUNNER = ("-m", "isojax.main")  # what follows the interpreter in a run command
 
@@ -60,7 +61,8 @@ def expand_points(bp_values: Iterable, n_values: Iterable, *, b_max, budgets,
 def dropped_points(bp_values: Iterable, n_values: Iterable, *, b_max, budgets,
                    min_n: int = 1, estimator: str = "") -> list[str]:
   """Why each (Bp, n, C) of the grid that `expand_points` leaves out is infeasible,
-  one line each, e.g. 'Bp=64 n=8 C=256: Bp*n = 512 exceeds b_max = 256'."""
+  one line each in `BudgetPoint.feasible`'s words, e.g. 'Bp=64 n=8 C=256: infeasible
+  budget point: Bp*n = 64*8 = 512 exceeds b_max = 256'."""
   budgets = list(budgets) if isinstance(budgets, Sequence) and not isinstance(
       budgets, str) else [budgets]
   out = []
@@ -68,10 +70,10 @@ def dropped_points(bp_values: Iterable, n_values: Iterable, *, b_max, budgets,
     for bp in sorted({int(x) for x in bp_values}):
       for n in sorted({int(x) for x in n_values}):
         why = []
-        if bp * n > b_max:
-          why.append(f"Bp*n = {bp * n} exceeds b_max = {b_max}")
-        if bp * n > c:
-          why.append(f"Bp*n = {bp * n} exceeds the budget (M = 0)")
+        try:
+          budget_lib.BudgetPoint.feasible(c, bp=bp, n=n, b_max=b_max)
+        except ValueError as e:
+          why.append(str(e))
         if n < min_n:
           why.append(f"n < {min_n}, the fewest the {estimator or 'advantage'} "
                      f"estimator is defined for")
@@ -101,18 +103,14 @@ def load_experiment(config_path: str, arg: str = ""):
   return get_config(arg) if inspect.signature(get_config).parameters else get_config()
 
 
-# What an empty config.model.path means to the run: the committed tiny base model.
-BASE_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "assets", "base_model")
-
-
 def vllm_model(config) -> str | None:
   """The HF directory a vLLM server must serve for runs of `config`, or None when the
   config samples in-process."""
   sampler = config.get("sampler") or {}
   if sampler.get("backend", "jax") != "vllm":
     return None
-  return (config.get("model") or {}).get("path", "") or BASE_MODEL_DIR
+  # An empty model.path means the committed tiny base model, to the run as here.
+  return (config.get("model") or {}).get("path", "") or str(BASE_MODEL_DIR)
 
 
 def apply_overrides(config, args: Sequence[str]):

@@ -24,7 +24,8 @@ import subprocess
 import sys
 
 from isojax import files
-from isojax.sweep import rundir
+from isojax import rundir
+from isojax.sweep import attempts
 from isojax.sweep.points import Sweep
 
 POINTS_FILE = "points.json"
@@ -200,9 +201,9 @@ def run_task(points_path: str, index: int, *, print_fn=print) -> int:
   if rundir.is_done(run_dir):
     print_fn(f"skip {entry['name']}: already finished")
     return 0
-  fd = rundir.try_lock(run_dir)
+  fd = attempts.try_lock(run_dir)
   if fd is None:
-    print_fn(f"{entry['name']} is locked by {rundir.lock_holder(run_dir)}")
+    print_fn(f"{entry['name']} is locked by {attempts.lock_holder(run_dir)}")
     return 1
   command, server = list(entry["command"]), None
   try:
@@ -221,7 +222,7 @@ def run_task(points_path: str, index: int, *, print_fn=print) -> int:
       server.stop()
     os.close(fd)
   if rc == 0 and not rundir.is_done(run_dir):
-    print_fn(f"{entry['name']}: exit 0 but no {rundir.DONE_MARKER} marker")
+    print_fn(f"{entry['name']}: exit 0 but no {rundir.DONE_FILE} marker")
     return 1
   return rc
 

@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from isojax.analysis import (analyze_sweep, extrapolation_check, fit_curves, fit_n_star,
+from isojax.analysis import (fit_frontier, extrapolation_check, fit_curves, fit_n_star,
                              fit_sigmoid, frontier, log_grid, pool_points, read_runs,
                              record_breaking_points)
 
@@ -109,7 +109,7 @@ def test_a_lead_of_0_004_makes_n_star_by_default(tmp_path):
 
   fake_runs.make_sweep(tmp_path, configs=[(8, 256), (8, 512)], budget=8 * 512 * 400,
                        curve=curve, n_evals=60)
-  sweep = analyze_sweep(read_runs(tmp_path).runs, metric=METRIC, label="bp=8")
+  sweep = fit_frontier(read_runs(tmp_path).runs, metric=METRIC, label="bp=8")
   both = np.all(np.isfinite(sweep.frontier.curves), axis=0)
   assert both.sum() > 100 and np.all(sweep.frontier.n_star[both] == 512)
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from isojax.analysis import (Frontier, FrontierOptions, analyze_sweep, bin_points, fit_law,
+from isojax.analysis import (Frontier, FrontierOptions, fit_frontier, bin_points, fit_law,
                              fit_n_star, law_points, read_runs, running_average_points)
 from isojax.analysis.fits import NSTAR_K_RANGE
 
@@ -65,7 +65,7 @@ def test_law_from_runs_with_seed_noise_recovers_the_known_law(tmp_path, method):
                        curve=lambda bp, n, c: fake_runs.sigmoid(c, **params[n]),
                        seeds=(0, 1, 2), noise=0.005, run_sigma=0.0025, rho=0.5,
                        n_evals=60, rng_seed=0)
-  sweep = analyze_sweep(read_runs(tmp_path).runs, metric=METRIC, label="bp=8",
+  sweep = fit_frontier(read_runs(tmp_path).runs, metric=METRIC, label="bp=8",
                         options=FrontierOptions(law_points=method))
   law = sweep.law
   assert sweep.law_points.method == method
@@ -135,7 +135,7 @@ def test_a_frontier_whose_n_star_is_no_sigmoid_is_said_so(tmp_path):
 
   fake_runs.make_sweep(tmp_path, configs=[(8, 4), (8, 16)], budget=8 * 16 * 20000,
                        curve=curve, n_evals=80)
-  sweep = analyze_sweep(read_runs(tmp_path).runs, metric=METRIC, label="bp=8")
+  sweep = fit_frontier(read_runs(tmp_path).runs, metric=METRIC, label="bp=8")
   said = [p for p in sweep.problems if "not a sigmoid" in p]
   assert len(said) == 1 and "4 (from C=" in said[0] and "-> 16 (from C=" in said[0]
   assert sweep.law.r2 < 0.8

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
-from isojax.analysis import analyze_sweep, fixed_batch, read_runs, sensitivity
+from isojax.analysis import fit_frontier, fixed_batch, read_runs, sensitivity
 from isojax.analysis import plots
 
 from . import fake_runs
@@ -24,7 +24,7 @@ def _labelled(ax):
 
 
 def test_frontier_and_records_figures(runs):
-  sweep = analyze_sweep([r for r in runs if r.bp == 8], metric="val/avg@4", label="bp=8")
+  sweep = fit_frontier([r for r in runs if r.bp == 8], metric="val/avg@4", label="bp=8")
   fig = plots.plot_frontier(sweep)
   ax = fig.axes[0]
   assert isinstance(fig, Figure) and _labelled(ax) and ax.get_xscale() == "log"

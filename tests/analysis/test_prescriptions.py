@@ -104,7 +104,7 @@ def test_extrapolation_without_an_interval_says_it_is_unchecked():
 def test_infeasible_point_is_reported_not_raised():
   choice = LawChoice("bp=32", law(), bp=1024, joint=False, reason="test")
   (pr,) = prescribe(choice, [1e6], b_max=4096)
-  assert pr.point is None and not pr.refused and "b_max=4096" in pr.note
+  assert pr.point is None and not pr.refused and "b_max = 4096" in pr.note
 
 
 def test_runs_with_non_finite_values_make_their_bp_unstable(tmp_path):

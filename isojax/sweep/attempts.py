@@ -1,4 +1,7 @@
-"""A run directory as the launcher sees it: finished, locked, how far, what it logged.
+"""What the launcher adds to a run directory: the point's lock, its log and attempts.
+
+Whether a run finished and how far it got are read through `isojax.rundir`, the
+layout the run writes.
 
 Each point is guarded by an `fcntl.flock` on a lock file in its run directory, held by
 the launcher *and* inherited by the run, so neither a second launcher nor a rerun after
@@ -15,17 +18,9 @@ import time
 
 from isojax import files
 
-# Written by the run (isojax/run.py, DONE_FILE) when its last update, eval and
-# checkpoint are done.
-DONE_MARKER = "DONE"
 LOCK_FILE = ".sweep.lock"
 LOG_FILE = "sweep.log"             # the run's stdout + stderr, appended per attempt
 ATTEMPTS_FILE = "sweep_attempts.jsonl"  # one line per start / end of a run attempt
-LOG_TAIL_LINES = 20
-
-
-def is_done(run_dir: str) -> bool:
-  return os.path.exists(os.path.join(run_dir, DONE_MARKER))
 
 
 def try_lock(run_dir: str) -> int | None:
@@ -53,35 +48,6 @@ def lock_holder(run_dir: str) -> str:
       return f.read().strip() or "unknown"
   except OSError:
     return "unknown"
-
-
-def read_progress(run_dir: str) -> dict | None:
-  """The last complete line of the run's metrics.jsonl, or None."""
-  path = os.path.join(run_dir, "metrics.jsonl")
-  try:
-    with open(path, "rb") as f:
-      f.seek(0, os.SEEK_END)
-      f.seek(max(0, f.tell() - 8192))
-      lines = f.read().split(b"\n")
-  except OSError:
-    return None
-  for line in reversed(lines[:-1]):  # the last element is '' or a partial line
-    try:
-      return json.loads(line)
-    except ValueError:
-      continue
-  return None
-
-
-def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
-  try:
-    with open(path, "rb") as f:
-      f.seek(0, os.SEEK_END)
-      f.seek(max(0, f.tell() - 64 * 1024))
-      text = f.read().decode("utf-8", "replace")
-  except OSError as e:
-    return f"(no log: {e})"
-  return "\n".join(text.splitlines()[-lines:])
 
 
 def record_attempt(run_dir: str, **event) -> None:

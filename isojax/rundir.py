@@ -1,0 +1,110 @@
+"""The run directory's layout and its metrics reader, shared by run, sweep and analysis.
+
+A run directory (`python -m isojax.main --workdir=DIR`) holds
+
+    config.json     the resolved config, with the derived budget point
+    metrics.jsonl   one JSON object per line, each with a numeric "step"
+    tensorboard/    the same scalars for TensorBoard
+    checkpoints/    orbax steps: train state + host state
+    DONE            written last; a finished run is not rerun
+
+The trainer writes it, the sweep launcher polls it, and the analysis reads copies of
+it on machines without JAX: this module is plain Python so that all three can
+import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+DONE_FILE = "DONE"
+CHECKPOINT_DIR = "checkpoints"
+TENSORBOARD_DIR = "tensorboard"
+
+# How much of metrics.jsonl `last_record` reads: many lines of any real run.
+_TAIL_BYTES = 8192
+
+
+def is_done(run_dir: str | os.PathLike) -> bool:
+  """Whether the run in `run_dir` finished (wrote DONE after its last step)."""
+  return os.path.exists(os.path.join(run_dir, DONE_FILE))
+
+
+def parse_record(line: str | bytes) -> dict | None:
+  """One metrics.jsonl line as a dict, or None unless it is a JSON object with a
+  numeric "step"."""
+  try:
+    record = json.loads(line)
+  except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+    return None
+  if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
+    return None
+  return record
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsLines:
+  """What `read_metrics` found: the records in file order and the lines it skipped.
+
+  Attributes:
+    records: the parsed lines, in the order they were written.
+    corrupt: 1-based numbers of the lines skipped as unparseable (tolerant
+      reading only; a strict read raises instead).
+  """
+
+  records: tuple[dict, ...]
+  corrupt: tuple[int, ...] = ()
+
+
+def read_metrics(path: str | os.PathLike, *, tolerant: bool = False) -> MetricsLines:
+  """Every record of a metrics.jsonl file (none if it does not exist).
+
+  Two policies, one per reader:
+    strict (tolerant=False), the trainer resuming its own file: a torn last line
+      (no newline: the write of a killed run) is skipped, and any other line that
+      is not a record raises ValueError naming path and line;
+    tolerant (tolerant=True), the analysis of copied sweeps: blank lines are
+      ignored, and every line that is not a record is skipped and reported in
+      `corrupt` (a torn last line that still parses is kept).
+  """
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    return MetricsLines(records=())
+  records, corrupt = [], []
+  with open(path, encoding="utf-8", errors="replace") as f:
+    for lineno, line in enumerate(f, start=1):
+      if tolerant and not line.strip():
+        continue
+      if not tolerant and not line.endswith("\n"):
+        break  # torn write of a killed run
+      record = parse_record(line)
+      if record is not None:
+        records.append(record)
+      elif tolerant:
+        corrupt.append(lineno)
+      else:
+        raise ValueError(f"{path}:{lineno}: not a JSON object with a numeric step")
+  return MetricsLines(records=tuple(records), corrupt=tuple(corrupt))
+
+
+def last_record(run_dir: str | os.PathLike) -> dict | None:
+  """The last complete record of the run's metrics.jsonl, or None.
+
+  Reads only the file's tail, so polling many runs of a long sweep stays cheap.
+  """
+  try:
+    with open(os.path.join(run_dir, METRICS_FILE), "rb") as f:
+      f.seek(0, os.SEEK_END)
+      f.seek(max(0, f.tell() - _TAIL_BYTES))
+      lines = f.read().split(b"\n")
+  except OSError:
+    return None
+  for line in reversed(lines[:-1]):  # the last element is '' or a partial line
+    record = parse_record(line)
+    if record is not None:
+      return record
+  return None
