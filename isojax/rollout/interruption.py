@@ -22,7 +22,7 @@ before any work.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,11 +37,6 @@ DEFAULT_PHRASE = ("Okay, time is up. Let me stop thinking and formulate a final 
 _SEED_STRIDE = 1_000_003
 _SEED_SALT = 0x1A7E
 _SEED_MOD = 2**31 - 1
-
-
-class _Tokenizer(Protocol):
-  def encode(self, text: str) -> list[int]:
-    ...
 
 
 class BoundedSampler(Sampler, Protocol):
@@ -78,7 +73,8 @@ class Interruption:
 
 
 def interruption_from_config(sampler_config, *, max_tokens: int,
-                             tokenizer: _Tokenizer) -> Interruption | None:
+                             encode: Callable[[str], Sequence[int]]
+                             ) -> Interruption | None:
   """The run's interruption setting, or None when off; checks it before any work.
 
   Args:
@@ -87,7 +83,8 @@ def interruption_from_config(sampler_config, *, max_tokens: int,
       phrase) and interrupt_phrase.
     max_tokens: the run's response-length cap (config.sampler.max_tokens
       resolved): thinking budget + phrase + answer budget must fit in it.
-    tokenizer: encodes the phrase (`encode(text) -> ids`, no special tokens).
+    encode: the model's tokenizer, text -> ids without special tokens (e.g.
+      `isojax.models.Tokenizer.encode`); called only when interruption is on.
 
   Raises:
     ValueError: naming the `config.sampler.<field>`, for a negative budget, a
@@ -107,7 +104,7 @@ def interruption_from_config(sampler_config, *, max_tokens: int,
                      f"max_tokens={max_tokens} (config.sampler.max_tokens): the phrase "
                      f"and the answer come after it")
   phrase = sampler_config.interrupt_phrase
-  phrase_ids = tuple(int(t) for t in tokenizer.encode(phrase))
+  phrase_ids = tuple(int(t) for t in encode(phrase))
   if not phrase_ids:
     raise ValueError(f"config.sampler.interrupt_phrase={phrase!r} tokenises to no "
                      f"tokens with this model's tokenizer")

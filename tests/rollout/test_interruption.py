@@ -114,15 +114,19 @@ def _sampler_config(**fields):
   return c
 
 
+def _never(text):
+  raise AssertionError(f"the phrase {text!r} was tokenised although interruption is off")
+
+
 def test_config_off_and_on(tokenizer):
-  assert interruption_from_config(_sampler_config(), max_tokens=8, tokenizer=tokenizer) is None
+  assert interruption_from_config(_sampler_config(), max_tokens=8, encode=_never) is None
   on = interruption_from_config(
       _sampler_config(interrupt_think_tokens=3, interrupt_answer_tokens=2,
-                      interrupt_phrase="12"), max_tokens=8, tokenizer=tokenizer)
+                      interrupt_phrase="12"), max_tokens=8, encode=tokenizer.encode)
   assert on == Interruption(think_tokens=3, answer_tokens=2, phrase_ids=(5, 6))
   rest = interruption_from_config(
       _sampler_config(interrupt_think_tokens=3, interrupt_phrase="="), max_tokens=8,
-      tokenizer=tokenizer)
+      encode=tokenizer.encode)
   assert rest.answer_tokens == 8 - 3 - 1 and rest.completion_tokens == 8
 
 
@@ -142,7 +146,7 @@ def test_config_off_and_on(tokenizer):
 ])
 def test_config_errors_name_the_field(tokenizer, fields, msg):
   with pytest.raises(ValueError, match=msg):
-    interruption_from_config(_sampler_config(**fields), max_tokens=8, tokenizer=tokenizer)
+    interruption_from_config(_sampler_config(**fields), max_tokens=8, encode=tokenizer.encode)
 
 
 @pytest.fixture(scope="module")
