@@ -39,6 +39,8 @@ from isojax import files
 from isojax import metrics as metrics_lib
 from isojax import run_setup
 from isojax.errors import IsojaxError, disk_full_as
+from isojax.models.tokenizer import Tokenizer
+from isojax.rollout.interruption import interruption_from_config
 from isojax.rollout.memory import check_run_split
 from isojax.run_setup import RunParts, build_parts, model_of, nonfinite_step_message
 
@@ -116,6 +118,8 @@ def plan(config) -> RunPlan:
     raise ValueError(f"config.sampler.backend={config.sampler.backend!r}; expected "
                      f"'jax' or 'vllm'")
   max_tokens = budget_lib.study_max_tokens(config.sampler.max_tokens, config.model.path)
+  interruption_from_config(config.sampler, max_tokens=max_tokens, encode=lambda text: (
+      Tokenizer.from_pretrained(run_setup.model_path(config)).encode(text)))
   if config.eval.k < 1:
     raise ValueError(f"config.eval.k={config.eval.k} must be >= 1")
   if config.data.reward not in ("exact", "math"):
@@ -283,7 +287,8 @@ def sample_and_update(parts: RunParts, config, state, step: int):
   zero_var_B = np.repeat(np.all(base_BpxN == base_BpxN[:, :1], axis=1), n_est)
   host = {"train/reward": float(np.mean(rewards_B)),
           "train/response_len": float(np.mean(rollouts.lengths_B)),
-          "train/truncated_frac": float(np.mean(rollouts.finish_reason_B == "length"))}
+          "train/truncated_frac": float(np.mean(rollouts.finish_reason_B == "length")),
+          "train/interrupted_frac": float(np.mean(rollouts.interrupted_B))}
   if baseline_B is not None:
     host["train/baseline_reward"] = float(np.mean(baseline_B))
   # Rollouts a filter drops from the loss were still paid for (the ledger says so).
