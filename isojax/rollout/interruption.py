@@ -32,8 +32,8 @@ from isojax.rollout.base import FINISH_LENGTH, Rollouts, Sampler
 DEFAULT_PHRASE = ("Okay, time is up. Let me stop thinking and formulate a final answer "
                   "now.")
 # Continuations draw from a stream apart from the first stage's: JaxSampler keys
-# its randomness by (seed, row), so with the same seed the k-th continuation
-# would reuse the k-th first-stage row's random numbers.
+# its randomness by (seed, rollout index), so with the same seed the k-th
+# continuation would reuse the k-th first-stage rollout's random numbers.
 _SEED_STRIDE = 1_000_003
 _SEED_SALT = 0x1A7E
 _SEED_MOD = 2**31 - 1
@@ -138,9 +138,11 @@ class InterruptingSampler:
     self.interruption = interruption
 
   def max_model_len(self) -> int | None:
+    """The wrapped sampler's context."""
     return self.sampler.max_model_len()
 
   def update_weights(self, model: Any) -> None:
+    """Passes `model` to the wrapped sampler: both stages sample from it."""
     self.sampler.update_weights(model)
 
   def close(self) -> None:
