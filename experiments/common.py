@@ -12,6 +12,7 @@ import ast
 import ml_collections
 
 from isojax import budget
+from isojax.rollout import interruption
 
 # The committed tiny base model (isojax/assets/base_model) was stopped early,
 # while sharp: Adam steps above ~3e-5 made GRPO collapse on it. CPU configs
@@ -129,6 +130,15 @@ def base_config() -> ml_collections.ConfigDict:
   # committed tiny model (model.path ""), the paper's 8,192 when model.path names
   # a real model (isojax.budget.study_max_tokens). Any value > 0 overrides it.
   c.sampler.max_tokens = 0
+  # Forced length interruption (ScaleRL, isojax.rollout.interruption): a rollout
+  # that reaches interrupt_think_tokens gets interrupt_phrase appended (read, not
+  # trained on) and up to interrupt_answer_tokens more. 0 = off.
+  c.sampler.interrupt_think_tokens = 0
+  # The answer budget after the phrase; 0 = what max_tokens leaves after the
+  # thinking budget and the phrase (the three must fit in max_tokens).
+  c.sampler.interrupt_answer_tokens = 0
+  # The end-of-thinking phrase; it must tokenise to at least one token.
+  c.sampler.interrupt_phrase = interruption.DEFAULT_PHRASE
   # In-process sampler on the trainer's accelerator: its KV-cache share. It decodes
   # at most max_rows rollouts at once (0 = all of a batch), fewer if the rows of
   # prompt + max_tokens positions do not fit in kv_budget_gib (0 = no budget);

@@ -11,6 +11,10 @@ right-padded to `max_tokens`:
     loss mask         0  0  0 |  1  1  1   0   0
     sampler logp      0  0  0 | l0 l1 l2   0   0
 
+Completion tokens the sampler appended rather than sampled (`Rollouts.forced_BxT`,
+a forced interruption's phrase) are attended to but not trained on: attention 1,
+loss mask 0, sampler logp 0.
+
 Row i*n + j holds prompt i's j-th completion (prompt-major groups, as the
 advantages in the step expect).
 
@@ -58,11 +62,14 @@ def take_rollouts(rollouts: Rollouts, rows: np.ndarray) -> Rollouts:
   """The rollouts at `rows`, in that order (same width T)."""
   rows = np.asarray(rows, np.int64)
   lengths_B = np.asarray(rollouts.lengths_B)[rows]
+  forced_BxT = np.asarray(rollouts.forced_BxT)[rows]
   return Rollouts(tokens_BxT=np.asarray(rollouts.tokens_BxT)[rows],
                   logprobs_BxT=np.asarray(rollouts.logprobs_BxT)[rows],
                   lengths_B=lengths_B,
                   finish_reason_B=np.asarray(rollouts.finish_reason_B)[rows],
-                  num_rollouts=len(rows), num_generated_tokens=int(lengths_B.sum()))
+                  num_rollouts=len(rows),
+                  num_generated_tokens=int(lengths_B.sum() - forced_BxT.sum()),
+                  forced_BxT=forced_BxT)
 
 
 def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts,
@@ -114,10 +121,12 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts,
   tokens_BxT[:, :tc] = rollouts.tokens_BxT[:, :tc]
   logp_BxT = np.zeros((b, max_tokens), np.float32)
   logp_BxT[:, :tc] = rollouts.logprobs_BxT[:, :tc]
+  forced_BxT = np.zeros((b, max_tokens), np.int32)
+  forced_BxT[:, :tc] = rollouts.forced_BxT[:, :tc]
   ids_BxT[:, prompt_width:] = np.where(comp_BxT == 1, tokens_BxT, pad_id)
   attn_BxT[:, prompt_width:] = comp_BxT
   loss_BxT = np.zeros((b, width), np.int32)
-  loss_BxT[:, prompt_width:] = comp_BxT
+  loss_BxT[:, prompt_width:] = comp_BxT * (1 - forced_BxT)
   sampler_logp_BxT = np.zeros((b, width), np.float32)
   sampler_logp_BxT[:, prompt_width:] = logp_BxT * comp_BxT
   if baseline_rewards_B is not None:

@@ -44,8 +44,10 @@ from isojax.checkpoint import HostState
 from isojax.data.problem_sets import check_data_config, metric_prefix
 from isojax.errors import IsojaxError, disk_full_as
 from isojax.evaluate import score_rollouts
+from isojax.models.tokenizer import Tokenizer
 from isojax.rl import LossConfig, OptimConfig, learning_rate
 from isojax.rl.advantages import ESTIMATORS, min_group_size
+from isojax.rollout.interruption import interruption_from_config
 from isojax.rundir import CONFIG_FILE, DONE_FILE, METRICS_FILE
 from isojax.run_setup import (OpenRun, RunParts, check_same_config, model_of,
                               nonfinite_step_message, open_run, run_key, write_json)
@@ -111,6 +113,8 @@ def plan_run(config) -> RunPlan:
     raise ValueError(f"config.sampler.backend={config.sampler.backend!r}; expected "
                      f"'jax' or 'vllm'")
   max_tokens = budget_lib.study_max_tokens(config.sampler.max_tokens, config.model.path)
+  interruption_from_config(config.sampler, max_tokens=max_tokens, encode=lambda text: (
+      Tokenizer.from_pretrained(run_setup.model_path(config)).encode(text)))
   if config.eval.k < 1:
     raise ValueError(f"config.eval.k={config.eval.k} must be >= 1")
   if config.data.reward not in ("exact", "math"):
@@ -237,7 +241,8 @@ def sample_and_update(parts: RunParts, config, state, step: int):
   step_metrics = {f"train/{k}": float(v) for k, v in jax.device_get(step_metrics).items()}
   host = {"train/reward": float(np.mean(rewards_B)),
           "train/response_len": float(np.mean(rollouts.lengths_B)),
-          "train/truncated_frac": float(np.mean(rollouts.finish_reason_B == "length"))}
+          "train/truncated_frac": float(np.mean(rollouts.finish_reason_B == "length")),
+          "train/interrupted_frac": float(np.mean(rollouts.interrupted_B))}
   if baseline_B is not None:
     host["train/baseline_reward"] = float(np.mean(baseline_B))
   # Rollouts the loss drops were still paid for (the ledger says so): all n_est

@@ -31,6 +31,7 @@ from isojax.checkpoint import HostState
 from isojax.data import problem_sets
 from isojax.data.lengths import fit_prompts
 from isojax.errors import disk_full_as
+from isojax.rollout.interruption import InterruptingSampler, interruption_from_config
 from isojax.rollout.jax_sampler import JaxSampler
 from isojax.rollout.memory import check_run_split
 from isojax.rundir import CHECKPOINT_DIR, CONFIG_FILE
@@ -160,6 +161,11 @@ def build_parts(config, run_plan) -> RunParts:
   kwargs = dict(batch_size=point.batch, mesh=mesh, rules=sharding.DEFAULT_RULES)
   step = make_step(config, run_plan, model, mesh)
   eos = tokenizer.eos_token_id
+  interrupt = interruption_from_config(config.sampler, max_tokens=run_plan.max_tokens,
+                                       encode=tokenizer.encode)
+  sampler = _sampler(config, model, mesh)
+  if interrupt is not None:  # ScaleRL's forced length interruption, either backend
+    sampler = InterruptingSampler(sampler, interrupt)
   return RunParts(
       mesh=mesh, graphdef=graphdef, rest=rest, tokenizer=tokenizer,
       train_problems=train, val_problems=next(iter(val_sets.values())),
@@ -169,7 +175,7 @@ def build_parts(config, run_plan) -> RunParts:
       max_tokens=run_plan.max_tokens,
       pad_id=int(tokenizer.pad_token_id or 0),
       stop_token_ids=() if eos is None else (int(eos),),
-      loader=loader, sampler=_sampler(config, model, mesh),
+      loader=loader, sampler=sampler,
       reward_fn=data_lib.get_reward_fn(REWARDS[config.data.reward]),
       train_step=step,
       init_state=lambda: rl.init_train_state(model, run_plan.loss, run_plan.optim,

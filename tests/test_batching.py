@@ -95,3 +95,28 @@ def test_decoupled_batch_keeps_the_trained_rows_and_all_baseline_rewards():
   with pytest.raises(ValueError, match=r"baseline_rewards_B has shape \(3,\)"):
     batching.build_batch([[1, 2], [3]], sub, rewards_B[rows], n=2, prompt_width=4,
                          max_tokens=3, pad_id=0, baseline_rewards_B=rewards_B[:3])
+
+
+def test_forced_tokens_are_attended_not_trained_on():
+  # Row 0: think [7, 8], forced phrase [4, 5], answer [9]; row 1 sampled only.
+  r = Rollouts.from_sequences([[7, 8, 4, 5, 9], [6]],
+                              [[-0.1, -0.2, 0.0, 0.0, -0.3], [-0.5]], ["stop", "stop"],
+                              forced=[[0, 0, 1, 1, 0], [0]])
+  batch = batching.build_batch([[1, 2]], r, np.zeros(2), n=2, prompt_width=2,
+                               max_tokens=6, pad_id=0)
+  np.testing.assert_array_equal(batch.input_ids_BxT,
+                                [[1, 2, 7, 8, 4, 5, 9, 0], [1, 2, 6, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(batch.attention_mask_BxT,
+                                [[1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(batch.loss_mask_BxT,
+                                [[0, 0, 1, 1, 0, 0, 1, 0], [0, 0, 1, 0, 0, 0, 0, 0]])
+  np.testing.assert_allclose(batch.sampler_logp_BxT[0], [0, 0, -0.1, -0.2, 0, 0, -0.3, 0])
+
+
+def test_take_rollouts_keeps_forced_tokens_out_of_the_count():
+  r = Rollouts.from_sequences([[7, 4, 9], [6, 6], [5]], [[-0.1, 0.0, -0.3], [-1, -1], [-1]],
+                              ["length", "stop", "stop"], forced=[[0, 1, 0], [0, 0], [0]])
+  sub = batching.take_rollouts(r, np.array([2, 0]))
+  assert sub.forced_BxT.tolist() == [[0, 0, 0], [0, 1, 0]]
+  assert sub.interrupted_B.tolist() == [False, True]
+  assert sub.num_generated_tokens == 1 + 2

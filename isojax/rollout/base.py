@@ -54,7 +54,12 @@ class Rollouts:
     finish_reason_B: array of str, "stop" (EOS or a stop token was sampled) or
       "length" (max_tokens reached).
     num_rollouts: B, for the compute ledger.
-    num_generated_tokens: sum(lengths_B), for the compute ledger.
+    num_generated_tokens: the tokens the sampler drew, for the compute ledger:
+      sum(lengths_B) less the forced tokens.
+    forced_BxT: int32, 1 on completion tokens that were appended rather than
+      sampled (a forced interruption's phrase, `isojax.rollout.interruption`):
+      the model reads them but is not trained on them, and their logprob is 0.
+      None (the default) means none: all zeros.
   """
 
   tokens_BxT: np.ndarray
@@ -63,8 +68,11 @@ class Rollouts:
   finish_reason_B: np.ndarray
   num_rollouts: int
   num_generated_tokens: int
+  forced_BxT: np.ndarray | None = None
 
   def __post_init__(self):
+    if self.forced_BxT is None:
+      object.__setattr__(self, "forced_BxT", np.zeros(np.shape(self.tokens_BxT), np.int32))
     b = self.num_rollouts
     if self.tokens_BxT.ndim != 2 or self.tokens_BxT.shape[0] != b:
       raise ValueError(
@@ -86,41 +94,71 @@ class Rollouts:
     if bad:
       raise ValueError(f"Rollouts.finish_reason_B has unknown values {sorted(bad)}; "
                        f"expected {_FINISH_REASONS}")
-    if self.num_generated_tokens != int(self.lengths_B.sum()):
+    self._check_forced()
+    sampled = int(self.lengths_B.sum()) - int(self.forced_BxT.sum())
+    if self.num_generated_tokens != sampled:
       raise ValueError(
           f"Rollouts.num_generated_tokens={self.num_generated_tokens} != "
-          f"sum(lengths_B)={int(self.lengths_B.sum())}")
+          f"sum(lengths_B) - forced tokens = {sampled}")
+
+  def _check_forced(self) -> None:
+    """forced_BxT: tokens' shape, 0/1, only on completion tokens, logprob 0 there."""
+    forced_BxT = self.forced_BxT
+    if forced_BxT.shape != self.tokens_BxT.shape:
+      raise ValueError(f"Rollouts.forced_BxT shape {forced_BxT.shape} != tokens_BxT "
+                       f"shape {self.tokens_BxT.shape}")
+    if not np.isin(forced_BxT, (0, 1)).all():
+      raise ValueError("Rollouts.forced_BxT must hold only 0 and 1")
+    real_BxT = np.arange(forced_BxT.shape[1])[None, :] < self.lengths_B[:, None]
+    if (forced_BxT.astype(bool) & ~real_BxT).any():
+      raise ValueError("Rollouts.forced_BxT marks padding (positions >= lengths_B)")
+    if (self.logprobs_BxT[forced_BxT.astype(bool)] != 0).any():
+      raise ValueError("Rollouts.logprobs_BxT must be 0 on forced tokens (forced_BxT "
+                       "= 1): they were not sampled")
+
+  @property
+  def interrupted_B(self) -> np.ndarray:
+    """bool, the rollouts with forced tokens (interrupted at a thinking budget)."""
+    return self.forced_BxT.any(axis=1)
 
   @classmethod
   def from_sequences(cls, tokens: Sequence[Sequence[int]],
                      logprobs: Sequence[Sequence[float]],
-                     finish_reasons: Sequence[str]) -> Rollouts:
+                     finish_reasons: Sequence[str],
+                     forced: Sequence[Sequence[int]] | None = None) -> Rollouts:
     """Builds Rollouts from ragged per-rollout lists, right-padding with 0.
 
     Args:
       tokens: one list of completion token ids per rollout (prompt-major).
       logprobs: one list of per-token logprobs per rollout, same lengths.
       finish_reasons: "stop" or "length" per rollout.
+      forced: optional 0/1 list per rollout, same lengths: 1 on appended
+        (not sampled) tokens; see `forced_BxT`.
     """
-    if not len(tokens) == len(logprobs) == len(finish_reasons):
+    forced = [[0] * len(t) for t in tokens] if forced is None else forced
+    if not len(tokens) == len(logprobs) == len(finish_reasons) == len(forced):
       raise ValueError(
           f"from_sequences: got {len(tokens)} token lists, {len(logprobs)} "
-          f"logprob lists and {len(finish_reasons)} finish reasons")
+          f"logprob lists, {len(finish_reasons)} finish reasons and {len(forced)} "
+          f"forced-token lists")
     b = len(tokens)
     lengths = np.array([len(t) for t in tokens], dtype=np.int32)
     width = int(lengths.max()) if b else 0
     tokens_BxT = np.zeros((b, width), np.int32)
     logprobs_BxT = np.zeros((b, width), np.float32)
-    for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-      if len(t) != len(lp):
+    forced_BxT = np.zeros((b, width), np.int32)
+    for i, (t, lp, f) in enumerate(zip(tokens, logprobs, forced)):
+      if not len(t) == len(lp) == len(f):
         raise ValueError(f"from_sequences: rollout {i} has {len(t)} tokens but "
-                         f"{len(lp)} logprobs")
+                         f"{len(lp)} logprobs and {len(f)} forced flags")
       tokens_BxT[i, :len(t)] = t
       logprobs_BxT[i, :len(lp)] = lp
+      forced_BxT[i, :len(f)] = f
     return cls(tokens_BxT=tokens_BxT, logprobs_BxT=logprobs_BxT,
                lengths_B=lengths,
                finish_reason_B=np.array(list(finish_reasons), dtype=str),
-               num_rollouts=b, num_generated_tokens=int(lengths.sum()))
+               num_rollouts=b, num_generated_tokens=int(lengths.sum() - forced_BxT.sum()),
+               forced_BxT=forced_BxT)
 
   def sequences(self) -> list[list[int]]:
     """The completions as ragged lists of token ids (padding dropped)."""

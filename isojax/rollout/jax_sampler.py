@@ -183,6 +183,11 @@ class JaxSampler:
 
   # -- public API -----------------------------------------------------------
 
+  def max_model_len(self) -> int | None:
+    """The most prompt + max_tokens positions a request may use (the model's
+    context, or the `max_len` cap below it); None when neither is known."""
+    return self._max_len
+
   def update_weights(self, model) -> None:
     """Swaps in new parameters without recompiling.
 

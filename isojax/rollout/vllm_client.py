@@ -184,6 +184,10 @@ class VLLMSampler:
                  info["id"], info["max_model_len"])
     return info
 
+  def max_model_len(self) -> int:
+    """The server's context: every prompt + max_tokens must fit in it."""
+    return self.model_info()["max_model_len"]
+
   def eos_token_ids(self) -> tuple[int, ...]:
     if self._eos_token_ids is None:
       eos = self.model_info()["hf_config"].get("eos_token_id")

@@ -20,6 +20,16 @@ def test_from_sequences_right_pads_and_counts():
   assert r.sequences() == [[5, 6, 7], [8], [9, 10]]
 
 
+def test_forced_tokens_are_marked_and_not_counted_as_generated():
+  r = Rollouts.from_sequences([[5, 6, 3, 7], [8]], [[-0.5, -1.0, 0.0, -0.2], [-2.0]],
+                              ["stop", "stop"], forced=[[0, 0, 1, 0], [0]])
+  np.testing.assert_array_equal(r.forced_BxT, [[0, 0, 1, 0], [0, 0, 0, 0]])
+  assert r.interrupted_B.tolist() == [True, False]
+  assert r.num_generated_tokens == 4  # 5 tokens, of which 1 appended
+  plain = Rollouts.from_sequences([[5, 6]], [[-0.5, -1.0]], ["stop"])
+  assert plain.forced_BxT.tolist() == [[0, 0]] and not plain.interrupted_B.any()
+
+
 def test_rollouts_is_frozen():
   r = Rollouts.from_sequences([[1]], [[-1.0]], ["length"])
   with pytest.raises(Exception):
@@ -47,11 +57,29 @@ def _arrays(b=2, t=3):
     ("finish_reason_B", np.array(["length", "eos"]), "unknown values"),
     ("num_generated_tokens", 5, "num_generated_tokens=5"),
     ("num_rollouts", 3, "num_rollouts=3"),
+    ("forced_BxT", np.zeros((2, 4), np.int32), "forced_BxT shape"),
+    ("forced_BxT", np.full((2, 3), 2, np.int32), "only 0 and 1"),
 ])
 def test_rollouts_validates_fields(field, value, msg):
   kw = _arrays()
   kw[field] = value
   with pytest.raises(ValueError, match=msg):
+    Rollouts(**kw)
+
+
+def test_forced_tokens_must_be_real_unsampled_tokens():
+  kw = _arrays()
+  kw.update(lengths_B=np.array([3, 1], np.int32), num_generated_tokens=3)
+  kw["forced_BxT"] = np.array([[0, 0, 0], [0, 1, 0]], np.int32)
+  with pytest.raises(ValueError, match="marks padding"):
+    Rollouts(**kw)
+  kw["forced_BxT"] = np.array([[0, 1, 0], [0, 0, 0]], np.int32)
+  kw["logprobs_BxT"] = np.full((2, 3), -0.5, np.float32)
+  with pytest.raises(ValueError, match="must be 0 on forced tokens"):
+    Rollouts(**kw)
+  kw["logprobs_BxT"] = np.zeros((2, 3), np.float32)
+  kw["num_generated_tokens"] = 4
+  with pytest.raises(ValueError, match="sum.lengths_B. - forced tokens = 3"):
     Rollouts(**kw)
 
 

@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 
 from isojax.rollout.base import Rollouts
+from isojax.rollout.interruption import (InterruptingSampler, Interruption,
+                                         continuation_seed)
 from isojax.rollout.vllm_client import (VLLMError, VLLMResponseError, VLLMSampler,
                                         chunk_prompts)
 
@@ -238,6 +240,44 @@ def test_prompt_too_long_fails_before_sending(fake):
     _sampler(fake.url).generate([[1, 2], list(range(60))], n=1, max_tokens=8,
                                 temperature=1.0)
   assert ("POST", "/v1/completions") not in fake.paths()
+
+
+def _think_or_answer(body, q):
+  """Prompts starting with 1 end at once with EOS (2); others run to max_tokens:
+  sample j of a prompt of length L is L*10 + j, L*10 + j + 1, ..."""
+  choices = []
+  for k, p in enumerate(body["prompt"]):
+    for j in range(body["n"]):
+      ids = [2] if p[0] == 1 else [len(p) * 10 + j + t for t in range(body["max_tokens"])]
+      choices.append({"index": k * body["n"] + j, "token_ids": ids,
+                      "finish_reason": "stop" if p[0] == 1 else "length",
+                      "logprobs": {"token_logprobs": [-0.5] * len(ids)}})
+  return 200, {"choices": choices}
+
+
+def test_interrupting_sampler_over_the_client(fake):
+  fake.routes[("POST", "/v1/completions")] = _think_or_answer
+  spec = Interruption(think_tokens=3, answer_tokens=2, phrase_ids=(90, 91))
+  sampler = InterruptingSampler(_sampler(fake.url), spec)
+  with pytest.raises(ValueError, match="that is 65 > the sampler's context of 64"):
+    sampler.generate([list(range(3, 61))], n=1, max_tokens=7, temperature=1.0)
+  assert ("POST", "/v1/completions") not in fake.paths()
+  r = sampler.generate([[1, 5], [3, 4, 5]], n=2, max_tokens=7, temperature=1.0, seed=3)
+  assert r.sequences() == [[2], [2], [30, 31, 32, 90, 91, 80, 81],
+                           [31, 32, 33, 90, 91, 80, 81]]
+  assert r.forced_BxT[2:].tolist() == [[0, 0, 0, 1, 1, 0, 0]] * 2
+  np.testing.assert_array_equal(r.logprobs_BxT[2], [-0.5] * 3 + [0, 0] + [-0.5] * 2)
+  assert r.finish_reason_B.tolist() == ["stop", "stop", "length", "length"]
+  assert r.num_generated_tokens == 1 + 1 + 5 + 5
+  # Requests run concurrently: order the continuations' by seed.
+  answers = sorted([b for _, p, _, b in fake.calls if p == "/v1/completions"][2:],
+                   key=lambda b: b["seed"])
+  assert [b["prompt"] for b in answers] == [[[3, 4, 5, 30, 31, 32, 90, 91]],
+                                            [[3, 4, 5, 31, 32, 33, 90, 91]]]
+  assert all(b["max_tokens"] == 2 and b["n"] == 1 for b in answers)
+  # The client seeds the request of prompt i with seed * 1_000_003 + i * n.
+  assert [b["seed"] for b in answers] == [continuation_seed(3) * 1_000_003 + i
+                                          for i in range(2)]
 
 
 def test_bad_arguments_fail_before_sending(fake):
