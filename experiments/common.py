@@ -154,6 +154,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.sampler.vllm_connect_timeout_s = 5.0
   c.sampler.vllm_probe_timeout_s = 30.0
   c.sampler.vllm_request_timeout_s = 600.0
+  # Accelerators of a separate vLLM server: device-hours (metrics.jsonl's
+  # device_hours, ScaleRL's compute axis) count them beside the trainer's.
+  c.sampler.server_devices = 0
 
   # Field names are those of isojax.rl LossConfig / OptimConfig. clip_dual and
   # tis_cap are float fields that may hold None (off): --config.rl.clip_dual=3
@@ -180,6 +183,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.weight_decay = 0.01
   c.rl.max_grad_norm = 1.0         # 0 = off
   c.rl.micro_batch = 0             # rollouts per gradient-accumulation chunk; 0 = all
+  # Sequence positions per lm-head chunk, over every row of a micro-batch (None:
+  # all at once). A chunk's logits are recomputed in the backward pass, so the
+  # micro-batch's [rows * T, V] float32 logits never exist: at scale (V ~ 150k)
+  # set e.g. 512.
+  c.rl.logits_chunk = ml_collections.config_dict.placeholder(int)
   # Decoupled baseline (App. G): sample n_est > n rollouts per problem, estimate
   # the baseline from all of them, train on n; the ledger charges n_est, so
   # M = floor(budget / (bp * n_est)). 0 = off (n_est = n).

@@ -265,17 +265,28 @@ class Ledger:
   `rollouts` counts every rollout that was generated, including those a filter later
   dropped from the loss (they were paid for); `dropped_rollouts` says how many of
   them were dropped. `tokens` counts generated (completion) tokens, likewise including
-  dropped ones. `updates` counts optimizer steps attempted.
+  dropped ones. `updates` counts optimizer steps attempted. `device_seconds` is
+  ScaleRL's compute axis: wall-clock seconds of sampling and updating times the
+  devices that did it (evaluation and checkpoints not counted). Unlike the
+  counts it is a measurement: a resumed run re-times the steps it redoes.
   """
 
   rollouts: int = 0
   tokens: int = 0
   dropped_rollouts: int = 0
   updates: int = 0
+  device_seconds: float = 0.0
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
+      if f.name == "device_seconds":
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not 0 <= value < float("inf")):
+          raise ValueError(f"Ledger.device_seconds must be a finite number >= 0, got "
+                           f"{value!r}")
+        object.__setattr__(self, f.name, float(value))
+        continue
       if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"Ledger.{f.name} must be an int >= 0, got {value!r}")
       object.__setattr__(self, f.name, int(value))
@@ -283,36 +294,46 @@ class Ledger:
       raise ValueError(f"Ledger: dropped_rollouts={self.dropped_rollouts} exceeds "
                        f"rollouts={self.rollouts}")
 
+  @property
+  def device_hours(self) -> float:
+    return self.device_seconds / 3600.0
+
   def add(self, *, rollouts: int, tokens: int, dropped_rollouts: int = 0,
-          updates: int = 0) -> "Ledger":
+          updates: int = 0, device_seconds: float = 0.0) -> "Ledger":
     """A ledger with one more batch of spending recorded."""
     if dropped_rollouts > rollouts:
       raise ValueError(f"dropped_rollouts={dropped_rollouts} exceeds the batch's "
                        f"rollouts={rollouts}")
     return Ledger(rollouts=self.rollouts + rollouts, tokens=self.tokens + tokens,
                   dropped_rollouts=self.dropped_rollouts + dropped_rollouts,
-                  updates=self.updates + updates)
+                  updates=self.updates + updates,
+                  device_seconds=self.device_seconds + device_seconds)
 
-  def add_rollouts(self, rollouts, *, dropped_rollouts: int = 0,
-                   updates: int = 1) -> "Ledger":
+  def add_rollouts(self, rollouts, *, dropped_rollouts: int = 0, updates: int = 1,
+                   device_seconds: float = 0.0) -> "Ledger":
     """Record a `Rollouts` object (uses .num_rollouts / .num_generated_tokens)."""
     return self.add(rollouts=int(rollouts.num_rollouts),
                     tokens=int(rollouts.num_generated_tokens),
-                    dropped_rollouts=dropped_rollouts, updates=updates)
+                    dropped_rollouts=dropped_rollouts, updates=updates,
+                    device_seconds=device_seconds)
 
   def state_dict(self) -> dict:
-    """Plain ints, safe for JSON and orbax checkpoints."""
+    """Plain numbers, safe for JSON and orbax checkpoints."""
     return dataclasses.asdict(self)
 
   @classmethod
   def from_state_dict(cls, state: dict) -> "Ledger":
-    """Inverse of `state_dict`; accepts NumPy scalars (as orbax restores them)."""
+    """Inverse of `state_dict`; accepts NumPy scalars (as orbax restores them).
+
+    A state written before `device_seconds` existed resumes with 0 device-seconds.
+    """
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(state) - known
     if unknown:
       raise ValueError(f"Ledger state has unknown keys {sorted(unknown)}; "
                        f"expected {sorted(known)}")
-    return cls(**{k: int(v) for k, v in state.items()})
+    return cls(**{k: float(v) if k == "device_seconds" else int(v)
+                  for k, v in state.items()})
 
 
 def _fmt(c) -> str:

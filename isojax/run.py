@@ -109,6 +109,9 @@ def plan_run(config) -> RunPlan:
                "max_consecutive_skips"):
     if config[name] < 1:
       raise ValueError(f"config.{name}={config[name]} must be >= 1")
+  if config.sampler.server_devices < 0:
+    raise ValueError(f"config.sampler.server_devices={config.sampler.server_devices} "
+                     f"must be >= 0 (a vLLM server's accelerators, for device-hours)")
   if config.sampler.backend not in ("jax", "vllm"):
     raise ValueError(f"config.sampler.backend={config.sampler.backend!r}; expected "
                      f"'jax' or 'vllm'")
@@ -129,6 +132,9 @@ def plan_run(config) -> RunPlan:
       warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
       max_grad_norm=_off_if_zero(rl.max_grad_norm))
   micro = rl.micro_batch or point.batch
+  if rl.logits_chunk is not None and rl.logits_chunk < 1:
+    raise ValueError(f"config.rl.logits_chunk={rl.logits_chunk} must be >= 1 (sequence "
+                     f"positions per lm-head chunk) or None (all at once)")
   if point.batch % micro:
     raise ValueError(f"config.rl.micro_batch={micro} does not divide B = Bp*n = "
                      f"{point.batch}")
@@ -299,6 +305,12 @@ def run(config, workdir: str | os.PathLike) -> dict:
   return last
 
 
+def compute_devices(config) -> int:
+  """Devices a step occupies, for device-hours: the trainer's (every process's) plus
+  those of a separate vLLM server (config.sampler.server_devices)."""
+  return jax.device_count() + int(config.sampler.server_devices)
+
+
 def train_loop(opened: OpenRun, config, point: budget_lib.BudgetPoint) -> dict | None:
   """Runs the updates after the opened run's last step up to M: sample, update,
   sync weights, count, [eval], write metrics, [checkpoint].
@@ -311,22 +323,27 @@ def train_loop(opened: OpenRun, config, point: budget_lib.BudgetPoint) -> dict |
   if opened.resumed is None:
     start, ledger, skips = 0, budget_lib.Ledger(), 0
     val, counts = evaluate_step(parts, config)
-    last = _write_step(writer, 0, {"rollouts": 0, "tokens": 0, "dropped_rollouts": 0, **val},
-                       counts, config.eval.k)
+    last = _write_step(writer, 0, {"rollouts": 0, "tokens": 0, "dropped_rollouts": 0,
+                                   "device_hours": 0.0, **val}, counts, config.eval.k)
   else:
     start, ledger = opened.resumed.step, opened.resumed.ledger
     skips = opened.resumed.consecutive_skips
   extra_evals = frozenset(config.eval_steps)
   bar = _progress(point.m, start, point.name)
+  devices = compute_devices(config)
   for step in range(start + 1, point.m + 1):
+    t_step = time.perf_counter()
     state, record, rollouts, dropped = sample_and_update(parts, config, state, step)
     # The step donates its input: the sampler must get the new arrays even when
     # the update was skipped (same values, fresh buffers).
     parts.sampler.update_weights(model_of(parts, state))
-    ledger = ledger.add_rollouts(rollouts, dropped_rollouts=dropped)
+    ledger = ledger.add_rollouts(
+        rollouts, dropped_rollouts=dropped,
+        device_seconds=devices * (time.perf_counter() - t_step))
     skips = skips + 1 if record["train/skipped"] > 0 else 0
     record = {"rollouts": ledger.rollouts, "tokens": ledger.tokens,
-              "dropped_rollouts": ledger.dropped_rollouts, **record,
+              "dropped_rollouts": ledger.dropped_rollouts,
+              "device_hours": ledger.device_hours, **record,
               "consecutive_skips": skips}
     counts = None
     if step % config.eval_every == 0 or step == point.m or step in extra_evals:

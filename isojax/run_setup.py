@@ -131,6 +131,7 @@ def make_step(config, run_plan, model, mesh):
                             batch_size=run_plan.point.batch, group_size=run_plan.point.n,
                             micro_batch_size=run_plan.micro_batch, mesh=mesh,
                             rules=sharding.DEFAULT_RULES,
+                            logits_chunk=config.rl.logits_chunk,
                             temperature=config.sampler.temperature)
 
 

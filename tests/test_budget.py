@@ -150,8 +150,22 @@ def test_ledger_counts_dropped_rollouts():
   assert led.rollouts == 64  # immutable
 
 
+def test_ledger_device_seconds_add_up_to_device_hours():
+  led = Ledger().add(rollouts=8, tokens=8, device_seconds=1800.0)
+  led = led.add_rollouts(type("R", (), {"num_rollouts": 8, "num_generated_tokens": 9})(),
+                         device_seconds=5400)
+  assert (led.device_seconds, led.device_hours, led.updates) == (7200.0, 2.0, 1)
+  for bad in (-1.0, float("nan"), float("inf"), True):
+    with pytest.raises(ValueError, match="device_seconds"):
+      Ledger(device_seconds=bad)
+  # A checkpoint written before the field existed resumes with none spent.
+  assert Ledger.from_state_dict({"rollouts": 8, "tokens": 8, "dropped_rollouts": 0,
+                                 "updates": 1}).device_seconds == 0.0
+
+
 def test_ledger_state_round_trip():
-  led = Ledger(rollouts=1000, tokens=12345, dropped_rollouts=10, updates=7)
+  led = Ledger(rollouts=1000, tokens=12345, dropped_rollouts=10, updates=7,
+               device_seconds=12.5)
   state = led.state_dict()
   assert json.loads(json.dumps(state)) == state
   assert Ledger.from_state_dict(state) == led

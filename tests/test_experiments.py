@@ -120,14 +120,14 @@ def test_impossible_points_fail_in_preflight(monkeypatch):
 def test_forced_interruption_is_checked_in_preflight(monkeypatch):
   monkeypatch.chdir(ROOT)
   on = "--config.sampler.interrupt_think_tokens=3"
-  run.plan(_load("experiments/tiny.py", on, "--config.sampler.interrupt_phrase=="))
+  run.plan_run(_load("experiments/tiny.py", on, "--config.sampler.interrupt_phrase=="))
   # The default (ScaleRL's English phrase) has no token in the tiny model's vocabulary.
   with pytest.raises(ValueError, match="config.sampler.interrupt_phrase='Okay"):
-    run.plan(_load("experiments/tiny.py", on))
+    run.plan_run(_load("experiments/tiny.py", on))
   with pytest.raises(ValueError, match="config.sampler.interrupt_answer_tokens=-1"):
-    run.plan(_load("experiments/tiny.py", "--config.sampler.interrupt_answer_tokens=-1"))
+    run.plan_run(_load("experiments/tiny.py", "--config.sampler.interrupt_answer_tokens=-1"))
   with pytest.raises(ValueError, match="interrupt_think_tokens=8 must be below max_tokens=8"):
-    run.plan(_load("experiments/tiny.py", "--config.sampler.interrupt_think_tokens=8"))
+    run.plan_run(_load("experiments/tiny.py", "--config.sampler.interrupt_think_tokens=8"))
 
 
 @pytest.mark.parametrize("path", STUDY_FILES + AXIS_FILES, ids=lambda p: p.stem)
