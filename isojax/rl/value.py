@@ -198,7 +198,10 @@ def value_metrics(values_BxT, returns_BxT, mask_BxT):
     return jnp.sum(w_BxT * jnp.square(x_BxT - jnp.sum(w_BxT * x_BxT)))
 
   var_r = var(r_BxT)
-  explained = jnp.where(var_r > 0, 1.0 - var(r_BxT - v_BxT) / jnp.where(var_r > 0, var_r, 1.0),
+  # Equal returns give a float32 variance of rounding size, not 0: below this
+  # fraction of the mean square the returns count as constant.
+  varies = var_r > 1e-6 * jnp.sum(w_BxT * jnp.square(r_BxT))
+  explained = jnp.where(varies, 1.0 - var(r_BxT - v_BxT) / jnp.where(varies, var_r, 1.0),
                         0.0)
   return jax.lax.stop_gradient(
       {"value_explained_var": explained, "return_mean": jnp.sum(w_BxT * r_BxT)})
