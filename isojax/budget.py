@@ -246,13 +246,16 @@ class Ledger:
   `rollouts` counts every rollout that was generated, including those a filter later
   dropped from the loss (they were paid for); `dropped_rollouts` says how many of
   them were dropped. `tokens` counts generated (completion) tokens, likewise including
-  dropped ones. `updates` counts optimizer steps attempted.
+  dropped ones. `updates` counts optimizer steps attempted. `critic_flops` counts a
+  value model's forward and backward FLOPs (PPO), recorded beside the rollouts,
+  which stay the compute unit.
   """
 
   rollouts: int = 0
   tokens: int = 0
   dropped_rollouts: int = 0
   updates: int = 0
+  critic_flops: int = 0
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -265,21 +268,23 @@ class Ledger:
                        f"rollouts={self.rollouts}")
 
   def add(self, *, rollouts: int, tokens: int, dropped_rollouts: int = 0,
-          updates: int = 0) -> "Ledger":
+          updates: int = 0, critic_flops: int = 0) -> "Ledger":
     """A ledger with one more batch of spending recorded."""
     if dropped_rollouts > rollouts:
       raise ValueError(f"dropped_rollouts={dropped_rollouts} exceeds the batch's "
                        f"rollouts={rollouts}")
     return Ledger(rollouts=self.rollouts + rollouts, tokens=self.tokens + tokens,
                   dropped_rollouts=self.dropped_rollouts + dropped_rollouts,
-                  updates=self.updates + updates)
+                  updates=self.updates + updates,
+                  critic_flops=self.critic_flops + critic_flops)
 
-  def add_rollouts(self, rollouts, *, dropped_rollouts: int = 0,
-                   updates: int = 1) -> "Ledger":
+  def add_rollouts(self, rollouts, *, dropped_rollouts: int = 0, updates: int = 1,
+                   critic_flops: int = 0) -> "Ledger":
     """Record a `Rollouts` object (uses .num_rollouts / .num_generated_tokens)."""
     return self.add(rollouts=int(rollouts.num_rollouts),
                     tokens=int(rollouts.num_generated_tokens),
-                    dropped_rollouts=dropped_rollouts, updates=updates)
+                    dropped_rollouts=dropped_rollouts, updates=updates,
+                    critic_flops=critic_flops)
 
   def state_dict(self) -> dict:
     """Plain ints, safe for JSON and orbax checkpoints."""
