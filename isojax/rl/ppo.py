@@ -40,7 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from isojax import sharding as shd
-from isojax.models.critic import Critic, token_values
+from isojax.models.critic import Critic, critic_forward_flops, token_values
 from isojax.rl import layout
 from isojax.rl.advantages import zero_variance_groups
 from isojax.rl.aggregation import TokenWeights
@@ -51,8 +51,8 @@ from isojax.rl.step import Batch, TrainStep
 from isojax.rl.value import (VALUE_ESTIMATORS, ValueConfig, ValueWeights, value_advantages,
                              value_metrics, value_weights, weighted_value_loss)
 
-__all__ = ["PPOTrainState", "abstract_ppo_train_state", "init_ppo_train_state",
-           "make_ppo_train_step"]
+__all__ = ["PPOTrainState", "abstract_ppo_train_state", "critic_update_flops",
+           "init_ppo_train_state", "make_ppo_train_step"]
 
 
 @flax.struct.dataclass
@@ -120,8 +120,11 @@ def abstract_ppo_train_state(policy: nnx.Module, critic: Critic, loss_cfg: LossC
   shapes, shardings, _ = _shapes_and_shardings(
       policy, critic, loss_cfg, optim_cfg, critic_optim, batch_size,
       _mesh_or_one_device(mesh), rules)
-  return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                      shapes, shardings)
+  # Flat leaves: the shapes hold nnx Variables where the shardings hold NamedShardings.
+  leaves, treedef = jax.tree.flatten(shapes)
+  return jax.tree.unflatten(treedef, [
+      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+      for x, sh in zip(leaves, jax.tree.leaves(shardings), strict=True)])
 
 
 def _check_sizes(loss_cfg, batch_size, group_size, mb, shards, mesh, temperature):
@@ -372,3 +375,12 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
   return TrainStep(jitted=jitted, state_shardings=state_sh, batch_sharding=batch_sh,
                    batch_size=batch_size, group_size=group_size, micro_batch_size=mb,
                    batch_shards=shards)
+
+
+def critic_update_flops(cfg, attention_mask_BxT) -> int:
+  """The critic's FLOPs in one PPO update of a batch (host side, for the ledger).
+
+  Four forwards' worth over the real tokens (``critic_forward_flops``): the
+  values pass, the loss's forward and its backward (about two forwards).
+  """
+  return 4 * critic_forward_flops(cfg, attention_mask_BxT)

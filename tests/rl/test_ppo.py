@@ -16,11 +16,12 @@ from flax import nnx
 
 from isojax import sharding as shd
 from isojax.models import Decoder
-from isojax.models.critic import init_critic_from
+from isojax.models.critic import critic_forward_flops, init_critic_from
 from isojax.rl import LossConfig
 from isojax.rl.logprobs import token_logp_entropy
 from isojax.rl.losses import policy_loss
-from isojax.rl.ppo import init_ppo_train_state, make_ppo_train_step
+from isojax.rl.ppo import abstract_ppo_train_state, critic_update_flops, init_ppo_train_state
+from isojax.rl.ppo import make_ppo_train_step
 from isojax.rl.value import ValueConfig
 from tests.rl.test_step import B, N, SGD_LIKE, assert_trees_close, make_batch, tiny_config
 
@@ -150,3 +151,22 @@ def test_bad_configs_are_named(models):
     build(models, loss=dataclasses.replace(LOSS, adv_estimator="grpo"))
   with pytest.raises(ValueError, match="zero_var_filter='all'"):
     build(models, loss=dataclasses.replace(LOSS, zero_var_filter="all"))
+
+
+def test_abstract_state_has_the_real_states_shapes_and_shardings(models):
+  policy, critic = models
+  mesh = shd.make_mesh(data=1, fsdp=8, tensor=1)
+  kl = dataclasses.replace(LOSS, kl_coef=0.1)  # with reference parameters
+  real = init_ppo_train_state(policy, critic, kl, SGD_LIKE, SGD_LIKE, batch_size=B, mesh=mesh)
+  shapes = abstract_ppo_train_state(nnx.eval_shape(lambda: policy), nnx.eval_shape(
+      lambda: critic), kl, SGD_LIKE, SGD_LIKE, batch_size=B, mesh=mesh)
+  pairs = list(zip(jax.tree.leaves(real), jax.tree.leaves(shapes), strict=True))
+  assert real.ref_params is not None and len(pairs) > 40
+  for x, s in pairs:
+    assert (x.shape, x.dtype, x.sharding) == (s.shape, s.dtype, s.sharding)
+
+
+def test_critic_update_costs_four_forwards(models):
+  _, critic = models
+  mask = make_batch().attention_mask_BxT
+  assert critic_update_flops(critic.cfg, mask) == 4 * critic_forward_flops(critic.cfg, mask)
