@@ -31,11 +31,15 @@ SMOKE_N_VALUES = [1, 2, 4, 8, 16]
 def get_config(arg=None):
   """One budget point of the study (see the module docstring for `arg`)."""
   a = common.parse_arg(arg, bp=0, n=0, budget=0.0, smoke=False)
-  c = easy_n_vs_m.get_config(arg)
+  return with_critic(easy_n_vs_m.get_config(arg), smoke=a.smoke)
+
+
+def with_critic(c, *, smoke):
+  """An n-vs-M study's config `c` made App. F's PPO sweep; returns `c`."""
   c.rl.adv_estimator = "gae"
   # 10x the policy's base rate at B = 1024, as verl's PPO examples (critic 1e-5,
   # actor 1e-6); the tiny model's: 10x its policy anchor (common.TINY_LR_BASE).
-  c.critic.lr_base = 2e-4 if a.smoke else 1e-5
+  c.critic.lr_base = 2e-4 if smoke else 1e-5
   c.sweep.study = "ppo_n_sweep"
-  c.sweep.n_values = SMOKE_N_VALUES if a.smoke else APP_F_N_VALUES
+  c.sweep.n_values = SMOKE_N_VALUES if smoke else APP_F_N_VALUES
   return c

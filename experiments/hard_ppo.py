@@ -26,11 +26,5 @@ from experiments import common, easy_ppo, hard_n_vs_m
 def get_config(arg=None):
   """One budget point of the study (see the module docstring for `arg`)."""
   a = common.parse_arg(arg, bp=0, n=0, budget=0.0, smoke=False)
-  c = hard_n_vs_m.get_config(arg)
-  c.rl.adv_estimator = "gae"
-  # 10x the policy's base rate at B = 1024, as verl's PPO examples (critic 1e-5,
-  # actor 1e-6); the tiny model's: 10x its policy anchor (common.TINY_LR_BASE).
-  c.critic.lr_base = 2e-4 if a.smoke else 1e-5
-  c.sweep.study = "ppo_n_sweep"
-  c.sweep.n_values = easy_ppo.SMOKE_N_VALUES if a.smoke else easy_ppo.APP_F_N_VALUES
-  return c
+  # The critic's settings and the n grid are easy_ppo's.
+  return easy_ppo.with_critic(hard_n_vs_m.get_config(arg), smoke=a.smoke)
