@@ -166,10 +166,11 @@ def _critic_plan(config, optim):
 def check_min_n(n: int, estimator: str) -> None:
   """Raises ValueError when n rollouts per problem are too few for the estimator."""
   from isojax.rl.advantages import ESTIMATORS, min_group_size  # lazy: JAX import
+  from isojax.rl.value import VALUE_ESTIMATORS
 
   need = min_group_size(estimator)
   if n < need:
-    fits = sorted(k for k in ESTIMATORS if min_group_size(k) <= n)
+    fits = sorted(k for k in [*ESTIMATORS, *VALUE_ESTIMATORS] if min_group_size(k) <= n)
     raise ValueError(f"n={n} rollouts per problem: config.rl.adv_estimator="
                      f"{estimator!r} needs n >= {need} (its per-problem baseline is "
                      f"undefined below); raise n or use one of {fits}")
