@@ -4,14 +4,19 @@
 * the ledger's critic_flops column adds up the critic's cost of every update;
 * interrupted after its first checkpoint and restarted, it resumes (critic,
   its optimiser and the ledger included) and writes a metrics.jsonl
-  byte-identical to an uninterrupted run's.
+  byte-identical to an uninterrupted run's;
+* config.critic.path gives the critic another checkpoint's trunk.
 """
 
 import pathlib
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
-from isojax import run
+from isojax import models, run, run_setup
+from isojax import sharding as shd
 from tests.test_run import POINT, _records, tiny_config
 from tests.xla_cache import persistent_compilation_cache
 
@@ -71,3 +76,20 @@ def test_ppo_run_resumes_byte_identically(trained, tmp_path, monkeypatch):
   assert run.run(tiny_config(POINT, **PPO), workdir) == last
   assert (workdir / "metrics.jsonl").read_bytes() == (
       pathlib.Path(reference) / "metrics.jsonl").read_bytes()
+
+
+def test_critic_trunk_from_its_own_checkpoint():
+  base, _ = models.load_pretrained(run_setup.BASE_MODEL_DIR)
+  policy = models.Decoder(base.cfg, rngs=nnx.Rngs(7))  # other weights than the checkpoint's
+  config = tiny_config(POINT, **PPO, **{"critic.path": str(run_setup.BASE_MODEL_DIR)})
+  critic = run_setup.build_critic(config, policy, shd.make_mesh(devices=jax.devices()[:1]))
+  want = dict(nnx.to_flat_state(nnx.state(base)))
+  trunk = nnx.to_flat_state(nnx.state(critic.trunk))
+  assert len(trunk) > 10
+  for path, value in trunk:
+    np.testing.assert_array_equal(np.asarray(value.get_value()),
+                                  np.asarray(want[path].get_value()))
+  assert not np.any(np.asarray(critic.value_kernel[...]))  # the head starts at 0
+  with pytest.raises(Exception, match="missing"):
+    run_setup.build_critic(tiny_config(POINT, **PPO, **{"critic.path": "/tmp/missing"}),
+                           policy, shd.make_mesh(devices=jax.devices()[:1]))
