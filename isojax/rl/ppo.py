@@ -171,6 +171,31 @@ def _trim(mb_, length):
   return jax.tree.map(lambda x: x[:, :length] if x.ndim == 2 else x, mb_)
 
 
+def _bucketed(fn, lengths):
+  """``(args..., mb_, bucket) -> fn(length, args..., mb_ trimmed to length)``.
+
+  The bucket index (traced) picks the length with ``lax.switch``; each length is
+  compiled once.
+  """
+  def at(length):
+    return lambda *args: fn(length, *args[:-1], _trim(args[-1], length))
+
+  branches = [at(n) for n in lengths]
+
+  def run(*args):
+    *args, bucket = args
+    if len(branches) == 1:
+      return branches[0](*args)
+    return jax.lax.switch(bucket, branches, *args)
+
+  return run
+
+
+def _flatten_micro(x):
+  """[n_micro, mb, ...] -> [B, ...], rows in the layout's order."""
+  return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
 def _combine(acc, new):
   return {k: jnp.maximum(acc[k], v) if k in MAX_METRICS else acc[k] + v
           for k, v in new.items()}
@@ -260,6 +285,39 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
       return sharded_step(state, batch)
 
   def sharded_step(state: PPOTrainState, batch: Batch):
+    micro, bucket_M, lengths = layout_batch(batch)
+    flat = _flatten_micro
+    values_flat = flat(jax.lax.stop_gradient(jax.lax.map(
+        lambda xs: _bucketed(values_at(lengths[-1]), lengths)(state.critic_params, *xs),
+        (micro, bucket_M))))
+    mask_flat = flat(micro["mask"])
+    # Rows are independent and whitening is a batch total: the layout's row order serves.
+    adv_flat, returns_flat = value_advantages(
+        flat(micro["rewards"]), values_flat, mask_flat, value_cfg,
+        estimator=loss_cfg.adv_estimator, std_eps=loss_cfg.adv_std_eps)
+    micro.update(jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x.reshape(micro["mask"].shape), micro_sh),
+        {"adv": adv_flat, "returns": returns_flat, "old_values": values_flat}))
+    grads, critic_grads, metrics = accumulate(state, micro, bucket_M, lengths)
+    out, ok, norms = apply_updates(state, grads, critic_grads, metrics)
+    rewards_B = batch.rewards_B.astype(jnp.float32)
+    metrics.update(value_metrics(values_flat, returns_flat, mask_flat), **norms)
+    metrics.update(
+        zero_var_frac=jnp.mean(zero_variance_groups(rewards_B, group_size=group_size)
+                               .astype(jnp.float32)),
+        reward_mean=jnp.mean(rewards_B),
+        adv_abs_mean=jnp.sum(jnp.abs(adv_flat)) / jnp.maximum(jnp.sum(mask_flat), 1.0),
+        tokens=jnp.sum(mask_flat),
+        pad_fraction=1.0 - jnp.sum(batch.attention_mask_BxT > 0)
+        / (mb * jnp.sum(jnp.asarray(lengths)[bucket_M])),
+        lr=jnp.asarray(schedule(jnp.maximum(state.step - warmup, 0)), jnp.float32),
+        critic_lr=jnp.asarray(critic_schedule(state.step), jnp.float32),
+        policy_frozen=(state.step < warmup).astype(jnp.float32),
+        skipped=1.0 - ok.astype(jnp.float32))
+    return out, metrics
+
+  def layout_batch(batch: Batch):
+    """The batch's rows, loss weights and rewards as micro-batches (``_micro_layout``)."""
     mask = batch.loss_mask_BxT.astype(jnp.float32)
     B, T = mask.shape
     # Aggregation weights first: prompt_mean reads the prompt-major row order.
@@ -273,61 +331,44 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
     lengths = layout.bucket_lengths(T, length_buckets)
     micro, bucket_M = _micro_layout(data, batch.attention_mask_BxT, lengths, mb, n_micro,
                                     micro_sh)
+    return micro, bucket_M, lengths
 
-    def values_at(length):
-      def run(mb_):
-        v = values_of(state.critic_params, _trim(mb_, length))
-        return jnp.pad(v, ((0, 0), (0, T - length)))
-      return run
+  def values_at(width):
+    def at(length, critic_params, mb_):
+      """The critic's values of a micro-batch trimmed to ``length``, padded to ``width``."""
+      return jnp.pad(values_of(critic_params, mb_), ((0, 0), (0, width - length)))
+    return at
 
-    value_branches = [values_at(n) for n in lengths]
-    values_M = jax.lax.map(
-        lambda xs: jax.lax.switch(xs[1], value_branches, xs[0]) if len(lengths) > 1
-        else value_branches[0](xs[0]), (micro, bucket_M))
-    values_M = jax.lax.stop_gradient(values_M)
+  def grads_at(length, state, mb_):
+    del length
+    return grad_fn(state.params, state.critic_params, state.ref_params, mb_)
 
-    def flat(x):  # [n_micro, mb, T] -> [B, T] in the layout's row order
-      return x.reshape(B, *x.shape[2:])
-
-    mask_flat, values_flat = flat(micro["mask"]), flat(values_M)
-    adv_flat, returns_flat = value_advantages(
-        flat(micro["rewards"]), values_flat, mask_flat, value_cfg,
-        estimator=loss_cfg.adv_estimator, std_eps=loss_cfg.adv_std_eps)
-    micro.update(jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(x.reshape(n_micro, mb, T), micro_sh),
-        {"adv": adv_flat, "returns": returns_flat, "old_values": values_flat}))
-
-    def grads_at(length):
-      def run(mb_):
-        return grad_fn(state.params, state.critic_params, state.ref_params,
-                       _trim(mb_, length))
-      return run
-
-    branches = [grads_at(n) for n in lengths]
+  def accumulate(state, micro, bucket_M, lengths):
+    """Summed gradients of policy and critic and summed (max) metrics over micro-batches."""
     zeros = jax.lax.with_sharding_constraint(
         jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
                      (state.params, state.critic_params)),
         (state_sh.params, state_sh.critic_params))
-    metric_shapes = jax.eval_shape(lambda: branches[-1](
-        jax.tree.map(lambda x: x[0], micro))[0][1])
-    metric0 = {k: jnp.zeros(s.shape, s.dtype) for k, s in metric_shapes.items()}
+    grad_of = _bucketed(grads_at, lengths)
+    metric_shapes = jax.eval_shape(
+        lambda: grad_of(state, jax.tree.map(lambda x: x[0], micro), bucket_M[0])[0][1])
+    metric0 = {k: jnp.zeros(x.shape, x.dtype) for k, x in metric_shapes.items()}
 
-    def accumulate(carry, xs):
+    def add(carry, xs):
       grads, metrics = carry
-      mb_, bucket = xs
-      if len(branches) == 1:
-        (_, m), g = branches[0](mb_)
-      else:
-        (_, m), g = jax.lax.switch(bucket, branches, mb_)
+      (_, m), g = grad_of(state, *xs)
       grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
       return (grads, _combine(metrics, m)), None
 
-    ((grads, critic_grads), metrics), _ = jax.lax.scan(
-        accumulate, (zeros, metric0), (micro, bucket_M))
+    ((grads, critic_grads), metrics), _ = jax.lax.scan(add, (zeros, metric0),
+                                                        (micro, bucket_M))
     # Back to the parameter dtypes so the optimiser states keep theirs.
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-    critic_grads = jax.tree.map(lambda g, p: g.astype(p.dtype), critic_grads,
-                                state.critic_params)
+    return (jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params),
+            jax.tree.map(lambda g, p: g.astype(p.dtype), critic_grads, state.critic_params),
+            metrics)
+
+  def apply_updates(state, grads, critic_grads, metrics):
+    """(new state, whether it was applied, norms); unchanged state if anything is not finite."""
     grad_norm, critic_grad_norm = optax.tree.norm(grads), optax.tree.norm(critic_grads)
     update_norm, policy_finite = _probe_update(tx, grads, state.opt_state, state.params)
     critic_update_norm, critic_finite = _probe_update(
@@ -350,25 +391,10 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
         return update_policy(s)
       return jax.lax.cond(policy_on, update_policy, lambda x: x, s)
 
-    out = jax.lax.cond(ok, updated, lambda s: s, state)
-    rewards_B = batch.rewards_B.astype(jnp.float32)
-    metrics.update(value_metrics(values_flat, returns_flat, mask_flat))
-    metrics.update(
-        zero_var_frac=jnp.mean(zero_variance_groups(rewards_B, group_size=group_size)
-                               .astype(jnp.float32)),
-        reward_mean=jnp.mean(rewards_B),
-        adv_abs_mean=jnp.sum(jnp.abs(adv_flat)) / jnp.maximum(jnp.sum(mask), 1.0),
-        tokens=jnp.sum(mask),
-        pad_fraction=1.0 - jnp.sum(batch.attention_mask_BxT > 0)
-        / (mb * jnp.sum(jnp.asarray(lengths)[bucket_M])),
-        grad_norm=grad_norm, critic_grad_norm=critic_grad_norm,
-        update_norm=jnp.where(ok & policy_on, update_norm, 0.0),
-        critic_update_norm=jnp.where(ok, critic_update_norm, 0.0),
-        lr=jnp.asarray(schedule(jnp.maximum(state.step - warmup, 0)), jnp.float32),
-        critic_lr=jnp.asarray(critic_schedule(state.step), jnp.float32),
-        policy_frozen=1.0 - policy_on.astype(jnp.float32),
-        skipped=1.0 - ok.astype(jnp.float32))
-    return out, metrics
+    norms = {"grad_norm": grad_norm, "critic_grad_norm": critic_grad_norm,
+             "update_norm": jnp.where(ok & policy_on, update_norm, 0.0),
+             "critic_update_norm": jnp.where(ok, critic_update_norm, 0.0)}
+    return jax.lax.cond(ok, updated, lambda s: s, state), ok, norms
 
   jitted = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                    donate_argnums=(0,) if donate else ())

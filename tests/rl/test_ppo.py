@@ -39,10 +39,11 @@ def models():
   return policy, init_critic_from(policy, rngs=nnx.Rngs(1))
 
 
-def build(models, *, loss=LOSS, value=VALUE, micro=B, mesh=None):
+def build(models, *, loss=LOSS, value=VALUE, micro=B, mesh=None, buckets=1):
   policy, critic = models
   return make_ppo_train_step(policy, critic, loss, value, SGD_LIKE, SGD_LIKE, batch_size=B,
-                             group_size=N, micro_batch_size=micro, mesh=mesh)
+                             group_size=N, micro_batch_size=micro, mesh=mesh,
+                             length_buckets=buckets)
 
 
 def run(models, step, *, loss=LOSS, mesh=None, rewards=REWARDS):
@@ -95,13 +96,16 @@ def test_zero_critic_policy_gradient_is_the_reward_to_go_one(models, base_run):
   assert int(new.step) == 1
 
 
-def test_micro_batches_of_two_equal_the_full_batch(models, base_run):
+def test_length_sorted_micro_batches_of_two_equal_the_full_batch(models, base_run):
+  # Row lengths 4..12: the micro-batches of 2 run at lengths 6, 9, 12 and 12, the
+  # critic's values of the batch too.
   d_policy, d_critic, metrics, _ = base_run
-  p2, c2, m2, _ = run(models, build(models, micro=2))
+  p2, c2, m2, _ = run(models, build(models, micro=2, buckets=(6, 9)))
   assert_trees_close(p2, d_policy, atol=2e-5 * scale_of(d_policy), rtol=1e-3)
   assert_trees_close(c2, d_critic, atol=2e-5 * scale_of(d_critic), rtol=1e-3)
   for k in ("loss", "value_loss", "tokens", "value_explained_var"):
     np.testing.assert_allclose(m2[k], metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  assert m2["pad_fraction"] < metrics["pad_fraction"]  # trimmed to the buckets
 
 
 def test_value_loss_reaches_only_the_critic(models, base_run):
