@@ -9,7 +9,6 @@ Every step here is compiled once per module (compiles are the cost).
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
