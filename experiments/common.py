@@ -162,7 +162,7 @@ def base_config() -> ml_collections.ConfigDict:
   # tis_cap are float fields that may hold None (off): --config.rl.clip_dual=3
   # sets one, a config file may set None. max_grad_norm: 0.0 stands for off.
   c.rl = ml_collections.ConfigDict()
-  c.rl.adv_estimator = "grpo"      # grpo | drgrpo | batch | rloo
+  c.rl.adv_estimator = "grpo"      # grpo | drgrpo | batch | rloo | gae (PPO: the critic below)
   c.rl.adv_std_eps = 1e-6
   c.rl.kind = "ppo_clip"           # ppo_clip | cispo | cispo_two_sided | gspo
   # The clips act on pi/pi_old, exactly 1 with one on-policy update per batch:
@@ -192,6 +192,23 @@ def base_config() -> ml_collections.ConfigDict:
   # the baseline from all of them, train on n; the ledger charges n_est, so
   # M = floor(budget / (bp * n_est)). 0 = off (n_est = n).
   c.rl.n_est = 0
+
+  # The value model of PPO, read only when rl.adv_estimator = "gae" (isojax.rl.ppo).
+  # Defaults are verl's. The critic's forward/backward FLOPs go to the ledger's
+  # critic_flops column; rollouts stay the compute unit.
+  c.critic = ml_collections.ConfigDict()
+  c.critic.path = ""             # HF directory of its trunk; "" = a copy of the policy's weights
+  # Its own AdamW's rate at rl.batch_base, scaled with B by rl.lr_rule like the
+  # policy's (verl: critic 1e-5 beside actor 1e-6); the other AdamW fields are rl's.
+  c.critic.lr_base = 1e-5
+  c.critic.warmup_steps = 0      # first updates train the critic only, the policy frozen
+  c.critic.gamma = 1.0           # GAE discount
+  c.critic.lam = 1.0             # GAE lambda (1: Monte Carlo return minus the value)
+  c.critic.whiten = True         # whiten the advantages over the batch's trained tokens
+  c.critic.cliprange_value = 0.5  # new value clipped to old +- this in the loss; 0 = off
+  # Weight of the value loss; with the critic's own Adam it acts only through
+  # gradient-norm clipping and eps.
+  c.critic.value_coef = 1.0
 
   c.eval = ml_collections.ConfigDict()
   c.eval.k = 4                     # samples per validation problem (avg@4/best@4/worst@4)

@@ -265,16 +265,19 @@ class Ledger:
   `rollouts` counts every rollout that was generated, including those a filter later
   dropped from the loss (they were paid for); `dropped_rollouts` says how many of
   them were dropped. `tokens` counts generated (completion) tokens, likewise including
-  dropped ones. `updates` counts optimizer steps attempted. `device_seconds` is
-  ScaleRL's compute axis: wall-clock seconds of sampling and updating times the
-  devices that did it (evaluation and checkpoints not counted). Unlike the
-  counts it is a measurement: a resumed run re-times the steps it redoes.
+  dropped ones. `updates` counts optimizer steps attempted. `critic_flops` counts a
+  value model's forward and backward FLOPs (PPO), recorded beside the rollouts,
+  which stay the compute unit. `device_seconds` is ScaleRL's compute axis:
+  wall-clock seconds of sampling and updating times the devices that did it
+  (evaluation and checkpoints not counted). Unlike the counts it is a
+  measurement: a resumed run re-times the steps it redoes.
   """
 
   rollouts: int = 0
   tokens: int = 0
   dropped_rollouts: int = 0
   updates: int = 0
+  critic_flops: int = 0
   device_seconds: float = 0.0
 
   def __post_init__(self):
@@ -299,7 +302,8 @@ class Ledger:
     return self.device_seconds / 3600.0
 
   def add(self, *, rollouts: int, tokens: int, dropped_rollouts: int = 0,
-          updates: int = 0, device_seconds: float = 0.0) -> "Ledger":
+          updates: int = 0, critic_flops: int = 0,
+          device_seconds: float = 0.0) -> "Ledger":
     """A ledger with one more batch of spending recorded."""
     if dropped_rollouts > rollouts:
       raise ValueError(f"dropped_rollouts={dropped_rollouts} exceeds the batch's "
@@ -307,15 +311,16 @@ class Ledger:
     return Ledger(rollouts=self.rollouts + rollouts, tokens=self.tokens + tokens,
                   dropped_rollouts=self.dropped_rollouts + dropped_rollouts,
                   updates=self.updates + updates,
+                  critic_flops=self.critic_flops + critic_flops,
                   device_seconds=self.device_seconds + device_seconds)
 
   def add_rollouts(self, rollouts, *, dropped_rollouts: int = 0, updates: int = 1,
-                   device_seconds: float = 0.0) -> "Ledger":
+                   critic_flops: int = 0, device_seconds: float = 0.0) -> "Ledger":
     """Record a `Rollouts` object (uses .num_rollouts / .num_generated_tokens)."""
     return self.add(rollouts=int(rollouts.num_rollouts),
                     tokens=int(rollouts.num_generated_tokens),
                     dropped_rollouts=dropped_rollouts, updates=updates,
-                    device_seconds=device_seconds)
+                    critic_flops=critic_flops, device_seconds=device_seconds)
 
   def state_dict(self) -> dict:
     """Plain numbers, safe for JSON and orbax checkpoints."""
@@ -325,7 +330,7 @@ class Ledger:
   def from_state_dict(cls, state: dict) -> "Ledger":
     """Inverse of `state_dict`; accepts NumPy scalars (as orbax restores them).
 
-    A state written before `device_seconds` existed resumes with 0 device-seconds.
+    A state written before `critic_flops` or `device_seconds` existed resumes with 0.
     """
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(state) - known

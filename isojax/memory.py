@@ -136,8 +136,7 @@ def dry_run(config) -> tuple[StepMemory, dict]:
   point = run_plan.point
   n_est = config.rl.n_est or point.n  # a decoupled baseline adds Bp * n_est rewards
   step = run_setup.make_step(config, run_plan, model, mesh)
-  state = rl.abstract_train_state(model, run_plan.loss, run_plan.optim,
-                                  batch_size=point.batch, mesh=mesh)
+  state = run_setup.abstract_state(run_plan, model, mesh)  # with a critic for PPO
   batch = rl.abstract_batch(point.batch, width, mesh=mesh,
                             baseline_size=point.bp * n_est if n_est > point.n else None)
   what = {"batch": point.batch, "seq_len": width, "micro_batch": run_plan.micro_batch,

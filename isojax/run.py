@@ -47,6 +47,7 @@ from isojax.evaluate import score_rollouts
 from isojax.models.tokenizer import Tokenizer
 from isojax.rl import LossConfig, OptimConfig, learning_rate
 from isojax.rl.advantages import ESTIMATORS, min_group_size
+from isojax.rl.value import VALUE_ESTIMATORS, ValueConfig
 from isojax.rollout.interruption import interruption_from_config
 from isojax.rundir import CONFIG_FILE, DONE_FILE, METRICS_FILE
 from isojax.run_setup import (OpenRun, RunParts, check_same_config, model_of,
@@ -75,6 +76,10 @@ class RunPlan:
     max_tokens: the response-length cap, config.sampler.max_tokens with 0
       resolved (`isojax.budget.study_max_tokens`).
     val_sets: data.val's (name, source) pairs, the primary first.
+    value: the critic's isojax.rl ValueConfig when rl.adv_estimator is a
+      value estimator ("gae": PPO), else None.
+    critic_optim: the critic's OptimConfig (the policy's with config.critic.lr_base),
+      or None.
   """
   point: budget_lib.BudgetPoint
   loss: object
@@ -83,6 +88,8 @@ class RunPlan:
   micro_batch: int
   max_tokens: int = budget_lib.SYNTHETIC_MAX_TOKENS
   val_sets: tuple = ()
+  value: object = None
+  critic_optim: object = None
 
 
 def _off_if_zero(x):
@@ -138,16 +145,29 @@ def plan_run(config) -> RunPlan:
   if point.batch % micro:
     raise ValueError(f"config.rl.micro_batch={micro} does not divide B = Bp*n = "
                      f"{point.batch}")
+  value, critic_optim = _critic_plan(config, optim)
   return RunPlan(point=point, loss=loss, optim=optim,
                  lr=learning_rate(optim, point.batch), micro_batch=micro,
-                 max_tokens=max_tokens, val_sets=tuple(val_sets))
+                 max_tokens=max_tokens, val_sets=tuple(val_sets), value=value,
+                 critic_optim=critic_optim)
+
+
+def _critic_plan(config, optim):
+  """(ValueConfig, the critic's OptimConfig) from config.critic, or (None, None)."""
+  if config.rl.adv_estimator not in VALUE_ESTIMATORS:
+    return None, None
+  c = config.critic
+  value = ValueConfig(gamma=c.gamma, lam=c.lam, whiten=c.whiten,
+                      cliprange_value=_off_if_zero(c.cliprange_value),
+                      value_coef=c.value_coef, critic_warmup=c.warmup_steps)
+  return value, dataclasses.replace(optim, lr_base=c.lr_base)
 
 
 def check_min_n(n: int, estimator: str) -> None:
   """Raises ValueError when n rollouts per problem are too few for the estimator."""
   need = min_group_size(estimator)
   if n < need:
-    fits = sorted(k for k in ESTIMATORS if min_group_size(k) <= n)
+    fits = sorted(k for k in [*ESTIMATORS, *VALUE_ESTIMATORS] if min_group_size(k) <= n)
     raise ValueError(f"n={n} rollouts per problem: config.rl.adv_estimator="
                      f"{estimator!r} needs n >= {need} (its per-problem baseline is "
                      f"undefined below); raise n or use one of {fits}")
@@ -245,6 +265,8 @@ def sample_and_update(parts: RunParts, config, state, step: int):
                                baseline_rewards_B=baseline_B)
   state, step_metrics = parts.train_step(state, batch)
   step_metrics = {f"train/{k}": float(v) for k, v in jax.device_get(step_metrics).items()}
+  if parts.critic_flops is not None:  # PPO: the critic's cost of this update
+    step_metrics["train/critic_flops"] = parts.critic_flops(batch.attention_mask_BxT)
   host = {"train/reward": float(np.mean(rewards_B)),
           "train/response_len": float(np.mean(rollouts.lengths_B)),
           "train/truncated_frac": float(np.mean(rollouts.finish_reason_B == "length")),
@@ -339,11 +361,13 @@ def train_loop(opened: OpenRun, config, point: budget_lib.BudgetPoint) -> dict |
     parts.sampler.update_weights(model_of(parts, state))
     ledger = ledger.add_rollouts(
         rollouts, dropped_rollouts=dropped,
+        critic_flops=record.get("train/critic_flops", 0),
         device_seconds=devices * (time.perf_counter() - t_step))
     skips = skips + 1 if record["train/skipped"] > 0 else 0
+    critic = {} if parts.critic_flops is None else {"critic_flops": ledger.critic_flops}
     record = {"rollouts": ledger.rollouts, "tokens": ledger.tokens,
               "dropped_rollouts": ledger.dropped_rollouts,
-              "device_hours": ledger.device_hours, **record,
+              "device_hours": ledger.device_hours, **critic, **record,
               "consecutive_skips": skips}
     counts = None
     if step % config.eval_every == 0 or step == point.m or step in extra_evals:

@@ -8,6 +8,7 @@ is set-up (load, tokenize, compile-once objects, restore); no training happens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import sys
@@ -31,6 +32,8 @@ from isojax.checkpoint import HostState
 from isojax.data import problem_sets
 from isojax.data.lengths import fit_prompts
 from isojax.errors import disk_full_as
+from isojax.models.critic import Critic, init_critic_from, load_critic
+from isojax.rl import ppo
 from isojax.rollout.interruption import InterruptingSampler, interruption_from_config
 from isojax.rollout.jax_sampler import JaxSampler
 from isojax.rollout.memory import check_run_split
@@ -60,6 +63,8 @@ class RunParts:
   reward_fn: Callable[[str, str], float]
   train_step: Any
   init_state: Callable[[], Any]
+  # PPO: attention mask -> the critic FLOPs of an update (ledger critic_flops); else None.
+  critic_flops: Callable[[Any], int] | None = None
 
   def close(self) -> None:
     close = getattr(self.sampler, "close", None)
@@ -125,14 +130,55 @@ def _sampler(config, model, mesh):
   return sampler
 
 
-def make_step(config, run_plan, model, mesh):
-  """The run's jitted update step (`model` may be abstract: `nnx.eval_shape`)."""
-  return rl.make_train_step(model, run_plan.loss, run_plan.optim,
-                            batch_size=run_plan.point.batch, group_size=run_plan.point.n,
-                            micro_batch_size=run_plan.micro_batch, mesh=mesh,
-                            rules=sharding.DEFAULT_RULES,
-                            logits_chunk=config.rl.logits_chunk,
-                            temperature=config.sampler.temperature)
+def abstract_critic(model):
+  """The critic of `model`'s architecture with shapes only (no parameter memory)."""
+  return nnx.eval_shape(lambda: Critic(model.cfg, rngs=nnx.Rngs(0)))
+
+
+def build_critic(config, model, mesh):
+  """PPO's critic: a copy of `model`'s trunk, or config.critic.path's, on `mesh`."""
+  if not config.critic.path:
+    return init_critic_from(model, rngs=nnx.Rngs(config.seed))
+  return load_critic(
+      config.critic.path, rngs=nnx.Rngs(config.seed),
+      dtype=jnp.dtype(config.model.param_dtype), mesh=mesh, rules=sharding.DEFAULT_RULES,
+      compute_dtype=jnp.dtype(config.model.dtype), remat=config.model.remat,
+      attention=config.model.attention)
+
+
+def make_step(config, run_plan, model, mesh, critic=None):
+  """The run's jitted update step (`model` may be abstract: `nnx.eval_shape`).
+
+  With a value estimator (PPO) the joint policy + critic step; `critic`
+  defaults to an abstract one of `model`'s architecture (shapes are all the
+  step needs).
+  """
+  kwargs = dict(batch_size=run_plan.point.batch, group_size=run_plan.point.n,
+                micro_batch_size=run_plan.micro_batch, mesh=mesh,
+                rules=sharding.DEFAULT_RULES, logits_chunk=config.rl.logits_chunk,
+                temperature=config.sampler.temperature)
+  if run_plan.value is None:
+    return rl.make_train_step(model, run_plan.loss, run_plan.optim, **kwargs)
+  return ppo.make_ppo_train_step(
+      model, abstract_critic(model) if critic is None else critic, run_plan.loss,
+      run_plan.value, run_plan.optim, run_plan.critic_optim, **kwargs)
+
+
+def abstract_state(run_plan, model, mesh):
+  """`make_step`'s state as sharded shapes (for `TrainStep.lower`)."""
+  kwargs = dict(batch_size=run_plan.point.batch, mesh=mesh, rules=sharding.DEFAULT_RULES)
+  if run_plan.value is None:
+    return rl.abstract_train_state(model, run_plan.loss, run_plan.optim, **kwargs)
+  return ppo.abstract_ppo_train_state(model, abstract_critic(model), run_plan.loss,
+                                      run_plan.optim, run_plan.critic_optim, **kwargs)
+
+
+def _init_state(run_plan, model, critic, mesh):
+  kwargs = dict(batch_size=run_plan.point.batch, mesh=mesh, rules=sharding.DEFAULT_RULES)
+  if critic is None:
+    return lambda: rl.init_train_state(model, run_plan.loss, run_plan.optim, **kwargs)
+  return lambda: ppo.init_ppo_train_state(model, critic, run_plan.loss, run_plan.optim,
+                                          run_plan.critic_optim, **kwargs)
 
 
 def build_parts(config, run_plan) -> RunParts:
@@ -159,8 +205,8 @@ def build_parts(config, run_plan) -> RunParts:
   point = run_plan.point
   loader = data_lib.EpochLoader(train, batch_size=point.bp, seed=config.seed)
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-  kwargs = dict(batch_size=point.batch, mesh=mesh, rules=sharding.DEFAULT_RULES)
-  step = make_step(config, run_plan, model, mesh)
+  critic = None if run_plan.value is None else build_critic(config, model, mesh)
+  step = make_step(config, run_plan, model, mesh, critic=critic)
   eos = tokenizer.eos_token_id
   interrupt = interruption_from_config(config.sampler, max_tokens=run_plan.max_tokens,
                                        encode=tokenizer.encode)
@@ -178,9 +224,9 @@ def build_parts(config, run_plan) -> RunParts:
       stop_token_ids=() if eos is None else (int(eos),),
       loader=loader, sampler=sampler,
       reward_fn=data_lib.get_reward_fn(REWARDS[config.data.reward]),
-      train_step=step,
-      init_state=lambda: rl.init_train_state(model, run_plan.loss, run_plan.optim,
-                                             **kwargs))
+      train_step=step, init_state=_init_state(run_plan, model, critic, mesh),
+      critic_flops=None if critic is None else functools.partial(
+          ppo.critic_update_flops, critic.cfg))
 
 
 def fit_context(config, tokenizer, context: int, max_tokens: int, problems: list,

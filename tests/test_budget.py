@@ -165,7 +165,7 @@ def test_ledger_device_seconds_add_up_to_device_hours():
 
 def test_ledger_state_round_trip():
   led = Ledger(rollouts=1000, tokens=12345, dropped_rollouts=10, updates=7,
-               device_seconds=12.5)
+               critic_flops=3 * 10**18, device_seconds=12.5)
   state = led.state_dict()
   assert json.loads(json.dumps(state)) == state
   assert Ledger.from_state_dict(state) == led
@@ -175,6 +175,19 @@ def test_ledger_state_round_trip():
     Ledger.from_state_dict(state | {"foo": 1})
   with pytest.raises(ValueError):
     Ledger(rollouts=-1)
+  # A checkpoint of a run without a critic has no critic_flops: 0.
+  old = {k: v for k, v in state.items() if k != "critic_flops"}
+  assert Ledger.from_state_dict(old).critic_flops == 0
+
+
+def test_ledger_adds_critic_flops_beside_rollouts():
+  class FakeRollouts:
+    num_rollouts = 16
+    num_generated_tokens = 77
+
+  led = Ledger().add_rollouts(FakeRollouts(), critic_flops=10**15)
+  led = led.add_rollouts(FakeRollouts(), critic_flops=2 * 10**15)
+  assert (led.rollouts, led.updates, led.critic_flops) == (32, 2, 3 * 10**15)
 
 
 def test_budget_does_not_import_jax():

@@ -17,7 +17,9 @@ STUDY_FILES = [ROOT / "experiments" / f"{split}_{study}.py" for split in ("easy"
                for study in ("n_vs_m", "fixed_batch", "joint")]
 AXIS_FILES = [ROOT / "experiments" / f"{name}.py"
               for name in ("data_size", "decoupled_baseline", "difficulty_mix")]
-DOCUMENTED = [ROOT / "experiments" / "tiny.py", *STUDY_FILES, *AXIS_FILES]
+APP_F_FILES = [ROOT / "experiments" / f"{name}.py"
+               for name in ("easy_ppo", "hard_ppo", "easy_cispo")]
+DOCUMENTED = [ROOT / "experiments" / "tiny.py", *STUDY_FILES, *AXIS_FILES, *APP_F_FILES]
 
 
 def _load(spec: str, *overrides: str):
@@ -63,7 +65,7 @@ def test_docstring_commands_load_and_validate(path, monkeypatch):
       _load(spec, "--config.rl.kl_cof=0")
 
 
-@pytest.mark.parametrize("path", STUDY_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", STUDY_FILES + APP_F_FILES, ids=lambda p: p.stem)
 def test_paper_recipe(path, monkeypatch):
   monkeypatch.chdir(ROOT)
   c = _load(f"experiments/{path.name}")
@@ -130,7 +132,7 @@ def test_forced_interruption_is_checked_in_preflight(monkeypatch):
     run.plan_run(_load("experiments/tiny.py", "--config.sampler.interrupt_think_tokens=8"))
 
 
-@pytest.mark.parametrize("path", STUDY_FILES + AXIS_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", STUDY_FILES + AXIS_FILES + APP_F_FILES, ids=lambda p: p.stem)
 def test_study_length_follows_the_model(path, monkeypatch):
   # max_tokens 0 = the study's length: 8 on the tiny model (the synthetic task),
   # the paper's 8,192 once model.path names a real model; an explicit value wins.
@@ -160,3 +162,23 @@ def test_axis_files(monkeypatch):
     c = _load(f"experiments/difficulty_mix.py:mix={mix}")
     assert c.data.train == f"mix:{weights}" and c.data.num_train == 320
     assert [name for name, _ in run.plan_run(c).val_sets] == ["hard", "easy", "very_easy"]
+
+
+def test_appendix_f_files(monkeypatch):
+  # Fig. 25: the n grid; PPO's advantages come from a critic (n may be 1), CISPO
+  # keeps the group baseline. Each is its n-vs-M study otherwise.
+  monkeypatch.chdir(ROOT)
+  for name, base in (("easy_ppo", "easy_n_vs_m"), ("hard_ppo", "hard_n_vs_m"),
+                     ("easy_cispo", "easy_n_vs_m")):
+    c, ref = _load(f"experiments/{name}.py"), _load(f"experiments/{base}.py")
+    assert c.sweep.n_values == [16, 32, 64, 128, 256]
+    assert (c.bp, c.n, c.budget, c.b_max) == (ref.bp, ref.n, ref.budget, ref.b_max)
+    assert c.sampler.to_dict() == ref.sampler.to_dict()
+  for name in ("easy_ppo", "hard_ppo"):
+    c = _load(f"experiments/{name}.py")
+    assert c.rl.adv_estimator == "gae" and c.critic.lr_base == 1e-5
+    assert run.plan_run(_load(f"experiments/{name}.py:n=1,smoke")).point.n == 1
+  cispo = _load("experiments/easy_cispo.py")
+  assert (cispo.rl.kind, cispo.rl.adv_estimator) == ("cispo", "grpo")
+  with pytest.raises(ValueError, match="adv_estimator='grpo' needs n >= 2"):
+    run.plan_run(_load("experiments/easy_cispo.py:n=1,smoke"))

@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 
 from experiments import tiny
-from isojax import assets, batching, checkpoint as ckpt_lib, run, rundir
+from isojax import assets, batching, checkpoint as ckpt_lib, run
 from isojax import run_setup
 from tests.config_overrides import set_fields
+from tests import run_records
 from tests.xla_cache import persistent_compilation_cache
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -53,13 +54,6 @@ def tiny_config(arg=POINT, **overrides):
   return set_fields(c, overrides)
 
 
-def _records(workdir):
-  return rundir.read_metrics(pathlib.Path(workdir) / "metrics.jsonl").records
-
-
-def _without_timing(record):
-  """A record without device_hours, the one column that measures wall-clock time."""
-  return {k: v for k, v in record.items() if k != "device_hours"}
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +96,7 @@ def test_dropped_rollouts_follow_the_steps_zero_variance_rule(tmp_path):
   """zero_var_filter="all": the ledger counts every rollout of each group the step
   found zero-variance (paid for, not trained on); one rule on host and device."""
   run.run(tiny_config("bp=4,n=4,budget=48", **{"rl.zero_var_filter": "all"}), tmp_path)
-  records = _records(tmp_path)[1:]  # step 0 is the evaluation before any update
+  records = run_records.records(tmp_path)[1:]  # step 0 is the evaluation before any update
   want = np.cumsum([round(r["train/zero_var_frac"] * 4) * 4 for r in records])
   assert len(records) == 3 and want[-1] > 0
   assert [r["dropped_rollouts"] for r in records] == want.tolist()
@@ -110,7 +104,7 @@ def test_dropped_rollouts_follow_the_steps_zero_variance_rule(tmp_path):
 
 def test_validation_improves_over_the_base_model(trained):
   workdir, last, wall_s = trained
-  records = _records(workdir)
+  records = run_records.records(workdir)
   base, final = records[0]["val/avg@4"], last["val/avg@4"]
   print(f"tiny run: {wall_s:.0f} s, val avg@4 {base:.3f} -> {final:.3f}")
   # Margin 0.025. Every eval of a run uses the same sampling seed (common random
@@ -131,7 +125,7 @@ def test_trainer_scores_rollouts_under_the_sampled_distribution(trained):
   # temperature 1 instead of the config's 0.6 gave gaps of 0.03-0.08 and TIS
   # weights of 0.96-0.98.
   workdir, _, _ = trained
-  steps = [r for r in _records(workdir) if "train/logp_gap_max" in r]
+  steps = [r for r in run_records.records(workdir) if "train/logp_gap_max" in r]
   assert steps
   for r in steps:
     assert r["train/logp_gap_max"] < 1e-3, r["train/logp_gap_max"]
@@ -156,7 +150,7 @@ def test_run_directory_layout(trained):
   assert config["budget"] == {"requested": 1536.0, "bp": 8, "n": 16, "m": 12,
                               "batch": 128, "compute": 1536}
   assert (config["bp"], config["n"], config["m"]) == (8, 16, 12)
-  records = _records(workdir)
+  records = run_records.records(workdir)
   assert [r["step"] for r in records] == list(range(13))
   # The ledger counts every rollout: Bp*n per step.
   assert [r["rollouts"] for r in records] == [128 * s for s in range(13)]
@@ -224,14 +218,14 @@ def test_resume_after_sigkill_is_bitwise_identical(trained, tmp_path, compilatio
     proc.send_signal(signal.SIGKILL)
     proc.wait()
   assert not (workdir / "DONE").exists()
-  killed_at = max(r["step"] for r in _records(workdir))
+  killed_at = max(r["step"] for r in run_records.records(workdir))
   assert 6 <= killed_at < 12, killed_at
   # Same command again: resumes from step 6 and finishes.
   last = run.run(tiny_config(), workdir)
   assert (workdir / "DONE").exists()
-  assert [_without_timing(r) for r in _records(workdir)] == [
-      _without_timing(r) for r in _records(reference)]
-  assert _without_timing(last) == _without_timing(_records(reference)[-1])
+  assert [run_records.without_timing(r) for r in run_records.records(workdir)] == [
+      run_records.without_timing(r) for r in run_records.records(reference)]
+  assert run_records.without_timing(last) == run_records.without_timing(run_records.records(reference)[-1])
 
 
 def test_non_finite_updates_are_skipped_counted_and_stop_the_run(tmp_path, monkeypatch):
@@ -254,7 +248,7 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run(tmp_path, monke
   with pytest.raises(run.NonFiniteLossError,
                      match=r"step 5: 3 updates in a row .*max_consecutive_skips=3"):
     run.run(config, workdir)
-  records = _records(workdir)
+  records = run_records.records(workdir)
   assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
   assert [r["train/skipped"] for r in records[1:]] == [0, 0, 1, 1, 1]
   assert [r["consecutive_skips"] for r in records[1:]] == [0, 0, 1, 2, 3]
@@ -327,7 +321,7 @@ def test_problem_file_with_held_out_validation(tmp_path):
 def test_extra_eval_steps(tmp_path):
   # eval_steps adds evals beside the multiples of eval_every and the last step.
   run.run(tiny_config("bp=8,n=16,budget=384", eval_steps=(1,)), tmp_path / "r")
-  evals = [r["step"] for r in _records(tmp_path / "r") if "val/avg@4" in r]
+  evals = [r["step"] for r in run_records.records(tmp_path / "r") if "val/avg@4" in r]
   assert evals == [0, 1, 3]
 
 
@@ -337,5 +331,5 @@ def test_only_the_first_process_writes_the_run_files(trained, tmp_path, monkeypa
   monkeypatch.setattr(run_setup, "writes_run_files", lambda: False)
   workdir = tmp_path / "host1"
   last = run.run(tiny_config(), workdir)
-  assert _without_timing(last) == _without_timing(_records(trained[0])[-1])
+  assert run_records.without_timing(last) == run_records.without_timing(run_records.records(trained[0])[-1])
   assert sorted(os.listdir(workdir)) == ["checkpoints"]

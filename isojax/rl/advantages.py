@@ -38,6 +38,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from isojax.rl.value import VALUE_ESTIMATORS
+
 __all__ = ["ESTIMATORS", "compute_advantages", "min_group_size", "zero_variance_groups"]
 
 
@@ -93,8 +95,11 @@ ESTIMATORS: dict[str, tuple[Callable, int]] = {
 def min_group_size(estimator: str) -> int:
   """The fewest rollouts per prompt `estimator` is defined for (its baseline set):
   2 for "grpo" (a std over one sample is undefined) and "rloo" (leave-one-out needs
-  another rollout), 1 otherwise. Checked by the run and the sweep planner before
-  any work, so an n = 1 point never reaches the jitted step."""
+  another rollout), 1 otherwise (a critic's "gae" needs no other rollout). Checked
+  by the run and the sweep planner before any work, so an n = 1 point never
+  reaches the jitted step."""
+  if estimator in VALUE_ESTIMATORS:
+    return 1
   if estimator not in ESTIMATORS:
     raise ValueError(f"unknown advantage estimator {estimator!r}; "
                      f"choose from {sorted(ESTIMATORS)}")

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from isojax.rl.advantages import ESTIMATORS, zero_variance_groups
 from isojax.rl.aggregation import AGGREGATIONS, ZERO_VAR_FILTERS, TokenWeights, token_weights
+from isojax.rl.value import VALUE_ESTIMATORS
 
 __all__ = ["LossConfig", "TokenWeights", "AGGREGATIONS", "KL_ESTIMATORS",
            "PG_LOSSES", "MAX_METRICS", "RATIO_FIELDS", "RATIO_METRICS", "policy_loss",
@@ -83,7 +84,8 @@ class LossConfig:
       whole loss (they leave the denominators too); "regularizers" drops them
       from the KL and entropy terms only (playbook Fig. 3).
     adv_estimator, adv_std_eps: how the update step turns rewards into
-      advantages (see ``isojax.rl.advantages``).
+      advantages (see ``isojax.rl.advantages``; "gae" is the critic's, see
+      ``isojax.rl.value`` and ``isojax.rl.ppo``).
   """
 
   kind: str = "ppo_clip"
@@ -103,7 +105,7 @@ class LossConfig:
     for field, table in (("kind", PG_LOSSES), ("agg", AGGREGATIONS),
                          ("kl_estimator", KL_ESTIMATORS),
                          ("zero_var_filter", ZERO_VAR_FILTERS),
-                         ("adv_estimator", ESTIMATORS)):
+                         ("adv_estimator", {**ESTIMATORS, **VALUE_ESTIMATORS})):
       if getattr(self, field) not in table:
         raise ValueError(f"LossConfig.{field}={getattr(self, field)!r}; "
                          f"choose from {sorted(table)}")
@@ -301,6 +303,7 @@ def weighted_policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights: Token
   Every returned quantity is a weighted *sum* over the given rows (or a max,
   for the names in ``MAX_METRICS``), so evaluating micro-batches with slices
   of whole-batch ``weights`` and adding the results gives the batch values.
+  ``adv_B`` is one advantage per rollout [B] or per token [B, T].
   """
   sg = jax.lax.stop_gradient
   mask_BxT = jnp.asarray(mask_BxT, jnp.float32)
@@ -315,7 +318,9 @@ def weighted_policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights: Token
   sampler_logp_BxT, ref_logp_BxT = clean(sampler_logp_BxT), clean(ref_logp_BxT)
   entropy_BxT = clean(entropy_BxT)
   old_logp_BxT = sg(old_logp_BxT)
-  adv_Bx1 = sg(jnp.asarray(adv_B, jnp.float32))[:, None]
+  # Per rollout [B] (group baselines) or per token [B, T] (a critic's GAE).
+  adv_Bx1 = sg(jnp.asarray(adv_B, jnp.float32))
+  adv_Bx1 = adv_Bx1 if adv_Bx1.ndim == 2 else adv_Bx1[:, None]
 
   pg_BxT, flags = PG_LOSSES[cfg.kind](logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg)
   m = _ratio_metrics(logp_BxT, old_logp_BxT, flags, on_BxT, weights.diag_BxT)

@@ -1,0 +1,175 @@
+"""The joint PPO step: micro-batch and mesh invariance, gradients kept apart, critic
+warm-up, the zero-critic case against reward-to-go policy gradients, skipping.
+
+Parameter deltas expose gradients: with SGD_LIKE (Adam's first step with lr = eps =
+1e5) an update is -gradient to ~1e-5 relative, for the policy and the critic alike.
+Every step here is compiled once per module (compiles are the cost).
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from isojax import sharding as shd
+from isojax.models import Decoder
+from isojax.models.critic import critic_forward_flops, init_critic_from
+from isojax.rl import LossConfig
+from isojax.rl.logprobs import token_logp_entropy
+from isojax.rl.losses import policy_loss
+from isojax.rl.ppo import abstract_ppo_train_state, critic_update_flops, init_ppo_train_state
+from isojax.rl.ppo import make_ppo_train_step
+from isojax.rl.value import ValueConfig
+from tests.rl.test_step import B, N, SGD_LIKE, assert_trees_close, make_batch, tiny_config
+
+LOSS = LossConfig(kind="ppo_clip", agg="token_mean", adv_estimator="gae", kl_coef=0.0,
+                  entropy_coef=0.0, tis_cap=None)
+# Zero critic, gamma = lam = 1, no whitening: every token's advantage is its row's reward.
+VALUE = ValueConfig(gamma=1.0, lam=1.0, whiten=False, cliprange_value=0.5)
+# Rewards with a nonzero mean, so a zero critic's value loss has a gradient.
+REWARDS = (1, 0, 0, 1, 1, 1, 0, 1)
+
+
+@pytest.fixture(scope="module")
+def models():
+  policy = Decoder(tiny_config(), rngs=nnx.Rngs(0))
+  return policy, init_critic_from(policy, rngs=nnx.Rngs(1))
+
+
+def build(models, *, loss=LOSS, value=VALUE, micro=B, mesh=None, buckets=1):
+  policy, critic = models
+  return make_ppo_train_step(policy, critic, loss, value, SGD_LIKE, SGD_LIKE, batch_size=B,
+                             group_size=N, micro_batch_size=micro, mesh=mesh,
+                             length_buckets=buckets)
+
+
+def run(models, step, *, loss=LOSS, mesh=None, rewards=REWARDS):
+  """One update from a fresh state: (policy delta, critic delta, metrics, new state)."""
+  policy, critic = models
+  state = init_ppo_train_state(policy, critic, loss, SGD_LIKE, SGD_LIKE, batch_size=B,
+                               mesh=mesh)
+  before = jax.tree.map(np.asarray, (state.params, state.critic_params))
+  new, metrics = step(state, make_batch(rewards=rewards))
+  after = jax.tree.map(np.asarray, (new.params, new.critic_params))
+  delta = jax.tree.map(lambda a, b: a - b, after, before)
+  return delta[0], delta[1], {k: float(v) for k, v in metrics.items()}, new
+
+
+@pytest.fixture(scope="module")
+def base_step(models):
+  return build(models)
+
+
+@pytest.fixture(scope="module")
+def base_run(models, base_step):
+  return run(models, base_step)
+
+
+def scale_of(tree):
+  return max(np.abs(x).max() for x in jax.tree.leaves(tree))
+
+
+def test_zero_critic_policy_gradient_is_the_reward_to_go_one(models, base_run):
+  policy, _ = models
+  d_policy, d_critic, metrics, new = base_run
+  batch = make_batch(rewards=REWARDS)
+  graphdef, params = nnx.split(policy, nnx.Param)
+
+  def loss_fn(p):
+    lp, _ = token_logp_entropy(nnx.merge(graphdef, p), batch.input_ids_BxT,
+                               batch.attention_mask_BxT, batch.loss_mask_BxT)
+    # Outcome reward, gamma = 1: every token's reward-to-go is its row's reward.
+    return policy_loss(lp, jax.lax.stop_gradient(lp), batch.rewards_B, batch.loss_mask_BxT,
+                       LOSS)[0]
+
+  grads = jax.tree.map(np.asarray, jax.grad(loss_fn)(params))
+  scale = scale_of(grads)
+  assert scale > 1e-3
+  assert_trees_close(jax.tree.map(lambda d: -d, d_policy), grads, atol=2e-5 * scale, rtol=1e-3)
+  assert scale_of(d_critic) > 1e-3  # the critic learned too
+  assert metrics["value_mean"] == 0 and metrics["skipped"] == 0
+  assert metrics["return_mean"] == pytest.approx(24 / 35)  # token mean of the rewards
+  assert metrics["value_explained_var"] == 0 and metrics["policy_frozen"] == 0
+  assert int(new.step) == 1
+
+
+def test_length_sorted_micro_batches_of_two_equal_the_full_batch(models, base_run):
+  # Row lengths 4..12: the micro-batches of 2 run at lengths 6, 9, 12 and 12, the
+  # critic's values of the batch too.
+  d_policy, d_critic, metrics, _ = base_run
+  p2, c2, m2, _ = run(models, build(models, micro=2, buckets=(6, 9)))
+  assert_trees_close(p2, d_policy, atol=2e-5 * scale_of(d_policy), rtol=1e-3)
+  assert_trees_close(c2, d_critic, atol=2e-5 * scale_of(d_critic), rtol=1e-3)
+  for k in ("loss", "value_loss", "tokens", "value_explained_var"):
+    np.testing.assert_allclose(m2[k], metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  assert m2["pad_fraction"] < metrics["pad_fraction"]  # trimmed to the buckets
+
+
+def test_value_loss_reaches_only_the_critic(models, base_run):
+  # Tripling the value-loss coefficient triples the critic's gradient and leaves
+  # the policy's untouched.
+  d_policy, d_critic, _, _ = base_run
+  p3, c3, _, _ = run(models, build(models, value=dataclasses.replace(VALUE, value_coef=3.0)))
+  assert_trees_close(p3, d_policy, atol=1e-6 * scale_of(d_policy), rtol=1e-5)
+  assert_trees_close(c3, jax.tree.map(lambda d: 3 * d, d_critic),
+                     atol=2e-5 * scale_of(c3), rtol=1e-3)
+
+
+def test_warmup_freezes_the_policy_and_policy_loss_stays_out_of_the_critic(models, base_run):
+  # A different policy loss (entropy bonus) during critic warm-up: the policy and
+  # its optimiser do not move, the critic moves exactly as without either change.
+  _, d_critic, _, _ = base_run
+  loss = dataclasses.replace(LOSS, entropy_coef=0.5)
+  step = build(models, loss=loss, value=dataclasses.replace(VALUE, critic_warmup=1))
+  p, c, metrics, new = run(models, step, loss=loss)
+  assert all(np.all(x == 0) for x in jax.tree.leaves(p))
+  assert int(jax.tree.leaves(new.opt_state)[0]) == 0  # the policy's Adam count
+  assert_trees_close(c, d_critic, atol=1e-6 * scale_of(d_critic), rtol=1e-5)
+  assert metrics["policy_frozen"] == 1 and metrics["update_norm"] == 0
+  assert int(new.step) == 1
+
+
+def test_non_finite_update_is_skipped(models, base_step):
+  # Finite rewards whose squared error overflows float32: the value loss is inf.
+  p, c, metrics, new = run(models, base_step, rewards=(3e38,) * 4 + (0,) * 4)
+  assert metrics["skipped"] == 1 and int(new.step) == 0
+  assert all(np.all(x == 0) for x in jax.tree.leaves((p, c)))
+
+
+def test_8_device_mesh_equals_one_device(models, base_run):
+  d_policy, d_critic, metrics, _ = base_run
+  mesh = shd.make_mesh(data=2, fsdp=4, tensor=1)
+  p8, c8, m8, new = run(models, build(models, mesh=mesh), mesh=mesh)
+  assert_trees_close(p8, d_policy, atol=2e-5 * scale_of(d_policy), rtol=1e-3)
+  assert_trees_close(c8, d_critic, atol=2e-5 * scale_of(d_critic), rtol=1e-3)
+  np.testing.assert_allclose(m8["value_loss"], metrics["value_loss"], rtol=1e-5)
+  embed = new.critic_params["trunk"]["embed"]
+  assert len(embed.sharding.device_set) == 8  # sharded like the policy
+
+
+def test_bad_configs_are_named(models):
+  with pytest.raises(ValueError, match="adv_estimator='grpo' is not a value estimator"):
+    build(models, loss=dataclasses.replace(LOSS, adv_estimator="grpo"))
+  with pytest.raises(ValueError, match="zero_var_filter='all'"):
+    build(models, loss=dataclasses.replace(LOSS, zero_var_filter="all"))
+
+
+def test_abstract_state_has_the_real_states_shapes_and_shardings(models):
+  policy, critic = models
+  mesh = shd.make_mesh(data=1, fsdp=8, tensor=1)
+  kl = dataclasses.replace(LOSS, kl_coef=0.1)  # with reference parameters
+  real = init_ppo_train_state(policy, critic, kl, SGD_LIKE, SGD_LIKE, batch_size=B, mesh=mesh)
+  shapes = abstract_ppo_train_state(nnx.eval_shape(lambda: policy), nnx.eval_shape(
+      lambda: critic), kl, SGD_LIKE, SGD_LIKE, batch_size=B, mesh=mesh)
+  pairs = list(zip(jax.tree.leaves(real), jax.tree.leaves(shapes), strict=True))
+  assert real.ref_params is not None and len(pairs) > 40
+  for x, s in pairs:
+    assert (x.shape, x.dtype, x.sharding) == (s.shape, s.dtype, s.sharding)
+
+
+def test_critic_update_costs_four_forwards(models):
+  _, critic = models
+  mask = make_batch().attention_mask_BxT
+  assert critic_update_flops(critic.cfg, mask) == 4 * critic_forward_flops(critic.cfg, mask)
