@@ -120,6 +120,10 @@ def base_config() -> ml_collections.ConfigDict:
   # A prompt that leaves no room for max_tokens in the model's context fails the
   # run at load time (naming it); True leaves such problems out, counted in the log.
   c.data.drop_too_long = False
+  # ScaleRL's no-positive-resampling: a problem whose latest group pass rate (share
+  # of its sampled rollouts that are correct) reaches this, in (0, 1], leaves the
+  # later epochs for good (its rollouts are still charged); 0.0 = off.
+  c.data.drop_solved_above = 0.0
 
   c.sampler = ml_collections.ConfigDict()
   c.sampler.backend = "jax"        # "jax" (in-process) | "vllm" (server)

@@ -54,7 +54,7 @@ class HostState:
 
   Attributes:
     step: the update the checkpoint follows.
-    loader: the data loader's position (`EpochLoader.state_dict()`).
+    loader: the data loader's position and retired problems (`EpochLoader.state_dict()`).
     ledger: the compute spent up to `step`.
     consecutive_skips: non-finite updates in a row up to `step`.
     rng: the run's PRNG key data (`key_to_host`), checked against the seed on resume.

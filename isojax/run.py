@@ -16,7 +16,8 @@ until M updates are done. The workdir (layout: `isojax.rundir`) holds
 
 Determinism: the samples of step s are drawn with a seed derived from (seed, s)
 alone via `jax.random.fold_in`, evals with fixed per-run seeds, and the data
-order comes from (seed, epoch); nothing depends on process history. A run
+order comes from (seed, epoch) and the problems retired as solved before the
+epoch (checkpointed with the position); nothing depends on process history. A run
 restarted from its checkpoint at step k therefore redoes
 steps k+1.. exactly as the uninterrupted run did (bitwise on CPU), and
 metrics.jsonl is cut back to step k first so it ends up identical.
@@ -41,6 +42,7 @@ from isojax import budget as budget_lib
 from isojax import evaluate as ev
 from isojax import metrics as metrics_lib
 from isojax.checkpoint import HostState
+from isojax.data.loader import check_retire_threshold, group_pass_rates
 from isojax.data.problem_sets import check_data_config, metric_prefix
 from isojax.errors import IsojaxError, disk_full_as
 from isojax.evaluate import score_rollouts
@@ -131,6 +133,9 @@ def plan_run(config) -> RunPlan:
     raise ValueError(f"config.data.reward={config.data.reward!r}; expected 'exact' or "
                      f"'math'")
   val_sets = check_data_config(config.data, assets.ASSETS_DIR / "splits")
+  if config.data.drop_solved_above:  # 0.0 = off
+    check_retire_threshold(config.data.drop_solved_above,
+                           name="config.data.drop_solved_above")
   rl = config.rl
   loss = LossConfig.from_config(rl, name="config.rl")
   loss.check_on_policy(name="config.rl")  # clip settings would be silent no-ops
@@ -252,6 +257,10 @@ def sample_and_update(parts: RunParts, config, state, step: int):
     raise NonFiniteLossError(nonfinite_policy_message(step, config))
   rewards_B = score_rollouts(rollouts, [p.answer for p in problems], n_est,
                              parts.tokenizer, parts.reward_fn)
+  retire_at = config.data.drop_solved_above
+  if retire_at:  # no-positive-resampling: pass rates over all n_est sampled per problem
+    pass_rate_Bp = group_pass_rates(rewards_B, n_est)
+    parts.loader.record_pass_rates(problems, pass_rate_Bp, retire_at)
   sampled, baseline_B = rollouts, None
   if n_est > n:
     # App. G: every sampled reward feeds the baseline; n per problem are trained on.
@@ -273,6 +282,8 @@ def sample_and_update(parts: RunParts, config, state, step: int):
           "train/interrupted_frac": float(np.mean(rollouts.interrupted_B))}
   if baseline_B is not None:
     host["train/baseline_reward"] = float(np.mean(baseline_B))
+  if retire_at:
+    host["train/retired_prompts"] = parts.loader.num_retired
   # Rollouts the loss drops were still paid for (the ledger says so): all n_est
   # sampled for each group it leaves out, by the step's own rule.
   dropped_Bp = LossConfig.from_config(config.rl).dropped_groups(

@@ -132,6 +132,17 @@ def test_forced_interruption_is_checked_in_preflight(monkeypatch):
     run.plan_run(_load("experiments/tiny.py", "--config.sampler.interrupt_think_tokens=8"))
 
 
+def test_retiring_solved_problems_is_checked_in_preflight(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  assert _load("experiments/tiny.py").data.drop_solved_above == 0.0  # off
+  run.plan_run(_load("experiments/tiny.py", "--config.data.drop_solved_above=0.9"))
+  run.plan_run(_load("experiments/tiny.py", "--config.data.drop_solved_above=1"))
+  for bad in ("-0.5", "1.5", "nan"):
+    match = rf"config\.data\.drop_solved_above={bad}.* \(0, 1\]"
+    with pytest.raises(ValueError, match=match):
+      run.plan_run(_load("experiments/tiny.py", f"--config.data.drop_solved_above={bad}"))
+
+
 @pytest.mark.parametrize("path", STUDY_FILES + AXIS_FILES + APP_F_FILES, ids=lambda p: p.stem)
 def test_study_length_follows_the_model(path, monkeypatch):
   # max_tokens 0 = the study's length: 8 on the tiny model (the synthetic task),

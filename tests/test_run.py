@@ -7,7 +7,8 @@
   and writes a metrics.jsonl byte-identical to an uninterrupted run's;
 * non-finite updates are skipped, counted, and stop the run after
   max_consecutive_skips, with no NaN ever checkpointed;
-* impossible budget points fail before any work; finished runs are not rerun.
+* impossible budget points fail before any work; finished runs are not rerun;
+* with data.drop_solved_above, the count of retired prompts grows and survives resume.
 """
 
 import json
@@ -100,6 +101,35 @@ def test_dropped_rollouts_follow_the_steps_zero_variance_rule(tmp_path):
   want = np.cumsum([round(r["train/zero_var_frac"] * 4) * 4 for r in records])
   assert len(records) == 3 and want[-1] > 0
   assert [r["dropped_rollouts"] for r in records] == want.tolist()
+
+
+def test_retired_prompts_grow_and_resume_exactly(tmp_path, monkeypatch):
+  """data.drop_solved_above: solved problems of 8 leave later epochs; the count is
+  logged, and a run stopped after its step-3 checkpoint (mid-epoch, problems retired)
+  and restarted writes the uninterrupted run's metrics."""
+  overrides = {"data.train": "synthetic:easy", "data.num_train": 8, "data.num_val": 16,
+               "eval.num_train": 0, "data.drop_solved_above": 0.75,
+               "eval_every": 100, "checkpoint_every": 3}
+  point = "bp=4,n=4,budget=80"  # M = 5 batches of 4 from the 8 problems
+  whole = run.run(tiny_config(point, **overrides), tmp_path / "whole")
+  retired = [r["train/retired_prompts"] for r in run_records.records(tmp_path / "whole")[1:]]
+  assert retired == sorted(retired) and 0 < retired[-1] < 8, retired
+  sample_and_update = run.sample_and_update
+
+  def stop_at_step_4(parts, config, state, step):
+    if step == 4:
+      assert parts.loader.state_dict()["retired"], "nothing retired by step 3"
+      raise KeyboardInterrupt("stopped after the step-3 checkpoint")
+    return sample_and_update(parts, config, state, step)
+
+  monkeypatch.setattr(run, "sample_and_update", stop_at_step_4)
+  with pytest.raises(KeyboardInterrupt):
+    run.run(tiny_config(point, **overrides), tmp_path / "cut")
+  monkeypatch.setattr(run, "sample_and_update", sample_and_update)
+  last = run.run(tiny_config(point, **overrides), tmp_path / "cut")
+  assert [run_records.without_timing(r) for r in run_records.records(tmp_path / "cut")] == [
+      run_records.without_timing(r) for r in run_records.records(tmp_path / "whole")]
+  assert run_records.without_timing(last) == run_records.without_timing(whole)
 
 
 def test_validation_improves_over_the_base_model(trained):

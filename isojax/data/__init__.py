@@ -8,7 +8,8 @@
 Nothing here imports JAX; samplers are passed in where samples are needed.
 """
 
-from isojax.data.loader import EpochLoader, LoaderPosition, epoch_permutation, next_indices
+from isojax.data.loader import (AllRetiredError, EpochLoader, LoaderPosition, epoch_permutation,
+                                group_pass_rates, next_indices)
 from isojax.data.rewards import (REWARD_FNS, MathVerifier, MathVerifierPool, exact_match,
                                  get_reward_fn, math_verify_reward)
 from isojax.data.sources import (Fields, Problem, encode_prompts, load_datasets_dir,
@@ -19,7 +20,8 @@ from isojax.data.synthetic import (DEFAULT_DIGITS, DEFAULT_FAMILIES, FAMILIES, V
                                    synthetic_problems, synthetic_splits)
 
 __all__ = [
-    "EpochLoader", "LoaderPosition", "epoch_permutation", "next_indices",
+    "AllRetiredError", "EpochLoader", "LoaderPosition", "epoch_permutation",
+    "group_pass_rates", "next_indices",
     "REWARD_FNS", "MathVerifier", "MathVerifierPool", "exact_match", "get_reward_fn",
     "math_verify_reward",
     "Fields", "Problem", "encode_prompts", "load_datasets_dir", "load_jsonl",

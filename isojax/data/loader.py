@@ -1,18 +1,36 @@
 """Epoch-wise shuffled batches over a fixed problem set, with an exact resume position.
 
 The paper trains on a fixed problem set reused over epochs (saturation comes from the
-finite set, §4.1, §5.2). Each epoch visits every problem once in a permutation drawn
-from (seed, epoch) alone, so the position (epoch, index) is the whole loader state:
-saving it and calling `next_batch` from it reproduces the uninterrupted stream exactly.
-A batch that runs past the end of an epoch continues into the next epoch's order.
+finite set, §4.1, §5.2). Each epoch visits every active problem once in a permutation
+drawn from (seed, epoch, active set) alone, so the position (epoch, index) plus the
+retired problems is the whole loader state: saving it and calling `next_batch` from
+it reproduces the uninterrupted stream exactly. A batch that runs past the end of an
+epoch continues into the next epoch's order.
+
+ScaleRL's no-positive-resampling retires solved problems: `record_pass_rates` marks a
+problem whose pass rate reaches a threshold, and it leaves every epoch whose order is
+not drawn yet (the rest of the current epoch still visits it). A problem's pass rate
+is the fraction of its most recent group of rollouts that passed (reward > 0.5, the
+correct answer of the 0/1 rewards, as `isojax.evaluate` counts passes): the current
+policy's success on it, which a cumulative rate would understate for as long as the
+early failures weigh in. A retired problem never comes back.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+from isojax.errors import IsojaxError
+
+# A rollout passes when its reward exceeds this: 1.0 (correct) of the 0/1 rewards.
+PASS_ABOVE = 0.5
+
+
+class AllRetiredError(IsojaxError):
+  """Raised when every problem is retired and an epoch has nothing left to draw."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,32 +57,94 @@ def epoch_permutation(num_items: int, seed: int, epoch: int) -> np.ndarray:
   return rng.permutation(num_items)
 
 
-def next_indices(num_items: int, position: LoaderPosition, batch_size: int, seed: int
+def active_items(num_items: int, epoch: int, retired_from: Mapping[int, int]
+                 ) -> np.ndarray:
+  """The items `epoch` visits, ascending: those not retired from `epoch` or earlier.
+
+  Args:
+    retired_from: item index -> the first epoch it is left out of.
+  """
+  keep = np.ones(num_items, dtype=bool)
+  for item, first_epoch in retired_from.items():
+    if first_epoch <= epoch:
+      keep[item] = False
+  return np.flatnonzero(keep)
+
+
+def epoch_order(num_items: int, seed: int, epoch: int,
+                retired_from: Mapping[int, int]) -> np.ndarray:
+  """The visiting order of `epoch`: its active items in a permutation drawn from
+  (seed, epoch, active set). With nothing retired it is `epoch_permutation`."""
+  active = active_items(num_items, epoch, retired_from)
+  if not len(active):
+    raise AllRetiredError(
+        f"all {num_items} problems are retired as solved (data.drop_solved_above): "
+        f"epoch {epoch} has none left to draw")
+  return active[epoch_permutation(len(active), seed, epoch)]
+
+
+def check_position(num_items: int, position: LoaderPosition,
+                   retired_from: Mapping[int, int]) -> None:
+  """Raises ValueError if `position` does not fit the set with these retirements
+  (e.g. a checkpoint from another data set)."""
+  if num_items <= 0:
+    raise ValueError(f"cannot draw batches from an empty set (num_items={num_items})")
+  bad = [i for i in retired_from if not 0 <= i < num_items]
+  if bad:
+    raise ValueError(f"retired items {bad[:5]} do not fit a set of {num_items} items")
+  # Index 0 needs no active item: the epoch's order is drawn only when used.
+  epoch_size = (len(active_items(num_items, position.epoch, retired_from))
+                if position.index else num_items)
+  if position.epoch < 0 or not 0 <= position.index < epoch_size:
+    raise ValueError(f"loader position (epoch={position.epoch}, index="
+                     f"{position.index}) does not fit a set of {num_items} items")
+
+
+def next_indices(num_items: int, position: LoaderPosition, batch_size: int, seed: int,
+                 retired_from: Mapping[int, int] | None = None
                  ) -> tuple[np.ndarray, LoaderPosition]:
   """Indices of the next `batch_size` items and the position after them.
+
+  Args:
+    retired_from: item index -> the first epoch it is left out of (none when None).
 
   Raises:
     ValueError: if the set is empty, the batch size is not positive, or the
       position does not fit the set (e.g. a checkpoint from another data set).
+    AllRetiredError: if an epoch the batch reaches has no active item left.
   """
-  if num_items <= 0:
-    raise ValueError(f"cannot draw batches from an empty set (num_items={num_items})")
+  retired_from = retired_from or {}
+  check_position(num_items, position, retired_from)
   if batch_size <= 0:
     raise ValueError(f"batch_size must be > 0, got {batch_size}")
-  if position.epoch < 0 or not 0 <= position.index < num_items:
-    raise ValueError(f"loader position (epoch={position.epoch}, index="
-                     f"{position.index}) does not fit a set of {num_items} items")
   out, count = [], 0
   epoch, index = position.epoch, position.index
   while count < batch_size:
-    perm = epoch_permutation(num_items, seed, epoch)
-    take = min(batch_size - count, num_items - index)
-    out.append(perm[index:index + take])
+    order = epoch_order(num_items, seed, epoch, retired_from)
+    take = min(batch_size - count, len(order) - index)
+    out.append(order[index:index + take])
     count += take
     index += take
-    if index == num_items:
+    if index == len(order):
       epoch, index = epoch + 1, 0
   return np.concatenate(out), LoaderPosition(epoch, index)
+
+
+def group_pass_rates(rewards_B: np.ndarray, group_size: int) -> np.ndarray:
+  """Per problem, the fraction of its `group_size` rollouts (contiguous in
+  `rewards_B`) whose reward exceeds PASS_ABOVE: pass_rate_Bp."""
+  rewards_B = np.asarray(rewards_B)
+  if group_size < 1 or rewards_B.ndim != 1 or rewards_B.size % group_size:
+    raise ValueError(f"rewards of shape {rewards_B.shape} do not split into groups of "
+                     f"group_size={group_size}")
+  return np.mean(rewards_B.reshape(-1, group_size) > PASS_ABOVE, axis=1)
+
+
+def check_retire_threshold(threshold: float, name: str = "retire_at") -> None:
+  """Raises ValueError naming `name` unless 0 < threshold <= 1 (a pass rate)."""
+  if not 0 < threshold <= 1:  # also rejects NaN
+    raise ValueError(f"{name}={threshold!r} must be a pass rate in (0, 1]; 0 turns "
+                     f"the retiring of solved problems off")
 
 
 class EpochLoader:
@@ -82,25 +162,72 @@ class EpochLoader:
     self.batch_size = int(batch_size)
     self.seed = int(seed)
     self.position = position
+    self.retired_from: dict[int, int] = {}
+    self._indices_of: dict | None = None  # problem -> its indices, built when needed
     next_indices(len(self.problems), position, self.batch_size, self.seed)  # validates
+
+  @property
+  def num_retired(self) -> int:
+    """Problems retired so far (also those whose retirement starts next epoch)."""
+    return len(self.retired_from)
 
   def next_batch(self) -> list:
     """The next `batch_size` problems; advances the position."""
     idx, self.position = next_indices(len(self.problems), self.position,
-                                      self.batch_size, self.seed)
+                                      self.batch_size, self.seed, self.retired_from)
     return [self.problems[i] for i in idx]
 
+  def record_pass_rates(self, problems: Sequence, pass_rate_Bp: Sequence[float],
+                        retire_at: float) -> int:
+    """Retires each of `problems` whose pass rate is >= `retire_at`.
+
+    It leaves the epochs whose order is not drawn yet: the next one, or the
+    current one when the position is at its start. Equal problems (duplicates
+    in the set) retire together.
+
+    Args:
+      problems: problems of the set, e.g. a batch `next_batch` returned.
+      pass_rate_Bp: their pass rates (`group_pass_rates`), in the same order.
+      retire_at: the pass rate that retires a problem, in (0, 1].
+
+    Returns:
+      how many problems this call retired.
+    """
+    check_retire_threshold(retire_at)
+    if len(problems) != len(pass_rate_Bp):
+      raise ValueError(f"{len(problems)} problems but {len(pass_rate_Bp)} pass rates")
+    if self._indices_of is None:
+      self._indices_of = {}
+      for i, p in enumerate(self.problems):
+        self._indices_of.setdefault(p, []).append(i)
+    first_epoch = self.position.epoch + (self.position.index > 0)
+    before = self.num_retired
+    for problem, rate in zip(problems, pass_rate_Bp):
+      if rate >= retire_at:
+        if problem not in self._indices_of:
+          raise ValueError(f"problem {problem!r} is not in this loader's set")
+        for i in self._indices_of[problem]:
+          self.retired_from.setdefault(i, first_epoch)
+    return self.num_retired - before
+
   def state_dict(self) -> dict:
-    """Position plus a fingerprint of the set, checked on restore."""
-    return self.position.state_dict() | {"num_items": len(self.problems),
-                                         "seed": self.seed}
+    """Position plus a fingerprint of the set, checked on restore; with retired
+    problems also "retired": [[index, first epoch left out of], ...] (JSON-safe)."""
+    state = self.position.state_dict() | {"num_items": len(self.problems),
+                                          "seed": self.seed}
+    if self.retired_from:
+      state["retired"] = [[int(i), int(e)] for i, e in sorted(self.retired_from.items())]
+    return state
 
   def load_state_dict(self, state: dict) -> None:
-    """Resume from `state_dict()`; the set and seed must match the saved ones."""
+    """Resume from `state_dict()`; the set and seed must match the saved ones. A
+    state without "retired" (none retired, or saved before retiring existed)
+    resumes with no problem retired."""
     for key, expect in (("num_items", len(self.problems)), ("seed", self.seed)):
       if key in state and int(state[key]) != expect:
         raise ValueError(f"loader state has {key}={int(state[key])} but this "
                          f"loader has {key}={expect}")
     position = LoaderPosition.from_state_dict(state)
-    next_indices(len(self.problems), position, self.batch_size, self.seed)
-    self.position = position
+    retired_from = {int(i): int(e) for i, e in state.get("retired", [])}
+    check_position(len(self.problems), position, retired_from)
+    self.position, self.retired_from = position, retired_from

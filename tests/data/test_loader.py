@@ -1,11 +1,13 @@
-"""Epoch-wise shuffling and exact resume (isojax/data/loader.py)."""
+"""Epoch-wise shuffling, retiring solved problems and exact resume
+(isojax/data/loader.py)."""
 
 import json
 
 import numpy as np
 import pytest
 
-from isojax.data import EpochLoader, LoaderPosition, next_indices
+from isojax.data import (AllRetiredError, EpochLoader, LoaderPosition, epoch_permutation,
+                         group_pass_rates, next_indices)
 
 
 def test_each_epoch_is_a_permutation_with_a_new_order():
@@ -70,3 +72,123 @@ def test_resume_rejects_mismatched_state():
     EpochLoader([], batch_size=2, seed=0)
   with pytest.raises(ValueError, match="batch_size"):
     EpochLoader([1], batch_size=0, seed=0)
+
+
+# No-positive-resampling: solved problems retire from the epochs not yet drawn.
+
+def _names(n):
+  return [f"p{i}" for i in range(n)]
+
+
+def test_retired_problems_leave_from_the_next_epoch():
+  # Seed 0: epoch 0 visits [3 2 5 4 0 1]; epoch 1's order of 4 is [3 0 2 1], epoch
+  # 2's [2 1 0 3] (epoch_permutation(4, 0, e)), taken over the active [0 1 2 4].
+  loader = EpochLoader(_names(6), batch_size=3, seed=0)
+  first = loader.next_batch()
+  assert first == ["p3", "p2", "p5"]
+  assert loader.record_pass_rates(first, [1.0, 0.5, 0.9], retire_at=0.9) == 2
+  assert loader.num_retired == 2
+  assert loader.next_batch() == ["p4", "p0", "p1"]  # epoch 0 was drawn already
+  assert loader.next_batch() == ["p4", "p0", "p2"]  # epoch 1: [0 1 2 4][[3 0 2 1]]
+  assert loader.next_batch() == ["p1", "p2", "p1"]  # its tail, then epoch 2's head
+  assert loader.state_dict() == {"epoch": 2, "index": 2, "num_items": 6, "seed": 0,
+                                 "retired": [[3, 1], [5, 1]]}
+
+
+def test_retiring_at_an_epoch_start_applies_to_that_epoch():
+  loader = EpochLoader(_names(6), batch_size=3, seed=0)
+  loader.next_batch()
+  second = loader.next_batch()  # ["p4", "p0", "p1"]: epoch 0 done, epoch 1 not drawn
+  assert loader.position == LoaderPosition(1, 0)
+  loader.record_pass_rates(second, [0.95, 0.0, 0.0], retire_at=0.9)
+  loader.record_pass_rates(["p5"], [1.0], retire_at=0.9)  # not in this batch: any
+  # Epoch 1 over the active [0 1 2 3]: [3 0 2 1].
+  assert loader.retired_from == {4: 1, 5: 1}
+  assert loader.next_batch() == ["p3", "p0", "p2"]
+
+
+def test_duplicates_retire_together_and_unknown_problems_are_named():
+  loader = EpochLoader(["a", "b", "a", "c"], batch_size=2, seed=0)
+  loader.record_pass_rates(["a"], [1.0], retire_at=1.0)
+  assert loader.retired_from == {0: 0, 2: 0}
+  with pytest.raises(ValueError, match="problem 'z' is not in"):
+    loader.record_pass_rates(["z"], [1.0], retire_at=1.0)
+  with pytest.raises(ValueError, match="2 problems but 1 pass rates"):
+    loader.record_pass_rates(["a", "b"], [1.0], retire_at=1.0)
+  for bad in (0.0, 1.5, float("nan")):
+    with pytest.raises(ValueError, match=r"retire_at=.* must be a pass rate in \(0, 1\]"):
+      loader.record_pass_rates(["a"], [1.0], retire_at=bad)
+
+
+def _run_with_retiring(loader, batches, step0=0):
+  """Draws `batches` batches, retiring by pass rates drawn from the step alone."""
+  out = []
+  for step in range(step0, step0 + batches):
+    batch = loader.next_batch()
+    rates = np.random.default_rng(step).random(len(batch))
+    loader.record_pass_rates(batch, rates, retire_at=0.85)
+    out.append(batch)
+  return out
+
+
+def test_exact_resume_with_retired_problems():
+  problems = _names(37)
+  full = EpochLoader(problems, batch_size=5, seed=3)
+  stream = _run_with_retiring(full, 20)
+  assert 5 < full.num_retired < 37 and full.position.epoch >= 3
+  mid_epoch_with_retired = 0
+  for cut in range(1, 20):
+    first = EpochLoader(problems, batch_size=5, seed=3)
+    _run_with_retiring(first, cut)
+    saved = json.loads(json.dumps(first.state_dict()))  # as a checkpoint stores it
+    mid_epoch_with_retired += saved["index"] > 0 and "retired" in saved
+    resumed = EpochLoader(problems, batch_size=5, seed=3)
+    resumed.load_state_dict(saved)
+    assert _run_with_retiring(resumed, 20 - cut, step0=cut) == stream[cut:], cut
+    assert resumed.state_dict() == full.state_dict()
+  assert mid_epoch_with_retired >= 5
+  # NumPy values as restored by orbax.
+  again = EpochLoader(problems, batch_size=5, seed=3)
+  again.load_state_dict({k: np.asarray(v) for k, v in saved.items()})
+  assert again.state_dict() == saved
+
+
+def test_all_retired_fails_naming_the_count():
+  loader = EpochLoader(_names(4), batch_size=2, seed=0)
+  for _ in range(2):
+    batch = loader.next_batch()
+    loader.record_pass_rates(batch, [1.0, 1.0], retire_at=0.9)
+  assert loader.num_retired == 4
+  saved = loader.state_dict()
+  with pytest.raises(AllRetiredError, match="all 4 problems are retired .* epoch 1"):
+    loader.next_batch()
+  # A run that retired everything at its last step still resumes (and stops there).
+  EpochLoader(_names(4), batch_size=2, seed=0).load_state_dict(saved)
+  with pytest.raises(ValueError, match=r"retired items \[9\] do not fit"):
+    loader.load_state_dict(saved | {"retired": [[9, 1]]})
+  with pytest.raises(ValueError, match="does not fit"):  # epoch 1 has 1 active item
+    loader.load_state_dict(saved | {"index": 1, "retired": [[0, 1], [1, 1], [2, 1]]})
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 123])
+def test_without_retiring_the_stream_and_state_are_unchanged(seed):
+  loader = EpochLoader(_names(11), batch_size=4, seed=seed)
+  drawn = [i for _ in range(9) for i in loader.next_batch()]  # 36 = 3 epochs + 3
+  today = np.concatenate([epoch_permutation(11, seed, e) for e in range(4)])
+  assert drawn == [f"p{i}" for i in today[:36]]
+  loader.record_pass_rates(["p0", "p1"], [0.5, 0.89], retire_at=0.9)  # none solved
+  assert loader.state_dict() == {"epoch": 3, "index": 3, "num_items": 11, "seed": seed}
+  # A state saved before retiring existed (no "retired") resumes with none retired.
+  loader.record_pass_rates(["p0"], [1.0], retire_at=0.9)
+  loader.load_state_dict({"epoch": 3, "index": 3, "num_items": 11, "seed": seed})
+  assert loader.num_retired == 0
+  assert loader.next_batch() == [f"p{i}" for i in epoch_permutation(11, seed, 3)[3:7]]
+
+
+def test_group_pass_rates():
+  rewards_B = np.array([1, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], dtype=np.float32)
+  np.testing.assert_array_equal(group_pass_rates(rewards_B, 4), [0.75, 0.0, 1.0])
+  nine_of_ten = np.array([1.0] * 9 + [0.0])
+  assert group_pass_rates(nine_of_ten, 10)[0] >= 0.9  # 9/10 reaches ScaleRL's 0.9
+  with pytest.raises(ValueError, match="group_size=3"):
+    group_pass_rates(rewards_B[:8], 3)
