@@ -162,9 +162,10 @@ def base_config() -> ml_collections.ConfigDict:
   # device_hours, ScaleRL's compute axis) count them beside the trainer's.
   c.sampler.server_devices = 0
 
-  # Field names are those of isojax.rl LossConfig / OptimConfig. clip_dual and
-  # tis_cap are float fields that may hold None (off): --config.rl.clip_dual=3
-  # sets one, a config file may set None. max_grad_norm: 0.0 stands for off.
+  # Field names are those of isojax.rl LossConfig / OptimConfig. clip_dual,
+  # tis_cap and max_grad_norm are float fields that may hold None (off):
+  # --config.rl.clip_dual=3 sets one, a config file may set None. A clip at inf
+  # is no clip: --config.rl.max_grad_norm=inf turns clipping off from the flags.
   c.rl = ml_collections.ConfigDict()
   c.rl.adv_estimator = "grpo"      # grpo | drgrpo | batch | rloo | gae (PPO: the critic below)
   c.rl.adv_std_eps = 1e-6
@@ -185,7 +186,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.batch_base = 1024
   c.rl.warmup_steps = 10           # App. A: 10-step linear warmup, then constant
   c.rl.weight_decay = 0.01
-  c.rl.max_grad_norm = 1.0         # 0 = off
+  c.rl.max_grad_norm = ml_collections.FieldReference(1.0, field_type=float)  # None = off
   c.rl.micro_batch = 0             # rollouts per gradient-accumulation chunk; 0 = all
   # Sequence positions per lm-head chunk, over every row of a micro-batch (None:
   # all at once). A chunk's logits are recomputed in the backward pass, so the
@@ -209,7 +210,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.critic.gamma = 1.0           # GAE discount
   c.critic.lam = 1.0             # GAE lambda (1: Monte Carlo return minus the value)
   c.critic.whiten = True         # whiten the advantages over the batch's trained tokens
-  c.critic.cliprange_value = 0.5  # new value clipped to old +- this in the loss; 0 = off
+  # New value clipped to old +- this in the loss; None (or inf) = off.
+  c.critic.cliprange_value = ml_collections.FieldReference(0.5, field_type=float)
   # Weight of the value loss; with the critic's own Adam it acts only through
   # gradient-norm clipping and eps.
   c.critic.value_coef = 1.0

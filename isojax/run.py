@@ -94,10 +94,6 @@ class RunPlan:
   critic_optim: object = None
 
 
-def _off_if_zero(x):
-  return None if x == 0 else x
-
-
 def plan_run(config) -> RunPlan:
   """Validates `config` and derives the budget point; does no work.
 
@@ -142,7 +138,7 @@ def plan_run(config) -> RunPlan:
   optim = OptimConfig(
       lr_base=rl.lr_base, batch_base=rl.batch_base, lr_rule=rl.lr_rule,
       warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
-      max_grad_norm=_off_if_zero(rl.max_grad_norm))
+      max_grad_norm=rl.max_grad_norm)
   micro = rl.micro_batch or point.batch
   if rl.logits_chunk is not None and rl.logits_chunk < 1:
     raise ValueError(f"config.rl.logits_chunk={rl.logits_chunk} must be >= 1 (sequence "
@@ -163,7 +159,7 @@ def _critic_plan(config, optim):
     return None, None
   c = config.critic
   value = ValueConfig(gamma=c.gamma, lam=c.lam, whiten=c.whiten,
-                      cliprange_value=_off_if_zero(c.cliprange_value),
+                      cliprange_value=c.cliprange_value,
                       value_coef=c.value_coef, critic_warmup=c.warmup_steps)
   return value, dataclasses.replace(optim, lr_base=c.lr_base)
 

@@ -87,6 +87,12 @@ def test_plan_loss_config_comes_from_config_rl():
     run.plan_run(tiny_config(**{"rl.clip_high": 0.28}))
   with pytest.raises(ValueError, match=r"config\.rl\.clip_dual=3\.0 .* cannot affect"):
     run.plan_run(tiny_config(**{"rl.clip_dual": 3}))
+  # No "0 means off": None (a config file) or inf (a flag) is no clipping.
+  assert run.plan_run(tiny_config(**{"rl.max_grad_norm": None})).optim.max_grad_norm is None
+  assert run.plan_run(tiny_config(**{"rl.max_grad_norm": float("inf")})
+                      ).optim.max_grad_norm == float("inf")
+  with pytest.raises(ValueError, match=r"OptimConfig\.max_grad_norm=0\.0 must be > 0"):
+    run.plan_run(tiny_config(**{"rl.max_grad_norm": 0}))
   c = tiny_config()
   del c.rl["kl_estimator"]
   with pytest.raises(ValueError, match=r"config\.rl has no LossConfig field kl_estimator"):
