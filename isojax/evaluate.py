@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from isojax.data import encode_prompts, exact_match
+
 HISTOGRAM_BINS = 10  # fixed bins of width 0.1 over [0, 1]; the last one includes 1.0
 
 
@@ -205,8 +207,6 @@ def evaluate(sampler, problems, tokenizer, *, k: int = 4, ks: Sequence[int] | No
     batch_size: problems per generate call (default: all).
     prefix: metric key prefix.
   """
-  from isojax.data import encode_prompts, exact_match  # lazy: keeps imports light
-
   problems = list(problems)
   if not problems:
     raise ValueError("evaluate: `problems` is empty")

@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from isojax import sharding
 from isojax.rollout import decode
@@ -298,7 +299,6 @@ class JaxSampler:
 def _to_host(arrays) -> tuple[Any, ...]:
   """The one device->host transfer; gathers across hosts when multi-process."""
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     return tuple(np.asarray(multihost_utils.process_allgather(a, tiled=True))
                  for a in arrays)
   return tuple(np.asarray(a) for a in jax.device_get(arrays))
