@@ -19,7 +19,7 @@ from isojax.models import Decoder
 from isojax.models.critic import critic_forward_flops, init_critic_from
 from isojax.rl import LossConfig, OptimConfig
 from isojax.rl.logprobs import token_logp_entropy
-from isojax.rl.losses import policy_loss
+from isojax.rl.losses import RATIO_METRICS, policy_loss
 from isojax.rl.ppo import abstract_ppo_train_state, critic_update_flops, init_ppo_train_state
 from isojax.rl.ppo import make_ppo_train_step
 from isojax.rl.value import ValueConfig
@@ -94,6 +94,8 @@ def test_zero_critic_policy_gradient_is_the_reward_to_go_one(models, base_run):
   assert metrics["return_mean"] == pytest.approx(24 / 35)  # token mean of the rewards
   assert metrics["value_explained_var"] == 0 and metrics["policy_frozen"] == 0
   assert int(new.step) == 1
+  # One update per batch: the ratio metrics are identically 0 and not reported.
+  assert not set(RATIO_METRICS) & set(metrics)
 
 
 def test_length_sorted_micro_batches_of_two_equal_the_full_batch(models, base_run):
