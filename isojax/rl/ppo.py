@@ -7,12 +7,10 @@
     state, metrics = step(state, batch)      # same call shape as make_train_step's
 
 ``loss_cfg.adv_estimator`` names a value estimator (``isojax.rl.value``, "gae").
-Inside the step (the policy step's pieces of ``isojax.rl.step`` where the logic
-is the same):
+Inside the step (``isojax.rl.step``'s pieces where the logic is the same):
   1. the batch's aggregation weights (policy and value loss) in its prompt-major
      order (``_ppo_rows``), then the policy step's micro-batch layout
-     (``step._micro_batches``: rows left-aligned, sorted by length, trimmed to
-     a bucket);
+     (``step._micro_batches``: rows sorted by length, trimmed to a bucket);
   2. the critic's values of the whole batch, micro-batch by micro-batch without
      gradient (``_critic_values``): they are the baselines of GAE and the "old
      values" of the clipped value loss (every batch gets one update, so old =
@@ -51,8 +49,8 @@ from isojax.rl.batch import Batch
 from isojax.rl.losses import LossConfig, token_weights
 from isojax.rl.optim import OptimConfig, lr_schedule, make_optimizer
 from isojax.rl.state import TrainState, default_mesh
-# The policy step's pieces, shared: PPO differs in the values pass, per-token
-# advantages, the joint update of two optimisers and critic warm-up.
+# PPO differs from the policy step in the values pass, per-token advantages, the
+# joint update of two optimisers and critic warm-up; the rest is shared.
 from isojax.rl.step import (TrainRows, TrainStep, _accumulate, _batch_metrics, _check_sizes,
                             _micro_batches, _micro_loss_fn)
 from isojax.rl.value import (VALUE_ESTIMATORS, ValueConfig, ValueWeights, value_advantages,
@@ -204,8 +202,8 @@ def _critic_values(values_fn, critic_params, micro: PPORows, bucket_K,
 
 
 def _with_advantages(micro: PPORows, values_BxT, loss_cfg: LossConfig,
-                     value_cfg: ValueConfig, micro_sharding: NamedSharding):
-  """GAE over the whole batch; (micro with adv / returns / old_values, adv_BxT, returns_BxT).
+                     value_cfg: ValueConfig, micro_sharding: NamedSharding) -> PPORows:
+  """``micro`` with GAE's adv and returns of the whole batch, and ``values_BxT`` as old values.
 
   Rows are independent and whitening is a batch total, so the layout's row
   order serves; every batch gets one update, so the old values are the current
@@ -218,7 +216,26 @@ def _with_advantages(micro: PPORows, values_BxT, loss_cfg: LossConfig,
       lambda x: jax.lax.with_sharding_constraint(x.reshape(micro.loss_mask.shape),
                                                  micro_sharding),
       {"adv": adv_BxT, "returns": returns_BxT, "old_values": values_BxT})
-  return micro.replace(**as_micro), adv_BxT, returns_BxT
+  return micro.replace(**as_micro)
+
+
+def _critic_batch_metrics(batch: Batch, rows: PPORows, micro: PPORows, positions,
+                          group_size: int):
+  """``step._batch_metrics`` of the batch, and the critic's values against the returns."""
+  mask_BxT, adv_BxT = _flatten_micro(micro.loss_mask), _flatten_micro(micro.adv)
+  zero_var_Bp = zero_variance_groups(rows.rewards, group_size=group_size)
+  return {**_batch_metrics(batch, rows, zero_var_Bp, positions),
+          # The advantages are per token, so their mean is over the trained tokens.
+          "adv_abs_mean": jnp.sum(jnp.abs(adv_BxT)) / jnp.maximum(jnp.sum(mask_BxT), 1.0),
+          **value_metrics(_flatten_micro(micro.old_values), _flatten_micro(micro.returns),
+                          mask_BxT)}
+
+
+def _schedule_metrics(schedule, critic_schedule, warmup: int, step):
+  """Both learning rates at ``step``; the policy's schedule starts after the warm-up."""
+  return {"lr": jnp.asarray(schedule(jnp.maximum(step - warmup, 0)), jnp.float32),
+          "critic_lr": jnp.asarray(critic_schedule(step), jnp.float32),
+          "policy_frozen": (step < warmup).astype(jnp.float32)}
 
 
 def _joint_micro_loss_fn(policy_loss, values_fn, value_cfg: ValueConfig):
@@ -352,24 +369,16 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
       lengths = layout.bucket_lengths(batch.input_ids_BxT.shape[1], length_buckets)
       micro, bucket_K = _micro_batches(rows, lengths, n_micro, micro_sh)
       values_BxT = _critic_values(values_fn, state.critic_params, micro, bucket_K, lengths)
-      micro, adv_BxT, returns_BxT = _with_advantages(micro, values_BxT, loss_cfg, value_cfg,
-                                                     micro_sh)
+      micro = _with_advantages(micro, values_BxT, loss_cfg, value_cfg, micro_sh)
       grads, critic_grads, metrics = _joint_gradients(micro_loss, state, micro, bucket_K,
                                                       lengths, state_sh)
       new_state, ok, norms = _guarded_joint_update(tx, critic_tx, warmup, state, grads,
                                                    critic_grads, metrics)
-      mask_BxT = _flatten_micro(micro.loss_mask)
       positions = rows_per_micro * jnp.sum(jnp.asarray(lengths)[bucket_K])
-      zero_var_Bp = zero_variance_groups(rows.rewards, group_size=group_size)
-      metrics.update(value_metrics(values_BxT, returns_BxT, mask_BxT), **norms)
-      # adv_abs_mean: the advantages are per token, so their mean is over trained tokens.
-      metrics.update(
-          _batch_metrics(batch, rows, zero_var_Bp, positions),
-          adv_abs_mean=jnp.sum(jnp.abs(adv_BxT)) / jnp.maximum(jnp.sum(mask_BxT), 1.0),
-          lr=jnp.asarray(schedule(jnp.maximum(state.step - warmup, 0)), jnp.float32),
-          critic_lr=jnp.asarray(critic_schedule(state.step), jnp.float32),
-          policy_frozen=(state.step < warmup).astype(jnp.float32),
-          skipped=1.0 - ok.astype(jnp.float32))
+      metrics.update(_critic_batch_metrics(batch, rows, micro, positions, group_size),
+                     **norms, **_schedule_metrics(schedule, critic_schedule, warmup,
+                                                  state.step),
+                     skipped=1.0 - ok.astype(jnp.float32))
       return new_state, metrics
 
   batch_sh = shd.batch_sharding(mesh)
