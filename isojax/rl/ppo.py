@@ -7,23 +7,25 @@
     state, metrics = step(state, batch)      # same call shape as make_train_step's
 
 ``loss_cfg.adv_estimator`` names a value estimator (``isojax.rl.value``, "gae").
-Inside the step:
+Inside the step (``isojax.rl.step``'s pieces where the logic is the same):
   1. the batch's aggregation weights (policy and value loss) in its prompt-major
-     order, then the micro-batch layout of ``isojax.rl.layout`` (rows
-     left-aligned, sorted by length, trimmed to a bucket);
+     order (``_ppo_rows``), then the policy step's micro-batch layout
+     (``step._micro_batches``: rows sorted by length, trimmed to a bucket);
   2. the critic's values of the whole batch, micro-batch by micro-batch without
-     gradient: they are the baselines of GAE and the "old values" of the clipped
-     value loss (every batch gets one update, so old = current critic);
+     gradient (``_critic_values``): they are the baselines of GAE and the "old
+     values" of the clipped value loss (every batch gets one update, so old =
+     current critic);
   3. GAE advantages and returns over the whole batch (whitened if asked), with
      no host round trip. Rows are independent and whitening is a batch total,
-     so this runs in the layout's row order;
-  4. gradient accumulation over micro-batches of policy loss (per-token
-     advantages) + value loss; the two parameter sets are disjoint, so each
-     gets exactly its own loss's gradient;
-  5. one AdamW update of each. While ``step < value_cfg.critic_warmup`` only
-     the critic moves (policy parameters and moments untouched). If a loss, a
-     gradient or an updated parameter of either is not finite, the whole state
-     is returned unchanged and ``metrics["skipped"] = 1``.
+     so this runs in the layout's row order (``_with_advantages``);
+  4. gradient accumulation (``step._accumulate``) over micro-batches of policy
+     loss (``step._micro_loss_fn``, per-token advantages) + value loss; the two
+     parameter sets are disjoint, so each gets exactly its own loss's gradient;
+  5. one AdamW update of each (``_guarded_joint_update``). While ``step <
+     value_cfg.critic_warmup`` only the critic moves (policy parameters and
+     moments untouched). If a loss, a gradient or an updated parameter of
+     either is not finite, the whole state is returned unchanged and
+     ``metrics["skipped"] = 1``.
 
 The critic has its own optimiser config (``critic_optim``); the run derives it
 from the policy's with the critic's own base learning rate, so the critic's
@@ -43,11 +45,14 @@ from isojax import sharding as shd
 from isojax.models.critic import Critic, critic_forward_flops, token_values
 from isojax.rl import layout
 from isojax.rl.advantages import zero_variance_groups
-from isojax.rl.aggregation import TokenWeights
-from isojax.rl.logprobs import token_logp_entropy
-from isojax.rl.losses import MAX_METRICS, LossConfig, token_weights, weighted_policy_loss
+from isojax.rl.batch import Batch
+from isojax.rl.losses import LossConfig, token_weights
 from isojax.rl.optim import OptimConfig, lr_schedule, make_optimizer
-from isojax.rl.step import Batch, TrainStep
+from isojax.rl.state import TrainState, default_mesh
+# PPO differs from the policy step in the values pass, per-token advantages, the
+# joint update of two optimisers and critic warm-up; the rest is shared.
+from isojax.rl.step import (TrainRows, TrainStep, _accumulate, _batch_metrics, _check_sizes,
+                            _micro_batches, _micro_loss_fn)
 from isojax.rl.value import (VALUE_ESTIMATORS, ValueConfig, ValueWeights, value_advantages,
                              value_metrics, value_weights, weighted_value_loss)
 
@@ -77,10 +82,6 @@ def _fresh_state(params, critic_params, tx, critic_tx, with_ref):
                        ref_params=jax.tree.map(jnp.copy, params) if with_ref else None)
 
 
-def _mesh_or_one_device(mesh):
-  return mesh if mesh is not None else shd.make_mesh(devices=jax.devices()[:1])
-
-
 def _shapes_and_shardings(policy, critic, loss_cfg, optim_cfg, critic_optim, batch_size,
                           mesh, rules):
   tx = make_optimizer(optim_cfg, batch_size=batch_size)
@@ -99,7 +100,7 @@ def init_ppo_train_state(policy: nnx.Module, critic: Critic, loss_cfg: LossConfi
 
   The models stay usable (the step donates the state's copies).
   """
-  mesh = _mesh_or_one_device(mesh)
+  mesh = default_mesh(mesh)
   _, shardings, (tx, critic_tx, with_ref) = _shapes_and_shardings(
       policy, critic, loss_cfg, optim_cfg, critic_optim, batch_size, mesh, rules)
   params = jax.device_put(nnx.state(policy, nnx.Param), shardings.params, may_alias=False)
@@ -119,7 +120,7 @@ def abstract_ppo_train_state(policy: nnx.Module, critic: Critic, loss_cfg: LossC
   """
   shapes, shardings, _ = _shapes_and_shardings(
       policy, critic, loss_cfg, optim_cfg, critic_optim, batch_size,
-      _mesh_or_one_device(mesh), rules)
+      default_mesh(mesh), rules)
   # Flat leaves: the shapes hold nnx Variables where the shardings hold NamedShardings.
   leaves, treedef = jax.tree.flatten(shapes)
   return jax.tree.unflatten(treedef, [
@@ -127,90 +128,195 @@ def abstract_ppo_train_state(policy: nnx.Module, critic: Critic, loss_cfg: LossC
       for x, sh in zip(leaves, jax.tree.leaves(shardings), strict=True)])
 
 
-def _check_sizes(loss_cfg, batch_size, group_size, mb, shards, mesh, temperature):
+def _check_value_config(loss_cfg: LossConfig) -> None:
+  """What PPO adds to ``make_train_step``'s checks: a value estimator, no group filter."""
   if loss_cfg.adv_estimator not in VALUE_ESTIMATORS:
     raise ValueError(f"LossConfig.adv_estimator={loss_cfg.adv_estimator!r} is not a value "
                      f"estimator; the PPO step takes one of {sorted(VALUE_ESTIMATORS)}")
   if loss_cfg.zero_var_filter != "off":
     raise ValueError(f"LossConfig.zero_var_filter={loss_cfg.zero_var_filter!r}: a critic's "
                      "advantages are not a group baseline's; use 'off' with PPO")
-  if batch_size % group_size:
-    raise ValueError(f"group_size={group_size} does not divide batch_size={batch_size}")
-  if mb < 1 or batch_size % mb:
-    raise ValueError(f"micro_batch_size={mb} does not divide batch_size={batch_size}")
-  if mb % shards:
-    raise ValueError(f"micro_batch_size={mb} is not divisible by the {shards} batch "
-                     f"shards (data x fsdp) of the mesh {dict(mesh.shape)}")
-  if not temperature > 0:
-    raise ValueError(f"temperature={temperature}: the trainer scores rollouts under "
-                     "softmax(logits / temperature); greedy (0) rollouts cannot be trained on")
 
 
-def _micro_layout(data, attn_BxT, lengths, mb, n_micro, micro_sh):
-  """[B, ...] leaves -> [n_micro, mb, ...] micro-batches and each one's bucket index.
+@flax.struct.dataclass
+class PPORows(TrainRows):
+  """``TrainRows`` plus the critic's side, in the same three layouts.
 
-  One bucket: micro-batch i = rows i, i + n_micro, ... (spread over the devices
-  without communication). Several: rows left-aligned and sorted by length,
-  micro-batch i = sorted rows [i mb, (i+1) mb).
+  PPO's advantages are per token and come from the critic's values, which need
+  the micro-batch layout first: ``adv``, ``returns`` and ``old_values`` are
+  [B, T]-like and zero until ``_with_advantages`` fills them.
   """
-  def place(x, shape):
-    return jax.lax.with_sharding_constraint(x.reshape(shape), micro_sh)
 
-  if len(lengths) == 1:
-    micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-        x.reshape(mb, n_micro, *x.shape[1:]).swapaxes(0, 1), micro_sh), data)
-    return micro, jnp.zeros((n_micro,), jnp.int32)
-  data, length_B = layout.left_align(data, attn_BxT)
-  data, length_B = layout.sort_by_length(data, length_B)
-  micro = jax.tree.map(lambda x: place(x, (n_micro, mb, *x.shape[1:])), data)
-  longest_M = length_B.reshape(n_micro, mb)[:, -1]
-  return micro, jnp.searchsorted(jnp.asarray(lengths), longest_M)
+  rewards: jax.Array  # float32, one per row
+  value_weights: ValueWeights
+  returns: jax.Array
+  old_values: jax.Array
 
 
-def _trim(mb_, length):
-  return jax.tree.map(lambda x: x[:, :length] if x.ndim == 2 else x, mb_)
+def _ppo_rows(batch: Batch, loss_cfg: LossConfig, group_size: int) -> PPORows:
+  """[B, T] rows with the whole-batch weights of both losses, in prompt-major order
+  (prompt_mean reads it); zero_var_filter is "off", so no group is filtered."""
+  mask_BxT = batch.loss_mask_BxT.astype(jnp.float32)
+  zeros_BxT = jnp.zeros_like(mask_BxT)
+  return PPORows(input_ids=batch.input_ids_BxT, attention_mask=batch.attention_mask_BxT,
+                 loss_mask=mask_BxT, sampler_logp=batch.sampler_logp_BxT.astype(jnp.float32),
+                 adv=zeros_BxT, weights=token_weights(mask_BxT, loss_cfg, group_size=group_size),
+                 rewards=batch.rewards_B.astype(jnp.float32),
+                 value_weights=value_weights(mask_BxT, loss_cfg.agg, group_size=group_size),
+                 returns=zeros_BxT, old_values=zeros_BxT)
 
 
-def _bucketed(fn, lengths):
-  """``(args..., mb_, bucket) -> fn(length, args..., mb_ trimmed to length)``.
-
-  The bucket index (traced) picks the length with ``lax.switch``; each length is
-  compiled once.
-  """
-  def at(length):
-    return lambda *args: fn(length, *args[:-1], _trim(args[-1], length))
-
-  branches = [at(n) for n in lengths]
-
-  def run(*args):
-    *args, bucket = args
-    if len(branches) == 1:
-      return branches[0](*args)
-    return jax.lax.switch(bucket, branches, *args)
-
-  return run
+def _values_fn(graphdef, rest):
+  """``(critic_params, rows [R, L]) -> values [R, L]`` of the critic."""
+  def values(critic_params, rows: TrainRows):
+    critic = nnx.merge(graphdef, critic_params, rest)
+    return token_values(critic, rows.input_ids, rows.attention_mask)
+  return values
 
 
 def _flatten_micro(x):
-  """[n_micro, mb, ...] -> [B, ...], rows in the layout's order."""
+  """[K, R, ...] -> [B, ...], rows in the layout's order."""
   return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _combine(acc, new):
-  return {k: jnp.maximum(acc[k], v) if k in MAX_METRICS else acc[k] + v
-          for k, v in new.items()}
+def _critic_values(values_fn, critic_params, micro: PPORows, bucket_K,
+                   lengths: Sequence[int]):
+  """The critic's values [B, T] of the laid-out batch, without gradient.
+
+  Micro-batch by micro-batch (``lax.map``), each at its bucket's length and
+  padded back to T, so the whole batch's values exist before any gradient.
+  """
+  width = lengths[-1]
+
+  def at_length(length):
+    return lambda rows: jnp.pad(values_fn(critic_params, rows.trimmed(length)),
+                                ((0, 0), (0, width - length)))
+
+  branches = [at_length(length) for length in lengths]
+
+  def one(xs):
+    rows, bucket = xs
+    return branches[0](rows) if len(branches) == 1 else jax.lax.switch(bucket, branches, rows)
+
+  return _flatten_micro(jax.lax.stop_gradient(jax.lax.map(one, (micro, bucket_K))))
+
+
+def _with_advantages(micro: PPORows, values_BxT, loss_cfg: LossConfig,
+                     value_cfg: ValueConfig, micro_sharding: NamedSharding) -> PPORows:
+  """``micro`` with GAE's adv and returns of the whole batch, and ``values_BxT`` as old values.
+
+  Rows are independent and whitening is a batch total, so the layout's row
+  order serves; every batch gets one update, so the old values are the current
+  critic's.
+  """
+  adv_BxT, returns_BxT = value_advantages(
+      _flatten_micro(micro.rewards), values_BxT, _flatten_micro(micro.loss_mask), value_cfg,
+      estimator=loss_cfg.adv_estimator, std_eps=loss_cfg.adv_std_eps)
+  as_micro = jax.tree.map(
+      lambda x: jax.lax.with_sharding_constraint(x.reshape(micro.loss_mask.shape),
+                                                 micro_sharding),
+      {"adv": adv_BxT, "returns": returns_BxT, "old_values": values_BxT})
+  return micro.replace(**as_micro)
+
+
+def _critic_batch_metrics(batch: Batch, rows: PPORows, micro: PPORows, positions,
+                          group_size: int):
+  """``step._batch_metrics`` of the batch, and the critic's values against the returns."""
+  mask_BxT, adv_BxT = _flatten_micro(micro.loss_mask), _flatten_micro(micro.adv)
+  zero_var_Bp = zero_variance_groups(rows.rewards, group_size=group_size)
+  return {**_batch_metrics(batch, rows, zero_var_Bp, positions),
+          # The advantages are per token, so their mean is over the trained tokens.
+          "adv_abs_mean": jnp.sum(jnp.abs(adv_BxT)) / jnp.maximum(jnp.sum(mask_BxT), 1.0),
+          **value_metrics(_flatten_micro(micro.old_values), _flatten_micro(micro.returns),
+                          mask_BxT)}
+
+
+def _schedule_metrics(schedule, critic_schedule, warmup: int, step):
+  """Both learning rates at ``step``; the policy's schedule starts after the warm-up."""
+  return {"lr": jnp.asarray(schedule(jnp.maximum(step - warmup, 0)), jnp.float32),
+          "critic_lr": jnp.asarray(critic_schedule(step), jnp.float32),
+          "policy_frozen": (step < warmup).astype(jnp.float32)}
+
+
+def _joint_micro_loss_fn(policy_loss, values_fn, value_cfg: ValueConfig):
+  """``((params, critic_params), ref_params, rows [R, L]) -> (loss, metrics)``.
+
+  The policy loss (``step._micro_loss_fn``, per-token advantages) plus the
+  value loss. The two parameter sets are disjoint, so the gradient of the sum
+  gives each exactly its own loss's gradient.
+  """
+  def micro_loss(params, ref_params, rows: PPORows):
+    policy_params, critic_params = params
+    pg, metrics = policy_loss(policy_params, ref_params, rows)
+    vf, value_m = weighted_value_loss(values_fn(critic_params, rows), rows.old_values,
+                                      rows.returns, rows.loss_mask, rows.value_weights,
+                                      value_cfg)
+    return pg + vf, {**metrics, **value_m}
+  return micro_loss
 
 
 def _probe_update(tx, grads, opt_state, params):
   """(norm of the update, whether params + update stay finite), nothing applied.
 
-  The verdict is a reduction XLA fuses with the update's arithmetic, so the real
-  update can then run under lax.cond in place in the donated buffers.
+  ``step._guarded_update`` probes and applies one optimiser in one go; PPO needs
+  the joint verdict of two before either applies. The verdict is a reduction
+  XLA fuses with the update's arithmetic, so the real updates can then run
+  under lax.cond in place in the donated buffers.
   """
   probe, _ = tx.update(grads, opt_state, params)
   finite = jax.tree.reduce(lambda a, x: a & jnp.all(jnp.isfinite(x)),
                            jax.tree.map(lambda p, u: p + u, params, probe), jnp.bool_(True))
   return optax.tree.norm(probe), finite
+
+
+def _guarded_joint_update(tx, critic_tx, warmup: int, state: PPOTrainState, grads,
+                          critic_grads, metrics):
+  """Both AdamW updates, or ``state`` unchanged if a loss, a gradient or an updated
+  parameter of either is not finite. While ``step < warmup`` only the critic moves.
+
+  Returns (new state, ok, norms: grad_norm, critic_grad_norm, update_norm,
+  critic_update_norm; an update norm is 0 when that update did not apply).
+  """
+  grad_norm, critic_grad_norm = optax.tree.norm(grads), optax.tree.norm(critic_grads)
+  update_norm, policy_finite = _probe_update(tx, grads, state.opt_state, state.params)
+  critic_update_norm, critic_finite = _probe_update(
+      critic_tx, critic_grads, state.critic_opt_state, state.critic_params)
+  ok = (jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["value_loss"])
+        & jnp.isfinite(grad_norm) & jnp.isfinite(critic_grad_norm) & policy_finite
+        & critic_finite)
+  policy_on = state.step >= warmup
+
+  def update_policy(s: PPOTrainState) -> PPOTrainState:
+    updates, opt_state = tx.update(grads, s.opt_state, s.params)
+    return s.replace(params=optax.apply_updates(s.params, updates), opt_state=opt_state)
+
+  def updated(s: PPOTrainState) -> PPOTrainState:
+    updates, critic_opt = critic_tx.update(critic_grads, s.critic_opt_state, s.critic_params)
+    s = s.replace(critic_params=optax.apply_updates(s.critic_params, updates),
+                  critic_opt_state=critic_opt, step=s.step + 1)
+    if warmup == 0:
+      return update_policy(s)
+    return jax.lax.cond(policy_on, update_policy, lambda x: x, s)
+
+  norms = {"grad_norm": grad_norm, "critic_grad_norm": critic_grad_norm,
+           "update_norm": jnp.where(ok & policy_on, update_norm, 0.0),
+           "critic_update_norm": jnp.where(ok, critic_update_norm, 0.0)}
+  return jax.lax.cond(ok, updated, lambda s: s, state), ok, norms
+
+
+def _joint_gradients(micro_loss, state: PPOTrainState, micro: PPORows, bucket_K, lengths,
+                     state_sharding):
+  """Summed gradients of (policy, critic) in their parameter dtypes, and the metrics."""
+  # ``step._accumulate`` differentiates ``params``: here the (policy, critic) pair.
+  trainable = TrainState(params=(state.params, state.critic_params), opt_state=None,
+                         step=state.step, ref_params=state.ref_params)
+  (grads, critic_grads), metrics = _accumulate(
+      micro_loss, trainable, micro, bucket_K, lengths,
+      (state_sharding.params, state_sharding.critic_params))
+  # Back to the parameter dtypes so the optimiser states keep theirs.
+  return (jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params),
+          jax.tree.map(lambda g, p: g.astype(p.dtype), critic_grads, state.critic_params),
+          metrics)
 
 
 def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig,
@@ -229,178 +335,60 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
 
   Returns:
     A ``TrainStep`` over ``PPOTrainState``. Metrics: the policy loss metrics of
-    ``isojax.rl.losses``, value_loss / value_clip_frac / value_mean,
+    ``isojax.rl.losses`` but the ratio metrics (identically 0: one update per
+    batch, as ``make_train_step``), value_loss / value_clip_frac / value_mean,
     value_explained_var / return_mean (of the values the advantages came from),
     zero_var_frac (groups whose rewards are all equal), reward_mean,
     adv_abs_mean (token mean), tokens, pad_fraction, grad_norm and
     critic_grad_norm (before clipping), update_norm and critic_update_norm, lr
     and critic_lr, policy_frozen (1 during critic warm-up) and skipped.
   """
-  mesh = _mesh_or_one_device(mesh)
-  mb = batch_size if micro_batch_size is None else micro_batch_size
-  shards = mesh.shape["data"] * mesh.shape["fsdp"]
-  _check_sizes(loss_cfg, batch_size, group_size, mb, shards, mesh, temperature)
-  layout.bucket_lengths(1, length_buckets)  # a bad value fails here, not at trace time
-  n_micro = batch_size // mb
-  _, state_sh, (tx, critic_tx, with_ref) = _shapes_and_shardings(
+  mesh = default_mesh(mesh)
+  rows_per_micro = batch_size if micro_batch_size is None else micro_batch_size
+  _check_value_config(loss_cfg)
+  _check_sizes(batch_size=batch_size, group_size=group_size, rows_per_micro=rows_per_micro,
+               mesh=mesh, temperature=temperature, length_buckets=length_buckets)
+  n_micro = batch_size // rows_per_micro
+  _, state_sh, (tx, critic_tx, _) = _shapes_and_shardings(
       policy, critic, loss_cfg, optim_cfg, critic_optim, batch_size, mesh, rules)
   schedule = lr_schedule(optim_cfg, batch_size)
   critic_schedule = lr_schedule(critic_optim, batch_size)
   graphdef, _, rest = nnx.split(policy, nnx.Param, ...)
   critic_graphdef, _, critic_rest = nnx.split(critic, nnx.Param, ...)
+  policy_loss = _micro_loss_fn(graphdef, rest, loss_cfg, logits_chunk=logits_chunk,
+                               temperature=temperature)
+  values_fn = _values_fn(critic_graphdef, critic_rest)
+  micro_loss = _joint_micro_loss_fn(policy_loss, values_fn, value_cfg)
   warmup = value_cfg.critic_warmup
-  batch_sh = shd.batch_sharding(mesh)
   micro_sh = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp")))
-  replicated = NamedSharding(mesh, PartitionSpec())
-
-  def values_of(critic_params, mb_):
-    c = nnx.merge(critic_graphdef, critic_params, critic_rest)
-    return token_values(c, mb_["ids"], mb_["attn"])
-
-  def policy_logp(params, mb_):
-    m = nnx.merge(graphdef, params, rest)
-    return token_logp_entropy(m, mb_["ids"], mb_["attn"], mb_["mask"], chunk=logits_chunk,
-                              temperature=temperature)
-
-  def micro_loss(params, critic_params, ref_params, mb_):
-    logp, entropy = policy_logp(params, mb_)
-    if loss_cfg.entropy_coef == 0:
-      entropy = jax.lax.stop_gradient(entropy)
-    ref_logp = (jax.lax.stop_gradient(policy_logp(ref_params, mb_)[0]) if with_ref
-                else None)
-    pg, metrics = weighted_policy_loss(
-        logp, jax.lax.stop_gradient(logp), mb_["adv"], mb_["mask"],
-        TokenWeights(mb_["w_pg"], mb_["w_reg"], mb_["w_diag"]), loss_cfg,
-        sampler_logp_BxT=mb_["sampler"], ref_logp_BxT=ref_logp, entropy_BxT=entropy)
-    vf, value_m = weighted_value_loss(
-        values_of(critic_params, mb_), mb_["old_values"], mb_["returns"], mb_["mask"],
-        ValueWeights(mb_["wv_loss"], mb_["wv_diag"]), value_cfg)
-    return pg + vf, {**metrics, **value_m}
-
-  grad_fn = jax.value_and_grad(micro_loss, argnums=(0, 1), has_aux=True)
 
   def step(state: PPOTrainState, batch: Batch):
     # The mesh as context, so the models' activation constraints resolve in the trace.
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return sharded_step(state, batch)
+      rows = _ppo_rows(batch, loss_cfg, group_size)
+      lengths = layout.bucket_lengths(batch.input_ids_BxT.shape[1], length_buckets)
+      micro, bucket_K = _micro_batches(rows, lengths, n_micro, micro_sh)
+      values_BxT = _critic_values(values_fn, state.critic_params, micro, bucket_K, lengths)
+      micro = _with_advantages(micro, values_BxT, loss_cfg, value_cfg, micro_sh)
+      grads, critic_grads, metrics = _joint_gradients(micro_loss, state, micro, bucket_K,
+                                                      lengths, state_sh)
+      new_state, ok, norms = _guarded_joint_update(tx, critic_tx, warmup, state, grads,
+                                                   critic_grads, metrics)
+      positions = rows_per_micro * jnp.sum(jnp.asarray(lengths)[bucket_K])
+      metrics.update(_critic_batch_metrics(batch, rows, micro, positions, group_size),
+                     **norms, **_schedule_metrics(schedule, critic_schedule, warmup,
+                                                  state.step),
+                     skipped=1.0 - ok.astype(jnp.float32))
+      return new_state, metrics
 
-  def sharded_step(state: PPOTrainState, batch: Batch):
-    micro, bucket_M, lengths = layout_batch(batch)
-    flat = _flatten_micro
-    values_flat = flat(jax.lax.stop_gradient(jax.lax.map(
-        lambda xs: _bucketed(values_at(lengths[-1]), lengths)(state.critic_params, *xs),
-        (micro, bucket_M))))
-    mask_flat = flat(micro["mask"])
-    # Rows are independent and whitening is a batch total: the layout's row order serves.
-    adv_flat, returns_flat = value_advantages(
-        flat(micro["rewards"]), values_flat, mask_flat, value_cfg,
-        estimator=loss_cfg.adv_estimator, std_eps=loss_cfg.adv_std_eps)
-    micro.update(jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(x.reshape(micro["mask"].shape), micro_sh),
-        {"adv": adv_flat, "returns": returns_flat, "old_values": values_flat}))
-    grads, critic_grads, metrics = accumulate(state, micro, bucket_M, lengths)
-    out, ok, norms = apply_updates(state, grads, critic_grads, metrics)
-    rewards_B = batch.rewards_B.astype(jnp.float32)
-    metrics.update(value_metrics(values_flat, returns_flat, mask_flat), **norms)
-    metrics.update(
-        zero_var_frac=jnp.mean(zero_variance_groups(rewards_B, group_size=group_size)
-                               .astype(jnp.float32)),
-        reward_mean=jnp.mean(rewards_B),
-        adv_abs_mean=jnp.sum(jnp.abs(adv_flat)) / jnp.maximum(jnp.sum(mask_flat), 1.0),
-        tokens=jnp.sum(mask_flat),
-        pad_fraction=1.0 - jnp.sum(batch.attention_mask_BxT > 0)
-        / (mb * jnp.sum(jnp.asarray(lengths)[bucket_M])),
-        lr=jnp.asarray(schedule(jnp.maximum(state.step - warmup, 0)), jnp.float32),
-        critic_lr=jnp.asarray(critic_schedule(state.step), jnp.float32),
-        policy_frozen=(state.step < warmup).astype(jnp.float32),
-        skipped=1.0 - ok.astype(jnp.float32))
-    return out, metrics
-
-  def layout_batch(batch: Batch):
-    """The batch's rows, loss weights and rewards as micro-batches (``_micro_layout``)."""
-    mask = batch.loss_mask_BxT.astype(jnp.float32)
-    T = mask.shape[1]
-    # Aggregation weights first: prompt_mean reads the prompt-major row order.
-    pg_w = token_weights(mask, loss_cfg, group_size=group_size)  # zero_var_filter is "off"
-    v_w = value_weights(mask, loss_cfg.agg, group_size=group_size)
-    data = {"ids": batch.input_ids_BxT, "attn": batch.attention_mask_BxT, "mask": mask,
-            "sampler": batch.sampler_logp_BxT.astype(jnp.float32),
-            "rewards": batch.rewards_B.astype(jnp.float32), "w_pg": pg_w.pg_BxT,
-            "w_reg": pg_w.reg_BxT, "w_diag": pg_w.diag_BxT, "wv_loss": v_w.loss_BxT,
-            "wv_diag": v_w.diag_BxT}
-    lengths = layout.bucket_lengths(T, length_buckets)
-    micro, bucket_M = _micro_layout(data, batch.attention_mask_BxT, lengths, mb, n_micro,
-                                    micro_sh)
-    return micro, bucket_M, lengths
-
-  def values_at(width):
-    def at(length, critic_params, mb_):
-      """The critic's values of a micro-batch trimmed to ``length``, padded to ``width``."""
-      return jnp.pad(values_of(critic_params, mb_), ((0, 0), (0, width - length)))
-    return at
-
-  def grads_at(length, state, mb_):
-    del length
-    return grad_fn(state.params, state.critic_params, state.ref_params, mb_)
-
-  def accumulate(state, micro, bucket_M, lengths):
-    """Summed gradients of policy and critic and summed (max) metrics over micro-batches."""
-    zeros = jax.lax.with_sharding_constraint(
-        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
-                     (state.params, state.critic_params)),
-        (state_sh.params, state_sh.critic_params))
-    grad_of = _bucketed(grads_at, lengths)
-    metric_shapes = jax.eval_shape(
-        lambda: grad_of(state, jax.tree.map(lambda x: x[0], micro), bucket_M[0])[0][1])
-    metric0 = {k: jnp.zeros(x.shape, x.dtype) for k, x in metric_shapes.items()}
-
-    def add(carry, xs):
-      grads, metrics = carry
-      (_, m), g = grad_of(state, *xs)
-      grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-      return (grads, _combine(metrics, m)), None
-
-    ((grads, critic_grads), metrics), _ = jax.lax.scan(add, (zeros, metric0),
-                                                        (micro, bucket_M))
-    # Back to the parameter dtypes so the optimiser states keep theirs.
-    return (jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params),
-            jax.tree.map(lambda g, p: g.astype(p.dtype), critic_grads, state.critic_params),
-            metrics)
-
-  def apply_updates(state, grads, critic_grads, metrics):
-    """(new state, whether it was applied, norms); unchanged state if anything is not finite."""
-    grad_norm, critic_grad_norm = optax.tree.norm(grads), optax.tree.norm(critic_grads)
-    update_norm, policy_finite = _probe_update(tx, grads, state.opt_state, state.params)
-    critic_update_norm, critic_finite = _probe_update(
-        critic_tx, critic_grads, state.critic_opt_state, state.critic_params)
-    ok = (jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["value_loss"])
-          & jnp.isfinite(grad_norm) & jnp.isfinite(critic_grad_norm) & policy_finite
-          & critic_finite)
-    policy_on = state.step >= warmup
-
-    def update_policy(s: PPOTrainState) -> PPOTrainState:
-      updates, opt_state = tx.update(grads, s.opt_state, s.params)
-      return s.replace(params=optax.apply_updates(s.params, updates), opt_state=opt_state)
-
-    def updated(s: PPOTrainState) -> PPOTrainState:
-      updates, critic_opt = critic_tx.update(critic_grads, s.critic_opt_state,
-                                             s.critic_params)
-      s = s.replace(critic_params=optax.apply_updates(s.critic_params, updates),
-                    critic_opt_state=critic_opt, step=s.step + 1)
-      if warmup == 0:
-        return update_policy(s)
-      return jax.lax.cond(policy_on, update_policy, lambda x: x, s)
-
-    norms = {"grad_norm": grad_norm, "critic_grad_norm": critic_grad_norm,
-             "update_norm": jnp.where(ok & policy_on, update_norm, 0.0),
-             "critic_update_norm": jnp.where(ok, critic_update_norm, 0.0)}
-    return jax.lax.cond(ok, updated, lambda s: s, state), ok, norms
-
-  jitted = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+  batch_sh = shd.batch_sharding(mesh)
+  jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
+                   out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
                    donate_argnums=(0,) if donate else ())
   return TrainStep(jitted=jitted, state_shardings=state_sh, batch_sharding=batch_sh,
-                   batch_size=batch_size, group_size=group_size, micro_batch_size=mb,
-                   batch_shards=shards)
+                   batch_size=batch_size, group_size=group_size,
+                   micro_batch_size=rows_per_micro,
+                   batch_shards=mesh.shape["data"] * mesh.shape["fsdp"])
 
 
 def critic_update_flops(cfg, attention_mask_BxT) -> int:

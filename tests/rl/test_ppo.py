@@ -1,5 +1,6 @@
 """The joint PPO step: micro-batch and mesh invariance, gradients kept apart, critic
-warm-up, the zero-critic case against reward-to-go policy gradients, skipping.
+warm-up, the zero-critic case against reward-to-go policy gradients, skipping, and a
+stored one-step regression.
 
 Parameter deltas expose gradients: with SGD_LIKE (Adam's first step with lr = eps =
 1e5) an update is -gradient to ~1e-5 relative, for the policy and the critic alike.
@@ -16,9 +17,9 @@ from flax import nnx
 from isojax import sharding as shd
 from isojax.models import Decoder
 from isojax.models.critic import critic_forward_flops, init_critic_from
-from isojax.rl import LossConfig
+from isojax.rl import LossConfig, OptimConfig
 from isojax.rl.logprobs import token_logp_entropy
-from isojax.rl.losses import policy_loss
+from isojax.rl.losses import RATIO_METRICS, policy_loss
 from isojax.rl.ppo import abstract_ppo_train_state, critic_update_flops, init_ppo_train_state
 from isojax.rl.ppo import make_ppo_train_step
 from isojax.rl.value import ValueConfig
@@ -93,6 +94,8 @@ def test_zero_critic_policy_gradient_is_the_reward_to_go_one(models, base_run):
   assert metrics["return_mean"] == pytest.approx(24 / 35)  # token mean of the rewards
   assert metrics["value_explained_var"] == 0 and metrics["policy_frozen"] == 0
   assert int(new.step) == 1
+  # One update per batch: the ratio metrics are identically 0 and not reported.
+  assert not set(RATIO_METRICS) & set(metrics)
 
 
 def test_length_sorted_micro_batches_of_two_equal_the_full_batch(models, base_run):
@@ -173,3 +176,49 @@ def test_critic_update_costs_four_forwards(models):
   _, critic = models
   mask = make_batch().attention_mask_BxT
   assert critic_update_flops(critic.cfg, mask) == 4 * critic_forward_flops(critic.cfg, mask)
+
+
+# One PPO step on a fixed policy (nnx.Rngs(0)), critic (nnx.Rngs(1)) and batch, with
+# KL, entropy, whitening, value clipping and two length-sorted micro-batches; both
+# models perturbed, so the critic's values and the KL to the reference are not 0. Recorded
+# once on jax 0.10.2 / flax 0.12.8, CPU; update these only for an intended change.
+PPO_REGRESSION = {
+    "loss": 0.009727167896926403, "value_loss": 0.19386808574199677,
+    "grad_norm": 0.28884994983673096, "critic_grad_norm": 2.289799213409424,
+    "update_norm": 0.0012734958436340094, "critic_update_norm": 0.0037345816381275654,
+    "entropy": 4.103166580200195, "kl_ref": 0.0546131506562233,
+    "value_explained_var": -0.922167181968689, "adv_abs_mean": 0.9122685194015503,
+    "pad_fraction": 0.238095223903656}
+
+
+def perturbed(params, seed):
+  """``params`` plus 0.05-scale Gaussian noise, on the same devices."""
+  keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(params))))
+  noisy = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(next(keys), p.shape), params)
+  return jax.device_put(noisy, jax.tree.map(lambda p: p.sharding, params))
+
+
+def test_one_step_regression(models):
+  policy, critic = models
+  loss_cfg = dataclasses.replace(LOSS, clip_high=0.28, kl_coef=1e-3, entropy_coef=1e-3,
+                                 tis_cap=2.0)
+  value_cfg = ValueConfig(gamma=1.0, lam=0.95, whiten=True, cliprange_value=0.2)
+  optim_cfg = OptimConfig(lr_base=1e-3, batch_base=1024)
+  critic_optim = OptimConfig(lr_base=3e-3, batch_base=1024)
+  step = make_ppo_train_step(policy, critic, loss_cfg, value_cfg, optim_cfg, critic_optim,
+                             batch_size=B, group_size=N, micro_batch_size=4,
+                             length_buckets=(6, 9))
+  state = init_ppo_train_state(policy, critic, loss_cfg, optim_cfg, critic_optim,
+                               batch_size=B)
+  state = state.replace(params=perturbed(state.params, 1),
+                        critic_params=perturbed(state.critic_params, 2))
+  new, metrics = step(state, make_batch(seed=3, rewards=(1, 0, 1, 0, 0, 0, 1, 0)))
+  got = {k: float(metrics[k]) for k in (
+      "loss", "value_loss", "grad_norm", "critic_grad_norm", "update_norm",
+      "critic_update_norm", "entropy", "kl_ref", "value_explained_var", "adv_abs_mean",
+      "pad_fraction")}
+  print("regression numbers:", repr(got))
+  assert int(new.step) == 1 and metrics["skipped"] == 0
+  assert set(got) == set(PPO_REGRESSION)
+  for k, v in PPO_REGRESSION.items():
+    np.testing.assert_allclose(got[k], v, rtol=1e-6, err_msg=k)
