@@ -70,9 +70,9 @@ class LossConfig:
     clip_dual: dual-clip constant c > 1 for negative advantages (the token
       loss is capped at -c*A); None disables it. ppo_clip and gspo only.
       The three clip settings act on the ratio pi / pi_old only, which is
-      exactly 1 with one on-policy update per batch (isojax's update step):
-      they bind once updates reuse stale batches. Until then a run refuses
-      values other than the defaults (``check_on_policy``).
+      exactly 1 with one on-policy update per batch: they bind on stale
+      batches (the update step's ``old_logp="sampler"``). An on-policy run
+      refuses values other than the defaults (``check_on_policy``).
     agg: "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum" |
       "prompt_mean" (ScaleRL: mean over the tokens of each prompt's group,
       then mean over prompts).
@@ -161,8 +161,8 @@ class LossConfig:
         raise ValueError(
             f"{name}.{field}={value} (default {default}) cannot affect this run: every "
             "batch gets one on-policy update, so the ratio pi/pi_old is exactly 1 and no "
-            "clip binds. It takes effect once updates reuse stale batches; leave it at "
-            "its default until then")
+            "clip binds. It takes effect on stale batches (several updates per sampling "
+            "policy); leave it at its default otherwise")
 
   @property
   def drops_zero_variance(self) -> bool:
