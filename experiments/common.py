@@ -171,7 +171,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.adv_std_eps = 1e-6
   c.rl.kind = "ppo_clip"           # ppo_clip | cispo | cispo_two_sided | gspo
   # The clips act on pi/pi_old, exactly 1 with one on-policy update per batch:
-  # a run refuses other values until updates reuse stale batches.
+  # a run refuses other values unless updates reuse stale batches (off_policy_k).
   c.rl.clip_low = 0.2
   c.rl.clip_high = 0.2             # also CISPO's weight cap
   c.rl.clip_dual = ml_collections.config_dict.placeholder(float)
@@ -197,6 +197,10 @@ def base_config() -> ml_collections.ConfigDict:
   # the baseline from all of them, train on n; the ledger charges n_est, so
   # M = floor(budget / (bp * n_est)). 0 = off (n_est = n).
   c.rl.n_est = 0
+  # PPO-off-policy-k (ScaleRL's baseline): sample k batches with one policy, then
+  # k updates, one per batch (2..k on stale batches); ratios are then taken
+  # against the sampler's log-probs and the clips above bind. 1 = on-policy.
+  c.rl.off_policy_k = 1
 
   # The value model of PPO, read only when rl.adv_estimator = "gae" (isojax.rl.ppo).
   # Defaults are verl's. The critic's forward/backward FLOPs go to the ledger's

@@ -14,6 +14,13 @@ until M updates are done. The workdir (layout: `isojax.rundir`) holds
     checkpoints/    orbax steps: train state + `HostState` (data position, ledger, RNG)
     DONE            written last; a finished run is not rerun
 
+Stale batches: with config.rl.off_policy_k = k > 1 (PPO-off-policy-k) the loop
+samples k batches with one policy, then runs k updates, one per batch
+(`isojax.run_batches`); the step takes its ratios against the sampler's
+log-probs. The last group of the M updates is shorter when k does not divide M.
+A checkpoint falls due as usual but is written at the end of its group, so a
+resumed run restarts at a group boundary with no batch pending.
+
 Determinism: the samples of step s are drawn with a seed derived from (seed, s)
 alone via `jax.random.fold_in`, evals with fixed per-run seeds, and the data
 order comes from (seed, epoch) and the problems retired as solved before the
@@ -37,31 +44,24 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from isojax import assets, batching, rundir, run_setup
+from isojax import assets, rundir, run_setup
 from isojax import budget as budget_lib
 from isojax import evaluate as ev
 from isojax import metrics as metrics_lib
 from isojax.checkpoint import HostState
-from isojax.data.loader import check_retire_threshold, group_pass_rates
+from isojax.data.loader import check_retire_threshold
 from isojax.data.problem_sets import check_data_config, metric_prefix
-from isojax.errors import IsojaxError, disk_full_as
-from isojax.evaluate import score_rollouts
+from isojax.errors import disk_full_as
 from isojax.models.tokenizer import Tokenizer
 from isojax.rl import LossConfig, OptimConfig, learning_rate
 from isojax.rl.advantages import ESTIMATORS, min_group_size
 from isojax.rl.value import VALUE_ESTIMATORS, ValueConfig
 from isojax.rollout.interruption import interruption_from_config
 from isojax.rundir import CONFIG_FILE, DONE_FILE, METRICS_FILE
+from isojax.run_batches import (TRAIN_EVAL, VAL, VAL_EXTRA, NonFiniteLossError,
+                                SampledBatch, derive_seed, lag_metrics, sample_group)
 from isojax.run_setup import (OpenRun, RunParts, check_same_config, model_of,
                               nonfinite_step_message, open_run, run_key, write_json)
-
-# Streams of seed-derived randomness (see `derive_seed`). Validation set i > 0
-# (data.val's i-th set) uses stream _VAL_EXTRA + i.
-_TRAIN, _VAL, _TRAIN_EVAL, _TRAIN_ROWS, _VAL_EXTRA = 0, 1, 2, 3, 100
-
-
-class NonFiniteLossError(IsojaxError):
-  """Raised when config.max_consecutive_skips updates in a row were non-finite."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +82,8 @@ class RunPlan:
       value estimator ("gae": PPO), else None.
     critic_optim: the critic's OptimConfig (the policy's with config.critic.lr_base),
       or None.
+    off_policy_k: batches sampled with one policy, then updated on one by one
+      (config.rl.off_policy_k; 1: on-policy).
   """
   point: budget_lib.BudgetPoint
   loss: object
@@ -92,6 +94,7 @@ class RunPlan:
   val_sets: tuple = ()
   value: object = None
   critic_optim: object = None
+  off_policy_k: int = 1
 
 
 def plan_run(config) -> RunPlan:
@@ -134,7 +137,9 @@ def plan_run(config) -> RunPlan:
                            name="config.data.drop_solved_above")
   rl = config.rl
   loss = LossConfig.from_config(rl, name="config.rl")
-  loss.check_on_policy(name="config.rl")  # clip settings would be silent no-ops
+  off_policy_k = check_off_policy_k(rl)
+  if off_policy_k == 1:
+    loss.check_on_policy(name="config.rl")  # clip settings would be silent no-ops
   optim = OptimConfig(
       lr_base=rl.lr_base, batch_base=rl.batch_base, lr_rule=rl.lr_rule,
       warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
@@ -150,7 +155,20 @@ def plan_run(config) -> RunPlan:
   return RunPlan(point=point, loss=loss, optim=optim,
                  lr=learning_rate(optim, point.batch), micro_batch=micro,
                  max_tokens=max_tokens, val_sets=tuple(val_sets), value=value,
-                 critic_optim=critic_optim)
+                 critic_optim=critic_optim, off_policy_k=off_policy_k)
+
+
+def check_off_policy_k(rl) -> int:
+  """config.rl.off_policy_k (1 when absent), checked; ValueError naming the field."""
+  k = rl.get("off_policy_k", 1)
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    raise ValueError(f"config.rl.off_policy_k={k!r} must be an integer >= 1 (batches "
+                     f"sampled with one policy before it is updated; 1 = on-policy)")
+  if k > 1 and rl.adv_estimator in VALUE_ESTIMATORS:
+    raise ValueError(f"config.rl.off_policy_k={k} needs a critic-free estimator: the "
+                     f"critic's step (rl.adv_estimator={rl.adv_estimator!r}) takes its "
+                     f"ratio against the current policy, exact only on-policy")
+  return k
 
 
 def _critic_plan(config, optim):
@@ -189,20 +207,6 @@ def resolved_config(config, run_plan: RunPlan) -> dict:
   return json.loads(json.dumps(out))  # tuples -> lists, as a reload would see them
 
 
-def derive_seed(seed: int, *path: int) -> int:
-  """A sampler seed that depends only on `seed` and `path` (jax.random.fold_in).
-
-  Training samples of step s use (seed, TRAIN, s). Each eval stream uses one
-  seed for every eval of the run, on purpose: common random numbers, so the
-  difference between two evals measures the policy's change rather than fresh
-  sampling noise (the analysis's record-breaking points are far less noisy).
-  """
-  key = jax.random.key(seed)
-  for x in path:
-    key = jax.random.fold_in(key, x)
-  return int(jax.random.randint(key, (), 0, np.iinfo(np.int32).max))
-
-
 def evaluate_step(parts: RunParts, config) -> tuple[dict, np.ndarray | None]:
   """Validation avg/best/worst@k of every set and the training set's pass@1 histogram.
 
@@ -216,14 +220,14 @@ def evaluate_step(parts: RunParts, config) -> tuple[dict, np.ndarray | None]:
   for i, (name, problems) in enumerate(parts.val_sets.items()):
     prefix = metric_prefix(i, name)
     val = ev.evaluate(parts.sampler, problems, parts.tokenizer, prefix=prefix,
-                      seed=derive_seed(config.seed, _VAL if i == 0 else _VAL_EXTRA + i),
+                      seed=derive_seed(config.seed, VAL if i == 0 else VAL_EXTRA + i),
                       **kwargs)
     out.update(val.metrics)
     out[f"{prefix}response_len"] = val.mean_response_tokens
   counts = None
   if parts.train_eval_problems:
     tr = ev.evaluate(parts.sampler, parts.train_eval_problems, parts.tokenizer,
-                     prefix="train_eval/", seed=derive_seed(config.seed, _TRAIN_EVAL),
+                     prefix="train_eval/", seed=derive_seed(config.seed, TRAIN_EVAL),
                      **kwargs)
     counts = tr.counts_P
     out.update(ev.histogram_metrics(counts, config.eval.k, prefix="train/"))
@@ -231,69 +235,22 @@ def evaluate_step(parts: RunParts, config) -> tuple[dict, np.ndarray | None]:
   return out, counts
 
 
-def sample_and_update(parts: RunParts, config, state, step: int):
-  """One update: sample, score, pack, step.
+def update_on(parts: RunParts, state, sampled: SampledBatch, *,
+              off_policy_k: int) -> tuple:
+  """One update on a sampled batch.
 
   Returns:
-    (state, metrics, rollouts, dropped): the new train state; the step's metrics
-    ("train/...", the device's and the host's); every rollout sampled, also those
-    only the baseline saw (the ledger pays for all); and how many of them a
-    filter dropped from the loss.
+    (state, metrics): the new train state and the step's metrics ("train/...",
+    the batch's host metrics and the device's; with off_policy_k > 1 the policy
+    lag of its tokens too).
   """
-  n = config.n
-  n_est = config.rl.n_est or n  # rollouts sampled per problem
-  problems = parts.loader.next_batch()
-  prompt_ids = [parts.prompt_ids[p.id] for p in problems]
-  rollouts = parts.sampler.generate(
-      prompt_ids, n=n_est, max_tokens=parts.max_tokens,
-      temperature=config.sampler.temperature, top_p=config.sampler.top_p,
-      top_k=config.sampler.top_k or None, stop_token_ids=parts.stop_token_ids,
-      seed=derive_seed(config.seed, _TRAIN, step))
-  if not np.all(np.isfinite(rollouts.logprobs_BxT)):
-    raise NonFiniteLossError(nonfinite_policy_message(step, config))
-  rewards_B = score_rollouts(rollouts, [p.answer for p in problems], n_est,
-                             parts.tokenizer, parts.reward_fn)
-  retire_at = config.data.drop_solved_above
-  if retire_at:  # no-positive-resampling: pass rates over all n_est sampled per problem
-    pass_rate_Bp = group_pass_rates(rewards_B, n_est)
-    parts.loader.record_pass_rates(problems, pass_rate_Bp, retire_at)
-  sampled, baseline_B = rollouts, None
-  if n_est > n:
-    # App. G: every sampled reward feeds the baseline; n per problem are trained on.
-    rows = batching.train_rows(len(problems), n_est, n,
-                               seed=derive_seed(config.seed, _TRAIN_ROWS, step))
-    baseline_B, rewards_B = rewards_B, rewards_B[rows]
-    rollouts = batching.take_rollouts(rollouts, rows)
-  batch = batching.build_batch(prompt_ids, rollouts, rewards_B, n=n,
-                               prompt_width=parts.prompt_width,
-                               max_tokens=parts.max_tokens, pad_id=parts.pad_id,
-                               baseline_rewards_B=baseline_B)
-  state, step_metrics = parts.train_step(state, batch)
+  state, step_metrics = parts.train_step(state, sampled.batch)
   step_metrics = {f"train/{k}": float(v) for k, v in jax.device_get(step_metrics).items()}
   if parts.critic_flops is not None:  # PPO: the critic's cost of this update
-    step_metrics["train/critic_flops"] = parts.critic_flops(batch.attention_mask_BxT)
-  host = {"train/reward": float(np.mean(rewards_B)),
-          "train/response_len": float(np.mean(rollouts.lengths_B)),
-          "train/truncated_frac": float(np.mean(rollouts.finish_reason_B == "length")),
-          "train/interrupted_frac": float(np.mean(rollouts.interrupted_B))}
-  if baseline_B is not None:
-    host["train/baseline_reward"] = float(np.mean(baseline_B))
-  if retire_at:
-    host["train/retired_prompts"] = parts.loader.num_retired
-  # Rollouts the loss drops were still paid for (the ledger says so): all n_est
-  # sampled for each group it leaves out, by the step's own rule.
-  dropped_Bp = LossConfig.from_config(config.rl).dropped_groups(
-      rewards_B, group_size=n, baseline_rewards_B=baseline_B)
-  dropped = n_est * int(np.sum(dropped_Bp))
-  return state, {**host, **step_metrics}, sampled, dropped
-
-
-def nonfinite_policy_message(step: int, config) -> str:
-  return (f"stopping at step {step}: the sampler's log-probs are not finite, i.e. the "
-          f"weights after update {step - 1} give inf/NaN logits although that update "
-          f"was finite (config.rl.lr_base={config.rl.lr_base:g} is far too large?). "
-          f"Lower config.rl.lr_base (or set config.rl.max_grad_norm) and start again in "
-          f"a fresh --workdir: resuming would reload these weights.")
+    step_metrics["train/critic_flops"] = parts.critic_flops(sampled.batch.attention_mask_BxT)
+  if off_policy_k > 1:  # on-policy the lag is always 0: no columns for it
+    step_metrics.update(lag_metrics(sampled.version_BxT, updates_done=sampled.step - 1))
+  return state, {**sampled.host, **step_metrics}
 
 
 def run(config, workdir: str | os.PathLike) -> dict:
@@ -320,7 +277,7 @@ def run(config, workdir: str | os.PathLike) -> dict:
     return done["last"]
   opened = open_run(config, run_plan, workdir, resolved)
   try:
-    last = train_loop(opened, config, run_plan.point)
+    last = train_loop(opened, config, run_plan.point, off_policy_k=run_plan.off_policy_k)
   finally:
     opened.close()
   if last is None:  # resumed at the last step: nothing was left to do
@@ -340,15 +297,17 @@ def compute_devices(config) -> int:
   return jax.device_count() + int(config.sampler.server_devices)
 
 
-def train_loop(opened: OpenRun, config, point: budget_lib.BudgetPoint) -> dict | None:
-  """Runs the updates after the opened run's last step up to M: sample, update,
-  sync weights, count, [eval], write metrics, [checkpoint].
+def train_loop(opened: OpenRun, config, point: budget_lib.BudgetPoint, *,
+               off_policy_k: int = 1) -> dict | None:
+  """Runs the updates after the opened run's last step up to M: [sample a group of
+  off_policy_k batches], update on the next one, sync weights, count, [eval], write
+  metrics, [checkpoint at a group's end].
 
   Returns:
     the last metrics record written, or None when nothing was left to do.
   """
   parts, writer, ckpt, state = opened.parts, opened.writer, opened.ckpt, opened.state
-  last = None
+  last, pending, k = None, [], off_policy_k
   if opened.resumed is None:
     start, ledger, skips = 0, budget_lib.Ledger(), 0
     val, counts = evaluate_step(parts, config)
@@ -360,16 +319,21 @@ def train_loop(opened: OpenRun, config, point: budget_lib.BudgetPoint) -> dict |
   extra_evals = frozenset(config.eval_steps)
   bar = _progress(point.m, start, point.name)
   devices = compute_devices(config)
+  checkpoint_due = False
   for step in range(start + 1, point.m + 1):
     t_step = time.perf_counter()
-    state, record, rollouts, dropped = sample_and_update(parts, config, state, step)
+    if not pending:  # a group starts: its batches from the current policy, charged now
+      pending = sample_group(parts, config, step, min(step + k - 1, point.m))
+      for sampled in pending:
+        ledger = ledger.add_rollouts(sampled.rollouts, dropped_rollouts=sampled.dropped,
+                                     updates=0)
+    state, record = update_on(parts, state, pending.pop(0), off_policy_k=k)
     # The step donates its input: the sampler must get the new arrays even when
     # the update was skipped (same values, fresh buffers).
     parts.sampler.update_weights(model_of(parts, state))
-    ledger = ledger.add_rollouts(
-        rollouts, dropped_rollouts=dropped,
-        critic_flops=record.get("train/critic_flops", 0),
-        device_seconds=devices * (time.perf_counter() - t_step))
+    ledger = ledger.add(rollouts=0, tokens=0, updates=1,
+                        critic_flops=record.get("train/critic_flops", 0),
+                        device_seconds=devices * (time.perf_counter() - t_step))
     skips = skips + 1 if record["train/skipped"] > 0 else 0
     critic = {} if parts.critic_flops is None else {"critic_flops": ledger.critic_flops}
     record = {"rollouts": ledger.rollouts, "tokens": ledger.tokens,
@@ -390,7 +354,10 @@ def train_loop(opened: OpenRun, config, point: budget_lib.BudgetPoint) -> dict |
     if skips >= config.max_consecutive_skips:
       raise NonFiniteLossError(nonfinite_step_message(
           step, skips, config.max_consecutive_skips, ckpt.latest_step()))
-    if step % config.checkpoint_every == 0 or step == point.m:
+    # Due checkpoints wait for the group's end: no sampled batch is ever pending in one.
+    checkpoint_due = checkpoint_due or step % config.checkpoint_every == 0
+    if (checkpoint_due and not pending) or step == point.m:
+      checkpoint_due = False
       host = HostState(step=step, loader=parts.loader.state_dict(), ledger=ledger,
                        consecutive_skips=skips, rng=tuple(run_key(config)))
       with disk_full_as(ckpt.directory, f"checkpoint {step}"):

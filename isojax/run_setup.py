@@ -158,7 +158,10 @@ def make_step(config, run_plan, model, mesh, critic=None):
                 rules=sharding.DEFAULT_RULES, logits_chunk=config.rl.logits_chunk,
                 temperature=config.sampler.temperature)
   if run_plan.value is None:
-    return rl.make_train_step(model, run_plan.loss, run_plan.optim, **kwargs)
+    # Batches sampled by an older policy (off_policy_k > 1): ratios against the sampler.
+    old_logp = "current" if run_plan.off_policy_k == 1 else "sampler"
+    return rl.make_train_step(model, run_plan.loss, run_plan.optim, old_logp=old_logp,
+                              **kwargs)
   return ppo.make_ppo_train_step(
       model, abstract_critic(model) if critic is None else critic, run_plan.loss,
       run_plan.value, run_plan.optim, run_plan.critic_optim, **kwargs)

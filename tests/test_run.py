@@ -120,18 +120,18 @@ def test_retired_prompts_grow_and_resume_exactly(tmp_path, monkeypatch):
   whole = run.run(tiny_config(point, **overrides), tmp_path / "whole")
   retired = [r["train/retired_prompts"] for r in run_records.records(tmp_path / "whole")[1:]]
   assert retired == sorted(retired) and 0 < retired[-1] < 8, retired
-  sample_and_update = run.sample_and_update
+  sample_group = run.sample_group
 
-  def stop_at_step_4(parts, config, state, step):
-    if step == 4:
+  def stop_at_step_4(parts, config, first, last):
+    if first == 4:
       assert parts.loader.state_dict()["retired"], "nothing retired by step 3"
       raise KeyboardInterrupt("stopped after the step-3 checkpoint")
-    return sample_and_update(parts, config, state, step)
+    return sample_group(parts, config, first, last)
 
-  monkeypatch.setattr(run, "sample_and_update", stop_at_step_4)
+  monkeypatch.setattr(run, "sample_group", stop_at_step_4)
   with pytest.raises(KeyboardInterrupt):
     run.run(tiny_config(point, **overrides), tmp_path / "cut")
-  monkeypatch.setattr(run, "sample_and_update", sample_and_update)
+  monkeypatch.setattr(run, "sample_group", sample_group)
   last = run.run(tiny_config(point, **overrides), tmp_path / "cut")
   assert [run_records.without_timing(r) for r in run_records.records(tmp_path / "cut")] == [
       run_records.without_timing(r) for r in run_records.records(tmp_path / "whole")]

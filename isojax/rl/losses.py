@@ -19,7 +19,9 @@ unless two-sided, so its ``clip_frac_low`` is 0);
 estimate of KL(pi_old || pi); ``kl_ref``: the configured estimator's token mean
 (``kl_loss``: as aggregated into the loss); ``entropy`` likewise
 (``entropy_term``); ``tis_weight_*``: min(exp(old - sampler), tis_cap) (the
-uncapped ratio when tis_cap is None); ``logp_gap_*``: |old - sampler|.
+uncapped ratio when tis_cap is None); ``logp_gap_*``: |old - sampler| (with the
+ratio taken against the sampler, ``old_logp_BxT=None``, both use the current
+policy's log-probs in place of old).
 
 Conventions: ``adv_B`` comes from ``compute_advantages``; which groups are
 zero-variance comes in as flags from ``advantages.zero_variance_groups`` (the
@@ -68,15 +70,17 @@ class LossConfig:
     clip_dual: dual-clip constant c > 1 for negative advantages (the token
       loss is capped at -c*A); None disables it. ppo_clip and gspo only.
       The three clip settings act on the ratio pi / pi_old only, which is
-      exactly 1 with one on-policy update per batch (isojax's update step):
-      they bind once updates reuse stale batches. Until then a run refuses
-      values other than the defaults (``check_on_policy``).
+      exactly 1 with one on-policy update per batch: they bind on stale
+      batches (the update step's ``old_logp="sampler"``). An on-policy run
+      refuses values other than the defaults (``check_on_policy``).
     agg: "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum" |
       "prompt_mean" (ScaleRL: mean over the tokens of each prompt's group,
       then mean over prompts).
     tis_cap: truncated importance sampling between sampler and trainer: the
       token loss is multiplied by min(exp(old_logp - sampler_logp), tis_cap)
-      (no gradient). None disables it.
+      (no gradient); exactly 1 when the ratio is taken against the sampler
+      itself (stale batches), whose clip then truncates instead. None
+      disables it.
     kl_coef, kl_estimator: coefficient and estimator ("k1", "k2", "k3") of
       KL(pi || pi_ref) added to the loss; 0 disables the reference policy.
     entropy_coef: coefficient of the entropy bonus (subtracted from the loss).
@@ -157,8 +161,8 @@ class LossConfig:
         raise ValueError(
             f"{name}.{field}={value} (default {default}) cannot affect this run: every "
             "batch gets one on-policy update, so the ratio pi/pi_old is exactly 1 and no "
-            "clip binds. It takes effect once updates reuse stale batches; leave it at "
-            "its default until then")
+            "clip binds. It takes effect on stale batches (several updates per sampling "
+            "policy); leave it at its default otherwise")
 
   @property
   def drops_zero_variance(self) -> bool:
@@ -304,6 +308,14 @@ def weighted_policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights: Token
   for the names in ``MAX_METRICS``), so evaluating micro-batches with slices
   of whole-batch ``weights`` and adding the results gives the batch values.
   ``adv_B`` is one advantage per rollout [B] or per token [B, T].
+
+  ``old_logp_BxT=None`` takes the ratio against the behaviour policy, the
+  sampler's log-probs (a stale batch: pi_old is whatever sampled each token).
+  The TIS factor min(exp(old - sampler), tis_cap) is then exactly 1 and is not
+  applied: the whole trainer-vs-sampler weight pi / mu sits in the ratio, which
+  the clip (CISPO: the cap) truncates. The tis_* and logp_gap_* metrics then
+  compare the current policy with the sampler (drift since sampling plus
+  numerics): ``tis_weight_*`` is min(pi / mu, tis_cap) in value.
   """
   sg = jax.lax.stop_gradient
   mask_BxT = jnp.asarray(mask_BxT, jnp.float32)
@@ -314,10 +326,14 @@ def weighted_policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights: Token
     # exp so neither the value nor the gradient can pick up inf/nan there.
     return None if x_BxT is None else jnp.where(on_BxT, x_BxT.astype(jnp.float32), 0.0)
 
+  old_is_sampler = old_logp_BxT is None
+  if old_is_sampler and sampler_logp_BxT is None:
+    raise ValueError("old_logp_BxT is None (ratio against the sampler) but "
+                     "sampler_logp_BxT is None")
   logp_BxT, old_logp_BxT = clean(logp_BxT), clean(old_logp_BxT)
   sampler_logp_BxT, ref_logp_BxT = clean(sampler_logp_BxT), clean(ref_logp_BxT)
   entropy_BxT = clean(entropy_BxT)
-  old_logp_BxT = sg(old_logp_BxT)
+  old_logp_BxT = sg(sampler_logp_BxT if old_is_sampler else old_logp_BxT)
   # Per rollout [B] (group baselines) or per token [B, T] (a critic's GAE).
   adv_Bx1 = sg(jnp.asarray(adv_B, jnp.float32))
   adv_Bx1 = adv_Bx1 if adv_Bx1.ndim == 2 else adv_Bx1[:, None]
@@ -325,10 +341,11 @@ def weighted_policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights: Token
   pg_BxT, flags = PG_LOSSES[cfg.kind](logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg)
   m = _ratio_metrics(logp_BxT, old_logp_BxT, flags, on_BxT, weights.diag_BxT)
   if sampler_logp_BxT is not None:
-    tis_BxT, sampler_m = _sampler_metrics(old_logp_BxT, sg(sampler_logp_BxT), on_BxT,
+    trainer_logp_BxT = sg(logp_BxT) if old_is_sampler else old_logp_BxT
+    tis_BxT, sampler_m = _sampler_metrics(trainer_logp_BxT, sg(sampler_logp_BxT), on_BxT,
                                           weights.diag_BxT, cfg)
     m.update(sampler_m)
-    if cfg.tis_cap is not None:
+    if cfg.tis_cap is not None and not old_is_sampler:
       pg_BxT = pg_BxT * tis_BxT
   elif cfg.tis_cap is not None:
     raise ValueError("LossConfig.tis_cap is set but sampler_logp_BxT is None")
@@ -363,7 +380,8 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, cfg: LossConfig, *,
   Args:
     logp_BxT: log pi(token) under the parameters being trained.
     old_logp_BxT: log pi_old(token), the policy the ratio is taken against
-      (no gradient flows into it).
+      (no gradient flows into it); None: the sampler's (``sampler_logp_BxT``,
+      the behaviour policy of a stale batch; see ``weighted_policy_loss``).
     adv_B: per-sequence advantages (``compute_advantages``).
     mask_BxT: 1 on trained (completion) tokens, 0 elsewhere.
     cfg: ``LossConfig``.

@@ -12,17 +12,23 @@ Inside the step:
      micro-batch's loss is a weighted sum with the whole-batch weights, so the
      summed gradient equals the full-batch gradient for any micro-batch size (up
      to float rounding) (``_micro_batches``, ``_accumulate``);
-  3. old log-probs: every batch gets exactly one update (on-policy), so the
-     policy that sampled it (up to sampler/trainer numerics, handled by TIS) is
-     the current parameters. ``old_logp`` is therefore ``stop_gradient`` of the
-     same forward pass that gives ``logp``: identical model code and no second
-     forward. Ratios are exactly 1 in value, their gradients are the policy
-     gradient. So ``clip_low``, ``clip_high`` (CISPO's cap too) and
-     ``clip_dual`` cannot bind and the ratio metrics (``losses.RATIO_METRICS``)
-     are identically 0: the step does not report them, and a run refuses clip
-     settings other than the defaults (``LossConfig.check_on_policy``) until
-     updates reuse stale batches. Reference log-probs (KL) come from the
-     frozen ``ref_params``, which exist only when ``kl_coef > 0``;
+  3. old log-probs (``old_logp``, static): with "current" (the default: every
+     batch gets exactly one update, on-policy) the policy that sampled the
+     batch is, up to sampler/trainer numerics handled by TIS, the current
+     parameters, so ``old_logp`` is ``stop_gradient`` of the same forward
+     pass that gives ``logp``: identical model code and no second forward.
+     Ratios are then exactly 1 in value, their gradients are the policy
+     gradient, ``clip_low``, ``clip_high`` (CISPO's cap too) and ``clip_dual``
+     cannot bind, and the ratio metrics (``losses.RATIO_METRICS``), identically
+     0, are not reported (a run refuses clip settings other than the defaults
+     then: ``LossConfig.check_on_policy``). With "sampler" (stale batches,
+     several updates per sampling policy) the ratio is pi / mu against the
+     behaviour log-probs the sampler returned, per token (``Batch.
+     sampler_logp_BxT``: a sequence may mix policies); the sampler/trainer
+     correction folds into that ratio, so TIS is not applied on top (see
+     ``losses.weighted_policy_loss``), and the ratio metrics are reported.
+     Reference log-probs (KL) come from the frozen ``ref_params``, which
+     exist only when ``kl_coef > 0``;
   4. one optimiser update; if the loss, the gradient or the updated parameters
      are not finite the whole state (params, optimiser moments, step) is
      returned unchanged and ``metrics["skipped"] = 1`` (``_guarded_update``).
@@ -57,7 +63,10 @@ from isojax.rl.losses import token_weights, weighted_policy_loss
 from isojax.rl.optim import OptimConfig, lr_schedule, make_optimizer
 from isojax.rl.state import TrainState, default_mesh, state_shardings
 
-__all__ = ["TrainRows", "TrainStep", "make_train_step"]
+__all__ = ["OLD_LOGP", "TrainRows", "TrainStep", "make_train_step"]
+
+# What the ratio pi / pi_old divides by (``make_train_step(old_logp=...)``).
+OLD_LOGP = ("current", "sampler")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +120,7 @@ class TrainRows:
 
 
 def _check_sizes(*, batch_size, group_size, rows_per_micro, mesh, temperature,
-                 length_buckets) -> None:
+                 length_buckets, old_logp) -> None:
   """make_train_step's arguments against each other; ValueError naming the input."""
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   if batch_size % group_size:
@@ -122,6 +131,8 @@ def _check_sizes(*, batch_size, group_size, rows_per_micro, mesh, temperature,
   if rows_per_micro % shards:
     raise ValueError(f"micro_batch_size={rows_per_micro} is not divisible by the {shards} "
                      f"batch shards (data x fsdp) of the mesh {dict(mesh.shape)}")
+  if old_logp not in OLD_LOGP:
+    raise ValueError(f"old_logp={old_logp!r}; choose from {list(OLD_LOGP)}")
   if not temperature > 0:
     raise ValueError(f"temperature={temperature}: the trainer scores rollouts under "
                      "softmax(logits / temperature); greedy (0) rollouts cannot be trained on")
@@ -165,8 +176,10 @@ def _micro_batches(rows: TrainRows, lengths: Sequence[int], n_micro: int,
   return micro, jnp.searchsorted(jnp.asarray(lengths), longest_K)
 
 
-def _micro_loss_fn(graphdef, rest, loss_cfg: LossConfig, *, logits_chunk, temperature):
+def _micro_loss_fn(graphdef, rest, loss_cfg: LossConfig, *, logits_chunk, temperature,
+                   old_logp: str):
   """``(params, ref_params, rows [R, L]) -> (loss, metrics)`` of one micro-batch."""
+  old_is_current = old_logp == "current"
   with_ref = loss_cfg.kl_coef > 0
   need_entropy_grad = loss_cfg.entropy_coef > 0
 
@@ -182,10 +195,14 @@ def _micro_loss_fn(graphdef, rest, loss_cfg: LossConfig, *, logits_chunk, temper
     ref_logp = None
     if with_ref:
       ref_logp = jax.lax.stop_gradient(forward(ref_params, rows)[0])
+    # None: the ratio is taken against the sampler's log-probs (stale batches).
+    old = jax.lax.stop_gradient(logp) if old_is_current else None
     loss, metrics = weighted_policy_loss(
-        logp, jax.lax.stop_gradient(logp), rows.adv, rows.loss_mask, rows.weights,
+        logp, old, rows.adv, rows.loss_mask, rows.weights,
         loss_cfg, sampler_logp_BxT=rows.sampler_logp, ref_logp_BxT=ref_logp,
         entropy_BxT=entropy)
+    if not old_is_current:
+      return loss, metrics
     return loss, {k: v for k, v in metrics.items() if k not in RATIO_METRICS}
 
   return micro_loss
@@ -271,7 +288,7 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
                     mesh: Mesh | None = None, rules=shd.DEFAULT_RULES,
                     logits_chunk: int | None = None, temperature: float = 1.0,
                     length_buckets: int | Sequence[int] = layout.DEFAULT_BUCKETS,
-                    donate: bool = True) -> TrainStep:
+                    old_logp: str = "current", donate: bool = True) -> TrainStep:
   """Build the jitted, sharded update step.
 
   Args:
@@ -290,12 +307,17 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
       ``isojax.rl.layout``): a count (lengths multiples of 128) or explicit
       lengths; with one bucket (T <= 128 for a count, or 1) the batch layout
       is used as given.
+    old_logp: what the ratio pi / pi_old divides by (see the module
+      docstring): "current" (stop_gradient of the current forward: one
+      on-policy update per batch) or "sampler" (the behaviour log-probs in
+      ``Batch.sampler_logp_BxT``: batches sampled by an older policy).
     donate: donate the state's buffers to the step.
 
   Returns:
     A ``TrainStep``: ``(state, batch) -> (state, metrics)`` with scalar
-    metrics: the loss metrics of ``isojax.rl.losses`` but the ratio metrics
-    (``RATIO_METRICS``: identically 0 on-policy, see the module docstring), plus
+    metrics: the loss metrics of ``isojax.rl.losses`` but, with
+    ``old_logp="current"``, the ratio metrics (``RATIO_METRICS``: identically
+    0 on-policy, see the module docstring), plus
     zero_var_frac, reward_mean, adv_abs_mean, tokens, pad_fraction (of the
     positions the model ran on), grad_norm (before clipping), update_norm, lr
     and skipped.
@@ -303,13 +325,14 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
   mesh = default_mesh(mesh)
   rows_per_micro = batch_size if micro_batch_size is None else micro_batch_size
   _check_sizes(batch_size=batch_size, group_size=group_size, rows_per_micro=rows_per_micro,
-               mesh=mesh, temperature=temperature, length_buckets=length_buckets)
+               mesh=mesh, temperature=temperature, length_buckets=length_buckets,
+               old_logp=old_logp)
   n_micro = batch_size // rows_per_micro
   tx = make_optimizer(optim_cfg, batch_size=batch_size)
   schedule = lr_schedule(optim_cfg, batch_size)
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
   micro_loss = _micro_loss_fn(graphdef, rest, loss_cfg, logits_chunk=logits_chunk,
-                              temperature=temperature)
+                              temperature=temperature, old_logp=old_logp)
   state_sh = state_shardings(model, tx, loss_cfg.kl_coef > 0, mesh, rules)
   micro_sh = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp")))
 

@@ -90,8 +90,9 @@ def full_batch_run(model, step8):
   return run(model, micro=8, step=step8)
 
 
-def reference_grad_and_loss(model):
-  """jax.grad of policy_loss on the model's full logits, advantages from NumPy."""
+def reference_grad_and_loss(model, old_is_sampler=False):
+  """jax.grad of policy_loss on the model's full logits, advantages from NumPy;
+  the ratio against the current forward or (``old_is_sampler``) the sampler's."""
   batch = make_batch()
   state = perturbed_state(model)
   graphdef, _ = nnx.split(model, nnx.Param)
@@ -112,7 +113,8 @@ def reference_grad_and_loss(model):
 
   def loss_fn(params):
     lp, ent = logp_entropy(params)
-    return policy_loss(lp, jax.lax.stop_gradient(lp), jnp.asarray(adv, jnp.float32),
+    old = None if old_is_sampler else jax.lax.stop_gradient(lp)
+    return policy_loss(lp, old, jnp.asarray(adv, jnp.float32),
                        batch.loss_mask_BxT, LOSS, sampler_logp_BxT=batch.sampler_logp_BxT,
                        ref_logp_BxT=ref_logp, entropy_BxT=ent, group_size=N,
                        zero_var_Bp=r.max(1) == r.min(1))
@@ -140,6 +142,27 @@ def test_step_gradient_matches_direct_full_batch_reference(model, full_batch_run
   # The ratio metrics are identically 0 on-policy (one update per batch): not reported.
   assert all(float(ref_metrics[k]) == 0.0 for k in RATIO_METRICS)
   assert not set(RATIO_METRICS) & set(metrics)
+
+
+def test_sampler_ratio_step_matches_direct_reference(model):
+  """old_logp="sampler": the ratio is pi / mu against Batch.sampler_logp_BxT (far from
+  the model's log-probs here, so the low clip binds), and the ratio metrics are reported."""
+  step = make_train_step(model, LOSS, SGD_LIKE, batch_size=B, group_size=N,
+                         micro_batch_size=4, old_logp="sampler", donate=False)
+  delta, metrics, _ = run(model, micro=4, step=step)
+  grads, loss, ref_metrics = reference_grad_and_loss(model, old_is_sampler=True)
+  scale = max(np.abs(g).max() for g in jax.tree.leaves(grads))
+  assert scale > 1e-3
+  assert_trees_close(jax.tree.map(lambda d: -d, delta), grads, atol=2e-5 * scale, rtol=1e-3)
+  np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
+  for k in ("pg_loss", "tis_weight_mean", "logp_gap_max", *RATIO_METRICS):
+    np.testing.assert_allclose(metrics[k], float(ref_metrics[k]), rtol=1e-5, err_msg=k)
+  assert metrics["clip_frac_low"] > 0  # mu far above pi on some A < 0 tokens
+  _, current, _ = run(model, micro=4, step=make_train_step(
+      model, LOSS, SGD_LIKE, batch_size=B, group_size=N, micro_batch_size=4, donate=False))
+  assert abs(current["loss"] - metrics["loss"]) > 1e-4
+  with pytest.raises(ValueError, match=r"old_logp='behaviour'; choose from"):
+    make_train_step(model, LOSS, SGD_LIKE, batch_size=B, group_size=N, old_logp="behaviour")
 
 
 def test_micro_batch_invariance(model, full_batch_run):
