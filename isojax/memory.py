@@ -21,6 +21,7 @@ from flax import nnx
 from isojax import batching, models, rl, run, run_setup
 from isojax import data as data_lib
 from isojax.models import Decoder, ModelConfig
+from isojax.rl import ppo
 
 GIB = 1024 ** 3
 
@@ -174,9 +175,12 @@ def model_shape(name: str, **overrides):
 
 
 def extrapolated_step_memory(cfg, loss_cfg, optim_cfg, *, batch_size: int, seq_len: int,
-                             group_size: int, mesh=None, probe_layers=(2, 4),
-                             **step_kwargs) -> StepMemory:
+                             group_size: int, mesh=None, probe_layers=(2, 4), value_cfg=None,
+                             critic_optim=None, **step_kwargs) -> StepMemory:
   """Step memory of ``cfg`` from compiles of ``probe_layers`` layers, extrapolated.
+
+  With ``value_cfg`` (and the critic's ``critic_optim``) it is PPO's joint step,
+  with a critic of ``cfg``'s architecture (``isojax.rl.ppo``).
 
   Compiling a 28-layer step on a CPU takes minutes; every layer adds the same
   parameters, optimiser state and (with per-layer remat) the same saved
@@ -190,10 +194,18 @@ def extrapolated_step_memory(cfg, loss_cfg, optim_cfg, *, batch_size: int, seq_l
   """
   def measure(layers):
     model = abstract_decoder(cfg.replace(num_layers=layers))
-    step = rl.make_train_step(model, loss_cfg, optim_cfg, batch_size=batch_size,
-                              group_size=group_size, mesh=mesh, **step_kwargs)
-    state = rl.abstract_train_state(model, loss_cfg, optim_cfg, batch_size=batch_size,
-                                    mesh=mesh)
+    sizes = dict(batch_size=batch_size, mesh=mesh)
+    if value_cfg is None:
+      step = rl.make_train_step(model, loss_cfg, optim_cfg, group_size=group_size, **sizes,
+                                **step_kwargs)
+      state = rl.abstract_train_state(model, loss_cfg, optim_cfg, **sizes)
+    else:
+      critic = run_setup.abstract_critic(model)
+      step = ppo.make_ppo_train_step(model, critic, loss_cfg, value_cfg, optim_cfg,
+                                     critic_optim, group_size=group_size, **sizes,
+                                     **step_kwargs)
+      state = ppo.abstract_ppo_train_state(model, critic, loss_cfg, optim_cfg, critic_optim,
+                                           **sizes)
     return step_memory(step, state, rl.abstract_batch(batch_size, seq_len, mesh=mesh))
 
   lo, hi = probe_layers

@@ -13,6 +13,7 @@ from flax import nnx
 from isojax import memory
 from isojax import sharding as shd
 from isojax.models import Decoder, ModelConfig
+from isojax.rl.value import ValueConfig
 from isojax.rl import (LossConfig, OptimConfig, abstract_batch, abstract_train_state,
                        init_train_state, make_train_step)
 
@@ -123,3 +124,18 @@ def test_qwen2_5_7b_64x8192_fsdp8_within_70_gib_per_device():
   print(mem.report(70))
   assert 10 < mem.state / memory.GIB < 11  # 7.6B x 12 bytes / 8 devices
   assert mem.fits(70)
+
+
+def test_ppo_qwen2_5_1_5b_policy_and_critic_32x4096_one_device_within_80_gib():
+  # PPO trains a critic of the policy's size beside it: twice the parameters and
+  # AdamW moments, and the critic's own forward and backward.
+  cfg = memory.model_shape("qwen2.5-1.5b", **BIG)
+  mem = memory.extrapolated_step_memory(
+      cfg, LossConfig(adv_estimator="gae", kl_coef=0.0, entropy_coef=0.0), OptimConfig(),
+      batch_size=32, seq_len=4096, group_size=8,
+      mesh=shd.make_mesh(devices=jax.devices()[:1]), micro_batch_size=1, logits_chunk=512,
+      length_buckets=1, value_cfg=ValueConfig(), critic_optim=OptimConfig(lr_base=1e-5))
+  print(mem.report(80))
+  # Policy 1.54B x 12 bytes plus a critic without the (tied) unembedding.
+  assert 32 < mem.state / memory.GIB < 36
+  assert mem.fits(80)
