@@ -8,6 +8,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
+from experiments import scalerl_ablate
 from isojax import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -20,6 +21,11 @@ AXIS_FILES = [ROOT / "experiments" / f"{name}.py"
 APP_F_FILES = [ROOT / "experiments" / f"{name}.py"
                for name in ("easy_ppo", "hard_ppo", "easy_cispo")]
 DOCUMENTED = [ROOT / "experiments" / "tiny.py", *STUDY_FILES, *AXIS_FILES, *APP_F_FILES]
+# ScaleRL's files: their full-scale points need a real model's tokenizer (the
+# interruption phrase), and the ablation needs drop=; checked at smoke here and
+# with a stand-in tokenizer in test_scalerl_full_scale_points.
+SCALERL_SMOKE_SPECS = {"scalerl": "experiments/scalerl.py:smoke",
+                       "scalerl_ablate": "experiments/scalerl_ablate.py:drop=cispo,smoke"}
 
 
 def _load(spec: str, *overrides: str):
@@ -40,7 +46,7 @@ def test_all_study_files_exist():
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_every_file_loads_and_validates(path, monkeypatch):
   monkeypatch.chdir(ROOT)
-  config = _load(f"experiments/{path.name}")
+  config = _load(SCALERL_SMOKE_SPECS.get(path.stem, f"experiments/{path.name}"))
   plan = run.plan_run(config)
   assert plan.point.m >= 1 and plan.point.batch <= config.b_max
   for field in ("eval_every", "checkpoint_every", "seed"):
@@ -193,3 +199,89 @@ def test_appendix_f_files(monkeypatch):
   assert (cispo.rl.kind, cispo.rl.adv_estimator) == ("cispo", "grpo")
   with pytest.raises(ValueError, match="adv_estimator='grpo' needs n >= 2"):
     run.plan_run(_load("experiments/easy_cispo.py:n=1,smoke"))
+
+
+class _WordTokenizer:
+  """Stands in for a real model's tokenizer: one id per word."""
+
+  @classmethod
+  def from_pretrained(cls, path):
+    del path
+    return cls()
+
+  def encode(self, text):
+    return list(range(len(text.split())))
+
+
+def _flat(config) -> dict:
+  """{"rl.kind": "cispo", ...} for every leaf of a config."""
+  out = {}
+  for key, value in config.items():
+    if hasattr(value, "items"):
+      out.update({f"{key}.{k}": v for k, v in _flat(value).items()})
+    else:
+      out[key] = value
+  return out
+
+
+def test_scalerl_recipe(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  c = _load("experiments/scalerl.py")
+  assert c.recipe == "scalerl"
+  assert (c.rl.kind, c.rl.clip_high, c.rl.agg) == ("cispo", 0.2, "prompt_mean")
+  assert (c.rl.adv_estimator, c.rl.zero_var_filter) == ("batch", "all")
+  assert c.rl.off_policy_k == 8 and c.data.drop_solved_above == 0.9
+  assert (c.bp, c.n, c.bp * c.n) == (48, 16, 768)
+  assert (c.sampler.max_tokens, c.sampler.interrupt_think_tokens) == (14_336, 12_288)
+  assert (c.rl.lr_rule, c.rl.lr_base, c.rl.batch_base) == ("sqrt", 1e-6, 1024)
+  assert c.rl.kl_coef == 0 and c.rl.entropy_coef == 0
+  assert (c.data.num_val, c.eval_every) == (1000, 100)
+
+
+def test_scalerl_full_scale_points(monkeypatch):
+  # The default phrase and 14k tokens need a real model: its tokenizer stands in.
+  monkeypatch.chdir(ROOT)
+  monkeypatch.setattr(run, "Tokenizer", _WordTokenizer)
+  real = "--config.model.path=/ckpt/m"
+  specs = ["experiments/scalerl.py"] + [f"experiments/scalerl_ablate.py:drop={drop}"
+                                        for drop in scalerl_ablate.ABLATIONS]
+  for spec in specs:
+    plan = run.plan_run(_load(spec, real))
+    assert (plan.point.batch, plan.max_tokens) == (768, 14_336)
+  for name in ("scalerl", "scalerl_ablate"):
+    text = (ROOT / "experiments" / f"{name}.py").read_text()
+    commands = re.findall(r"python -m isojax\.main --config=(\S+) --workdir=\S+", text)
+    assert len(commands) == 2, f"{name}.py: expected a full-scale and a smoke command"
+    for spec in commands:
+      assert spec.startswith(f"experiments/{name}.py")
+      config = _load(spec, *(() if spec.endswith("smoke") else (real,)))
+      assert run.plan_run(config).point.m >= 1
+
+
+def test_scalerl_ablations_change_exactly_their_component(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  for scale in ("", ",smoke"):
+    recipe = _flat(_load("experiments/scalerl.py" + scale.replace(",", ":")))
+    labels = set()
+    for drop, fields in scalerl_ablate.ABLATIONS.items():
+      ablated = _load(f"experiments/scalerl_ablate.py:drop={drop}{scale}")
+      flat = _flat(ablated)
+      changed = {k for k in recipe if flat[k] != recipe[k]}
+      assert set(flat) == set(recipe)
+      assert changed == {"recipe", *fields}, drop
+      assert all(flat[k] == v for k, v in fields.items())
+      labels.add(ablated.recipe)
+      if scale:
+        run.plan_run(ablated)
+    assert len(labels) == len(scalerl_ablate.ABLATIONS) and "scalerl" not in labels
+  run.plan_run(_load("experiments/scalerl.py:smoke"))
+
+
+def test_scalerl_ablate_names_its_components(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  known = r"known: \['batch_norm', 'cispo', 'interruption', 'off_policy'"
+  for bad in ("drop=kl,smoke", "smoke"):
+    with pytest.raises(Exception, match=known):
+      _load(f"experiments/scalerl_ablate.py:{bad}")
+  with pytest.raises(Exception, match="drop='fp32_head'.*float32"):
+    _load("experiments/scalerl_ablate.py:drop=fp32_head")

@@ -1,0 +1,65 @@
+r"""ScaleRL's leave-one-out ablation (its Fig. 8): the recipe of experiments/scalerl.py
+with one component turned back to the common alternative.
+
+drop= names the component; each changes exactly these fields:
+
+  cispo         rl.kind cispo -> ppo_clip (same clips: 0.2 either side)
+  prompt_mean   rl.agg prompt_mean -> token_mean
+  batch_norm    rl.adv_estimator batch -> grpo (per-prompt normalisation)
+  zero_var      rl.zero_var_filter all -> off
+  resampling    data.drop_solved_above 0.9 -> 0.0 (solved prompts stay)
+  interruption  sampler.interrupt_think_tokens -> 0 (no forced interruption)
+  off_policy    rl.off_policy_k 8 -> 1 (on-policy: one update per sampled batch)
+
+The FP32 lm head cannot be dropped: every isojax run computes the head in float32
+(the model's lm_head_fp32 is not a run field). Each run's config.recipe is
+"scalerl_drop_<component>", so the recipe comparison fits one curve per component
+beside the recipe's ("scalerl").
+
+Run one ablation from the repo root, with the recipe's model and data flags (see
+experiments/scalerl.py):
+
+  python -m isojax.main --config=experiments/scalerl_ablate.py:drop=cispo --workdir=runs/scalerl/drop_cispo \
+      --config.model.path=/ckpt/Qwen3-8B --config.sampler.backend=vllm \
+      --config.sampler.server_devices=64 --config.data.train=/data/polaris_53k.jsonl \
+      --config.data.chat_template=True --config.data.reward=math
+
+Laptop scale (the recipe's smoke point):
+
+  python -m isojax.main --config=experiments/scalerl_ablate.py:drop=off_policy,smoke --workdir=/tmp/isojax/scalerl_drop_off_policy
+
+Args: drop (required), and experiments/scalerl.py's bp, n, budget, smoke.
+"""
+
+from experiments import common, scalerl
+
+# Component -> {dotted config field: its value without the component}.
+ABLATIONS = {
+    "cispo": {"rl.kind": "ppo_clip"},
+    "prompt_mean": {"rl.agg": "token_mean"},
+    "batch_norm": {"rl.adv_estimator": "grpo"},
+    "zero_var": {"rl.zero_var_filter": "off"},
+    "resampling": {"data.drop_solved_above": 0.0},
+    "interruption": {"sampler.interrupt_think_tokens": 0},
+    "off_policy": {"rl.off_policy_k": 1},
+}
+
+
+def get_config(arg=None):
+  """The recipe without one component (see the module docstring for `arg`).
+
+  Raises:
+    ValueError: naming the known components, for a missing or unknown drop=.
+  """
+  mine, rest = common.split_arg(arg, drop="")
+  if mine.drop not in ABLATIONS:
+    why = (": isojax always computes the lm head in float32" if mine.drop == "fp32_head"
+           else "")
+    raise ValueError(f"scalerl_ablate: drop={mine.drop!r} is not a component{why}; "
+                     f"known: {sorted(ABLATIONS)}")
+  c = scalerl.get_config(rest)
+  for dotted, value in ABLATIONS[mine.drop].items():
+    section, field = dotted.split(".")
+    c[section][field] = value
+  c.recipe = f"{scalerl.RECIPE}_drop_{mine.drop}"
+  return c
