@@ -93,6 +93,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.param_dtype = "float32"  # master weights
   c.model.remat = "none"   # per-layer remat: "none" | "full" | "dots" (True/False too)
   c.model.attention = "auto"  # "auto" (cudnn on GPU, else xla) | "xla" | "cudnn"
+  # The lm head (logits, log-probs, entropies) in float32 whatever model.dtype:
+  # ScaleRL's precision fix, which matters once the trunk computes in bfloat16.
+  c.model.lm_head_fp32 = True
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1

@@ -5,9 +5,9 @@ prompt-level loss aggregation (rl.agg = "prompt_mean"), batch-level advantage
 normalisation (rl.adv_estimator = "batch"), zero-variance filtering
 (rl.zero_var_filter = "all"), no-positive-resampling (data.drop_solved_above =
 0.9), forced length interruption (sampler.interrupt_*), and compute in
-device-hours (metrics.jsonl's device_hours, ScaleRL's x-axis). The FP32 lm head
-is on in every isojax run (the model's lm_head_fp32, not a run field); it matters
-once the trunk computes in bfloat16 (--config.model.dtype=bfloat16).
+device-hours (metrics.jsonl's device_hours, ScaleRL's x-axis), and the FP32 lm
+head (model.lm_head_fp32) beside a bfloat16 trunk (model.dtype; the smoke point
+keeps the tiny model's float32, where the head's precision changes nothing).
 
 Not PipelineRL-8: isojax has no asynchronous streaming sampler. Its place is
 taken by PPO-off-policy-8 (rl.off_policy_k = 8: 8 batches sampled with one policy,
@@ -85,6 +85,7 @@ def get_config(arg=None):
     c.sampler.interrupt_phrase = SMOKE_PHRASE
   else:
     c.bp, c.n, c.budget = a.bp or 48, a.n or 16, a.budget or 4e6
+    c.model.dtype = "bfloat16"     # the trunk; the head stays float32
     c.sampler.max_tokens = MAX_TOKENS
     c.sampler.interrupt_think_tokens = THINK_TOKENS  # the phrase: isojax's default
     c.data.num_val = 1000

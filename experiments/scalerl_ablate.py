@@ -10,9 +10,9 @@ drop= names the component; each changes exactly these fields:
   resampling    data.drop_solved_above 0.9 -> 0.0 (solved prompts stay)
   interruption  sampler.interrupt_think_tokens -> 0 (no forced interruption)
   off_policy    rl.off_policy_k 8 -> 1 (on-policy: one update per sampled batch)
+  fp32_head     model.lm_head_fp32 True -> False (the head in the trunk's bfloat16)
 
-The FP32 lm head cannot be dropped: every isojax run computes the head in float32
-(the model's lm_head_fp32 is not a run field). Each run's config.recipe is
+Each run's config.recipe is
 "scalerl_drop_<component>", so the recipe comparison fits one curve per component
 beside the recipe's ("scalerl").
 
@@ -42,6 +42,7 @@ ABLATIONS = {
     "resampling": {"data.drop_solved_above": 0.0},
     "interruption": {"sampler.interrupt_think_tokens": 0},
     "off_policy": {"rl.off_policy_k": 1},
+    "fp32_head": {"model.lm_head_fp32": False},
 }
 
 
@@ -53,9 +54,7 @@ def get_config(arg=None):
   """
   mine, rest = common.split_arg(arg, drop="")
   if mine.drop not in ABLATIONS:
-    why = (": isojax always computes the lm head in float32" if mine.drop == "fp32_head"
-           else "")
-    raise ValueError(f"scalerl_ablate: drop={mine.drop!r} is not a component{why}; "
+    raise ValueError(f"scalerl_ablate: drop={mine.drop!r} is not a component; "
                      f"known: {sorted(ABLATIONS)}")
   c = scalerl.get_config(rest)
   for dotted, value in ABLATIONS[mine.drop].items():

@@ -122,9 +122,10 @@ def dry_run(config) -> tuple[StepMemory, dict]:
   if not config_file.exists():
     raise ValueError(f"{config_file} not found: config.model.path={str(path)!r} is not a "
                      f"Hugging Face model directory")
-  # The run's model options, as load_pretrained gets them (attention where the
-  # config has the field).
-  options = {k: config.model[k] for k in ("remat", "attention") if k in config.model}
+  # The run's model options, as load_pretrained gets them (where the config has
+  # the field).
+  options = {k: config.model[k] for k in ("remat", "attention", "lm_head_fp32")
+             if k in config.model}
   cfg = models.ModelConfig.from_hf_dict(
       json.loads(config_file.read_text()), dtype=jnp.dtype(config.model.dtype),
       param_dtype=jnp.dtype(config.model.param_dtype), **options)

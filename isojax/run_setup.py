@@ -191,7 +191,8 @@ def build_parts(config, run_plan) -> RunParts:
   model, _ = models.load_pretrained(
       path, dtype=jnp.dtype(config.model.param_dtype), mesh=mesh,
       rules=sharding.DEFAULT_RULES, compute_dtype=jnp.dtype(config.model.dtype),
-      remat=config.model.remat, attention=config.model.attention)
+      lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat,
+      attention=config.model.attention)
   tokenizer = models.Tokenizer.from_pretrained(path)
   train, val_sets = load_problem_sets(config)
   context, max_tokens = model.cfg.max_position_embeddings, run_plan.max_tokens

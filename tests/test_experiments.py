@@ -279,9 +279,9 @@ def test_scalerl_ablations_change_exactly_their_component(monkeypatch):
 
 def test_scalerl_ablate_names_its_components(monkeypatch):
   monkeypatch.chdir(ROOT)
-  known = r"known: \['batch_norm', 'cispo', 'interruption', 'off_policy'"
+  known = r"known: \['batch_norm', 'cispo', 'fp32_head', 'interruption', 'off_policy'"
   for bad in ("drop=kl,smoke", "smoke"):
     with pytest.raises(Exception, match=known):
       _load(f"experiments/scalerl_ablate.py:{bad}")
-  with pytest.raises(Exception, match="drop='fp32_head'.*float32"):
-    _load("experiments/scalerl_ablate.py:drop=fp32_head")
+  fp32 = _load("experiments/scalerl_ablate.py:drop=fp32_head")
+  assert (fp32.model.dtype, fp32.model.lm_head_fp32) == ("bfloat16", False)

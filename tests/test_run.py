@@ -168,6 +168,21 @@ def test_trainer_scores_rollouts_under_the_sampled_distribution(trained):
     assert abs(r["train/tis_weight_mean"] - 1.0) < 1e-4, r["train/tis_weight_mean"]
 
 
+def test_lm_head_precision_reaches_the_model(monkeypatch):
+  loaded = {}
+
+  def load(path, **kwargs):
+    loaded.update(kwargs)
+    raise KeyboardInterrupt  # stop before any other work
+
+  monkeypatch.setattr(run_setup.models, "load_pretrained", load)
+  for fp32 in (True, False):
+    config = tiny_config(**{"model.lm_head_fp32": fp32})
+    with pytest.raises(KeyboardInterrupt):
+      run_setup.build_parts(config, run.plan_run(config))
+    assert loaded["lm_head_fp32"] is fp32
+
+
 def test_logits_chunk_reaches_the_step(monkeypatch):
   with pytest.raises(ValueError, match=r"config\.rl\.logits_chunk=0 must be >= 1"):
     run.plan_run(tiny_config(**{"rl.logits_chunk": 0}))
