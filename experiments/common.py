@@ -124,8 +124,8 @@ def base_config() -> ml_collections.ConfigDict:
   # run at load time (naming it); True leaves such problems out, counted in the log.
   c.data.drop_too_long = False
   # ScaleRL's no-positive-resampling: a problem whose latest group pass rate (share
-  # of its sampled rollouts that are correct) reaches this, in (0, 1], leaves the
-  # later epochs for good (its rollouts are still charged); 0.0 = off.
+  # of its sampled rollouts that are correct) is at or above this, in (0, 1],
+  # leaves the later epochs for good (its rollouts are still charged); 0.0 = off.
   c.data.drop_solved_above = 0.0
 
   c.sampler = ml_collections.ConfigDict()

@@ -72,6 +72,9 @@ def get_config(arg=None):
   c.rl.adv_estimator = "batch"
   c.rl.zero_var_filter = "all"
   c.rl.off_policy_k = OFF_POLICY_K
+  # With stale batches the ratio is taken against the sampler's log-probs, so the
+  # sampler/trainer correction is inside CISPO's capped weight; no TIS on top.
+  c.rl.tis_cap = None
   c.rl.kl_coef = 0.0
   c.rl.entropy_coef = 0.0
   c.rl.lr_rule, c.rl.lr_base, c.rl.batch_base = "sqrt", 1e-6, 1024

@@ -5,7 +5,7 @@ Every line is flushed and fsynced as it is written, so a killed run loses at
 most the line being written. On resume the file is cut back to the lines with
 step <= the restored checkpoint's step (and any torn last line is dropped): the
 resumed run then rewrites the later steps, and the file equals that of a run
-that was never interrupted.
+that was never interrupted (but for the measured `device_hours` column).
 
 Values are written as Python floats/ints via `json.dumps` (repr of a float is
 exact), so equal numbers give byte-equal lines. NaN/inf are written as the

@@ -27,7 +27,8 @@ order comes from (seed, epoch) and the problems retired as solved before the
 epoch (checkpointed with the position); nothing depends on process history. A run
 restarted from its checkpoint at step k therefore redoes
 steps k+1.. exactly as the uninterrupted run did (bitwise on CPU), and
-metrics.jsonl is cut back to step k first so it ends up identical.
+metrics.jsonl is cut back to step k first so it ends up identical, but for its
+device_hours column, a wall-clock measurement.
 """
 
 from __future__ import annotations
@@ -117,9 +118,12 @@ def plan_run(config) -> RunPlan:
                "max_consecutive_skips"):
     if config[name] < 1:
       raise ValueError(f"config.{name}={config[name]} must be >= 1")
-  if config.sampler.server_devices < 0:
-    raise ValueError(f"config.sampler.server_devices={config.sampler.server_devices} "
-                     f"must be >= 0 (a vLLM server's accelerators, for device-hours)")
+  server = config.sampler.server_devices
+  if (isinstance(server, bool) or not isinstance(server, int) or server < 0
+      or (server and config.sampler.backend != "vllm")):
+    raise ValueError(f"config.sampler.server_devices={server!r} must be an int >= 0, and 0 "
+                     f"unless sampler.backend is 'vllm' (a vLLM server's accelerators, "
+                     f"counted in device-hours)")
   if config.sampler.backend not in ("jax", "vllm"):
     raise ValueError(f"config.sampler.backend={config.sampler.backend!r}; expected "
                      f"'jax' or 'vllm'")
@@ -291,10 +295,11 @@ def run(config, workdir: str | os.PathLike) -> dict:
   return last
 
 
-def compute_devices(config) -> int:
-  """Devices a step occupies, for device-hours: the trainer's (every process's) plus
-  those of a separate vLLM server (config.sampler.server_devices)."""
-  return jax.device_count() + int(config.sampler.server_devices)
+def compute_devices(config, mesh) -> int:
+  """Devices a step occupies, for device-hours: the trainer's mesh (every
+  process's devices in it) plus a separate vLLM server's
+  (config.sampler.server_devices)."""
+  return mesh.devices.size + config.sampler.server_devices
 
 
 def train_loop(opened: OpenRun, config, point: budget_lib.BudgetPoint, *,
@@ -318,7 +323,7 @@ def train_loop(opened: OpenRun, config, point: budget_lib.BudgetPoint, *,
     skips = opened.resumed.consecutive_skips
   extra_evals = frozenset(config.eval_steps)
   bar = _progress(point.m, start, point.name)
-  devices = compute_devices(config)
+  devices = compute_devices(config, parts.mesh)
   checkpoint_due = False
   for step in range(start + 1, point.m + 1):
     t_step = time.perf_counter()

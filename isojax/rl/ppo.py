@@ -52,7 +52,7 @@ from isojax.rl.state import TrainState, default_mesh
 # PPO differs from the policy step in the values pass, per-token advantages, the
 # joint update of two optimisers and critic warm-up; the rest is shared.
 from isojax.rl.step import (TrainRows, TrainStep, _accumulate, _batch_metrics, _check_sizes,
-                            _micro_batches, _micro_loss_fn)
+                            _micro_batches, _micro_loss_fn, jit_step)
 from isojax.rl.value import (VALUE_ESTIMATORS, ValueConfig, ValueWeights, value_advantages,
                              value_metrics, value_weights, weighted_value_loss)
 
@@ -224,11 +224,14 @@ def _critic_batch_metrics(batch: Batch, rows: PPORows, micro: PPORows, positions
   """``step._batch_metrics`` of the batch, and the critic's values against the returns."""
   mask_BxT, adv_BxT = _flatten_micro(micro.loss_mask), _flatten_micro(micro.adv)
   zero_var_Bp = zero_variance_groups(rows.rewards, group_size=group_size)
-  return {**_batch_metrics(batch, rows, zero_var_Bp, positions),
-          # The advantages are per token, so their mean is over the trained tokens.
-          "adv_abs_mean": jnp.sum(jnp.abs(adv_BxT)) / jnp.maximum(jnp.sum(mask_BxT), 1.0),
-          **value_metrics(_flatten_micro(micro.old_values), _flatten_micro(micro.returns),
-                          mask_BxT)}
+  metrics = {**_batch_metrics(batch, rows, zero_var_Bp, positions),
+             # The advantages are per token, so their mean is over the trained tokens.
+             "adv_abs_mean": jnp.sum(jnp.abs(adv_BxT)) / jnp.maximum(jnp.sum(mask_BxT), 1.0),
+             **value_metrics(_flatten_micro(micro.old_values),
+                             _flatten_micro(micro.returns), mask_BxT)}
+  if group_size == 1:  # a group of one always "has equal rewards": no information
+    del metrics["zero_var_frac"]
+  return metrics
 
 
 def _schedule_metrics(schedule, critic_schedule, warmup: int, step):
@@ -338,7 +341,7 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
     ``isojax.rl.losses`` but the ratio metrics (identically 0: one update per
     batch, as ``make_train_step``), value_loss / value_clip_frac / value_mean,
     value_explained_var / return_mean (of the values the advantages came from),
-    zero_var_frac (groups whose rewards are all equal), reward_mean,
+    zero_var_frac (groups whose rewards are all equal; n > 1 only), reward_mean,
     adv_abs_mean (token mean), tokens, pad_fraction, grad_norm and
     critic_grad_norm (before clipping), update_norm and critic_update_norm, lr
     and critic_lr, policy_frozen (1 during critic warm-up) and skipped.
@@ -382,14 +385,8 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
                      skipped=1.0 - ok.astype(jnp.float32))
       return new_state, metrics
 
-  batch_sh = shd.batch_sharding(mesh)
-  jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
-                   out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
-                   donate_argnums=(0,) if donate else ())
-  return TrainStep(jitted=jitted, state_shardings=state_sh, batch_sharding=batch_sh,
-                   batch_size=batch_size, group_size=group_size,
-                   micro_batch_size=rows_per_micro,
-                   batch_shards=mesh.shape["data"] * mesh.shape["fsdp"])
+  return jit_step(step, state_sh, mesh, batch_size=batch_size, group_size=group_size,
+                  micro_batch_size=rows_per_micro, donate=donate)
 
 
 def critic_update_flops(cfg, attention_mask_BxT) -> int:

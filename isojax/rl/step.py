@@ -1,7 +1,8 @@
 """The RL update: one pure, jitted, sharded step ``(state, batch) -> (state, metrics)``.
 
-``make_train_step`` is the one place in ``isojax.rl`` that calls ``jax.jit``: with
-``in_shardings``/``out_shardings`` over an explicit mesh and the state donated.
+``jit_step`` is the one place in ``isojax.rl`` that calls ``jax.jit``: with
+``in_shardings``/``out_shardings`` over an explicit mesh and the state donated;
+``make_train_step`` and PPO's ``make_ppo_train_step`` both build through it.
 
 Inside the step:
   1. advantages from the batch's rewards (static group size), then the loss's
@@ -55,7 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from isojax import sharding as shd
 from isojax.rl import layout
-from isojax.rl.advantages import compute_advantages, zero_variance_groups
+from isojax.rl.advantages import ESTIMATORS, compute_advantages, zero_variance_groups
 from isojax.rl.batch import Batch, validate_batch
 from isojax.rl.logprobs import token_logp_entropy
 from isojax.rl.losses import MAX_METRICS, RATIO_METRICS, LossConfig, TokenWeights
@@ -63,7 +64,7 @@ from isojax.rl.losses import token_weights, weighted_policy_loss
 from isojax.rl.optim import OptimConfig, lr_schedule, make_optimizer
 from isojax.rl.state import TrainState, default_mesh, state_shardings
 
-__all__ = ["OLD_LOGP", "TrainRows", "TrainStep", "make_train_step"]
+__all__ = ["OLD_LOGP", "TrainRows", "TrainStep", "jit_step", "make_train_step"]
 
 # What the ratio pi / pi_old divides by (``make_train_step(old_logp=...)``).
 OLD_LOGP = ("current", "sampler")
@@ -322,6 +323,9 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
     positions the model ran on), grad_norm (before clipping), update_norm, lr
     and skipped.
   """
+  if loss_cfg.adv_estimator not in ESTIMATORS:  # a critic's: PPO's own step
+    raise ValueError(f"LossConfig.adv_estimator={loss_cfg.adv_estimator!r} takes values "
+                     f"from a critic: build the step with isojax.rl.ppo.make_ppo_train_step")
   mesh = default_mesh(mesh)
   rows_per_micro = batch_size if micro_batch_size is None else micro_batch_size
   _check_sizes(batch_size=batch_size, group_size=group_size, rows_per_micro=rows_per_micro,
@@ -354,11 +358,20 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
                      skipped=1.0 - ok.astype(jnp.float32))
       return new_state, metrics
 
+  return jit_step(step, state_sh, mesh, batch_size=batch_size, group_size=group_size,
+                  micro_batch_size=rows_per_micro, donate=donate)
+
+
+def jit_step(step: Callable, state_sharding, mesh: Mesh, *, batch_size: int,
+             group_size: int, micro_batch_size: int, donate: bool) -> TrainStep:
+  """``step(state, batch) -> (state, metrics)`` jitted with shardings: the state
+  on ``state_sharding`` (donated), the batch split over data x fsdp, the
+  metrics replicated."""
   batch_sh = shd.batch_sharding(mesh)
-  jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
-                   out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
+  jitted = jax.jit(step, in_shardings=(state_sharding, batch_sh),
+                   out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())),
                    donate_argnums=(0,) if donate else ())
-  return TrainStep(jitted=jitted, state_shardings=state_sh, batch_sharding=batch_sh,
+  return TrainStep(jitted=jitted, state_shardings=state_sharding, batch_sharding=batch_sh,
                    batch_size=batch_size, group_size=group_size,
-                   micro_batch_size=rows_per_micro,
+                   micro_batch_size=micro_batch_size,
                    batch_shards=mesh.shape["data"] * mesh.shape["fsdp"])
