@@ -144,7 +144,10 @@ def base_config() -> ml_collections.ConfigDict:
   # The answer budget after the phrase; 0 = what max_tokens leaves after the
   # thinking budget and the phrase (the three must fit in max_tokens).
   c.sampler.interrupt_answer_tokens = 0
-  # The end-of-thinking phrase; it must tokenise to at least one token.
+  # The end-of-thinking phrase; it must tokenise to at least one token. It is
+  # appended as is: for a model whose chat template thinks inside tags, end it
+  # with the closing tag (e.g. "... final answer now.\n</think>\n\n") so the
+  # answer budget is spent answering.
   c.sampler.interrupt_phrase = interruption.DEFAULT_PHRASE
   # In-process sampler on the trainer's accelerator: its KV-cache share. It decodes
   # at most max_rows rollouts at once (0 = all of a batch), fewer if the rows of
