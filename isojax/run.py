@@ -333,9 +333,13 @@ def train_loop(opened: OpenRun, config, point: budget_lib.BudgetPoint, *,
         ledger = ledger.add_rollouts(sampled.rollouts, dropped_rollouts=sampled.dropped,
                                      updates=0)
     state, record = update_on(parts, state, pending.pop(0), off_policy_k=k)
-    # The step donates its input: the sampler must get the new arrays even when
-    # the update was skipped (same values, fresh buffers).
-    parts.sampler.update_weights(model_of(parts, state))
+    eval_due = step % config.eval_every == 0 or step == point.m or step in extra_evals
+    if eval_due or not pending:
+      # The sampler next generates for this eval or the next group: it gets these
+      # weights now (a group's other updates need no push, which for a vLLM server
+      # is a save and reload). The step donated the old arrays, so the sampler gets
+      # the new ones even after a skipped update (same values, fresh buffers).
+      parts.sampler.update_weights(model_of(parts, state))
     ledger = ledger.add(rollouts=0, tokens=0, updates=1,
                         critic_flops=record.get("train/critic_flops", 0),
                         device_seconds=devices * (time.perf_counter() - t_step))
@@ -346,7 +350,7 @@ def train_loop(opened: OpenRun, config, point: budget_lib.BudgetPoint, *,
               "device_hours": ledger.device_hours, **critic, **record,
               "consecutive_skips": skips}
     counts = None
-    if step % config.eval_every == 0 or step == point.m or step in extra_evals:
+    if eval_due:
       val, counts = evaluate_step(parts, config)
       record.update(val)
     last = _write_step(writer, step, record, counts, config.eval.k)

@@ -15,6 +15,7 @@ import pytest
 
 from isojax import run
 from isojax.rl.losses import RATIO_METRICS
+from isojax.rollout.jax_sampler import JaxSampler
 from isojax.run_batches import lag_metrics
 from tests import run_records
 # compilation_cache: test_run's autouse persistent XLA cache, for this module's runs.
@@ -26,10 +27,21 @@ K3 = {"rl.off_policy_k": 3, "rl.clip_high": 0.28, "eval_every": 100,
       "checkpoint_every": 2, "eval.num_train": 0}
 
 
+PUSHED_AT_STEP = []  # the k3 run's weight pushes to its sampler, by update count
+
+
 @pytest.fixture(scope="module")
 def k3_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("k3")
-  return workdir, run.run(tiny_config(POINT, **K3), workdir)
+  push = JaxSampler.update_weights
+
+  def counted(sampler, model):
+    PUSHED_AT_STEP.append(len(run_records.records(workdir)))  # lines: step 0 .. s - 1
+    return push(sampler, model)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(JaxSampler, "update_weights", counted)
+    return workdir, run.run(tiny_config(POINT, **K3), workdir)
 
 
 def test_malformed_k_fails_before_any_work(tmp_path):
@@ -77,6 +89,9 @@ def test_k3_groups_lag_and_ledger(k3_run):
   assert all(RATIO_COLUMNS <= set(r) for r in records)
   assert all(r["train/skipped"] == 0 for r in records)
   assert records[1]["train/approx_kl_old"] > records[0]["train/approx_kl_old"]
+  # Weights reach the sampler only before it generates again: after each group's
+  # last update (3, then 5, the run's last, whose eval samples too).
+  assert PUSHED_AT_STEP == [3, 5]
 
 
 def test_lag_metrics_count_trained_tokens_only():
