@@ -88,14 +88,19 @@ def make_dir(path: str | os.PathLike) -> None:
 _LOG_TAIL_BYTES = 64 * 1024
 
 
+def read_tail(path: str | os.PathLike, num_bytes: int) -> bytes:
+  """The last `num_bytes` bytes of a file (all of a shorter one); raises OSError."""
+  with open(path, "rb") as f:
+    f.seek(0, os.SEEK_END)
+    f.seek(max(0, f.tell() - num_bytes))
+    return f.read()
+
+
 def log_tail(path: str | os.PathLike, lines: int = 20) -> str:
   """The last `lines` lines of a log file (a run's, the vLLM server's) for an error
   message, or a note saying why there is none."""
   try:
-    with open(path, "rb") as f:
-      f.seek(0, os.SEEK_END)
-      f.seek(max(0, f.tell() - _LOG_TAIL_BYTES))
-      text = f.read().decode("utf-8", "replace")
+    text = read_tail(path, _LOG_TAIL_BYTES).decode("utf-8", "replace")
   except OSError as e:
     return f"(no log: {e})"
   return "\n".join(text.splitlines()[-lines:])

@@ -19,6 +19,8 @@ import dataclasses
 import json
 import os
 
+from isojax.files import read_tail
+
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 DONE_FILE = "DONE"
@@ -97,10 +99,7 @@ def last_record(run_dir: str | os.PathLike) -> dict | None:
   Reads only the file's tail, so polling many runs of a long sweep stays cheap.
   """
   try:
-    with open(os.path.join(run_dir, METRICS_FILE), "rb") as f:
-      f.seek(0, os.SEEK_END)
-      f.seek(max(0, f.tell() - _TAIL_BYTES))
-      lines = f.read().split(b"\n")
+    lines = read_tail(os.path.join(run_dir, METRICS_FILE), _TAIL_BYTES).split(b"\n")
   except OSError:
     return None
   for line in reversed(lines[:-1]):  # the last element is '' or a partial line
