@@ -59,17 +59,18 @@ def train_rows(bp: int, n_est: int, n: int, seed: int) -> np.ndarray:
 
 
 def take_rollouts(rollouts: Rollouts, rows: np.ndarray) -> Rollouts:
-  """The rollouts at `rows`, in that order (same width T)."""
+  """The rollouts at `rows`, in that order (same width T), version labels included."""
   rows = np.asarray(rows, np.int64)
   lengths_B = np.asarray(rollouts.lengths_B)[rows]
   forced_BxT = np.asarray(rollouts.forced_BxT)[rows]
+  version_BxT = None if rollouts.version_BxT is None else rollouts.version_BxT[rows]
   return Rollouts(tokens_BxT=np.asarray(rollouts.tokens_BxT)[rows],
                   logprobs_BxT=np.asarray(rollouts.logprobs_BxT)[rows],
                   lengths_B=lengths_B,
                   finish_reason_B=np.asarray(rollouts.finish_reason_B)[rows],
                   num_rollouts=len(rows),
                   num_generated_tokens=int(lengths_B.sum() - forced_BxT.sum()),
-                  forced_BxT=forced_BxT)
+                  forced_BxT=forced_BxT, version_BxT=version_BxT)
 
 
 def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts,

@@ -120,3 +120,13 @@ def test_take_rollouts_keeps_forced_tokens_out_of_the_count():
   assert sub.forced_BxT.tolist() == [[0, 0, 0], [0, 1, 0]]
   assert sub.interrupted_B.tolist() == [False, True]
   assert sub.num_generated_tokens == 1 + 2
+
+
+def test_take_rollouts_keeps_version_labels():
+  r = Rollouts.from_sequences([[7, 4, 9], [6, 6], [5]], [[-0.1, 0.0, -0.3], [-1, -1], [-1]],
+                              ["length", "stop", "stop"], forced=[[0, 1, 0], [0, 0], [0]],
+                              versions=[[0, -1, 1], [2, 3], [4]])
+  sub = batching.take_rollouts(r, np.array([2, 0]))
+  assert sub.version_BxT.tolist() == [[4, -1, -1], [0, -1, 1]]
+  plain = Rollouts.from_sequences([[7], [6]], [[-0.1], [-1]], ["stop", "stop"])
+  assert batching.take_rollouts(plain, np.array([1])).version_BxT is None

@@ -60,6 +60,11 @@ class Rollouts:
       sampled (a forced interruption's phrase, `isojax.rollout.interruption`):
       the model reads them but is not trained on them, and their logprob is 0.
       None (the default) means none: all zeros.
+    version_BxT: int32 or None, the version label of the weights that sampled
+      each completion token (`Sampler.update_weights(model, version=...)`), so
+      that a sampler whose weights change while it generates says which tokens
+      came from which weights; -1 on padding and on forced tokens (not
+      sampled). None: the sampler does not label its tokens.
   """
 
   tokens_BxT: np.ndarray
@@ -69,6 +74,7 @@ class Rollouts:
   num_rollouts: int
   num_generated_tokens: int
   forced_BxT: np.ndarray | None = None
+  version_BxT: np.ndarray | None = None
 
   def __post_init__(self):
     if self.forced_BxT is None:
@@ -95,6 +101,7 @@ class Rollouts:
       raise ValueError(f"Rollouts.finish_reason_B has unknown values {sorted(bad)}; "
                        f"expected {_FINISH_REASONS}")
     self._check_forced()
+    self._check_version()
     sampled = int(self.lengths_B.sum()) - int(self.forced_BxT.sum())
     if self.num_generated_tokens != sampled:
       raise ValueError(
@@ -116,6 +123,26 @@ class Rollouts:
       raise ValueError("Rollouts.logprobs_BxT must be 0 on forced tokens (forced_BxT "
                        "= 1): they were not sampled")
 
+  def _check_version(self) -> None:
+    """version_BxT: tokens' shape, >= 0 on sampled tokens, -1 elsewhere."""
+    if self.version_BxT is None:
+      return
+    version_BxT = np.asarray(self.version_BxT)
+    if version_BxT.shape != self.tokens_BxT.shape:
+      raise ValueError(f"Rollouts.version_BxT shape {version_BxT.shape} != tokens_BxT "
+                       f"shape {self.tokens_BxT.shape}")
+    if not np.issubdtype(version_BxT.dtype, np.integer):
+      raise ValueError(f"Rollouts.version_BxT must hold integers, got dtype "
+                       f"{version_BxT.dtype}")
+    real_BxT = np.arange(version_BxT.shape[1])[None, :] < self.lengths_B[:, None]
+    sampled_BxT = real_BxT & ~self.forced_BxT.astype(bool)
+    if (version_BxT[sampled_BxT] < 0).any():
+      raise ValueError("Rollouts.version_BxT must be >= 0 on sampled tokens")
+    if (version_BxT[~sampled_BxT] != -1).any():
+      raise ValueError("Rollouts.version_BxT must be -1 on padding and forced tokens "
+                       "(forced_BxT = 1)")
+    object.__setattr__(self, "version_BxT", version_BxT.astype(np.int32, copy=False))
+
   @property
   def interrupted_B(self) -> np.ndarray:
     """bool, the rollouts with forced tokens (interrupted at a thinking budget)."""
@@ -125,7 +152,8 @@ class Rollouts:
   def from_sequences(cls, tokens: Sequence[Sequence[int]],
                      logprobs: Sequence[Sequence[float]],
                      finish_reasons: Sequence[str],
-                     forced: Sequence[Sequence[int]] | None = None) -> Rollouts:
+                     forced: Sequence[Sequence[int]] | None = None,
+                     versions: Sequence[Sequence[int]] | None = None) -> Rollouts:
     """Builds Rollouts from ragged per-rollout lists, right-padding with 0.
 
     Args:
@@ -134,6 +162,8 @@ class Rollouts:
       finish_reasons: "stop" or "length" per rollout.
       forced: optional 0/1 list per rollout, same lengths: 1 on appended
         (not sampled) tokens; see `forced_BxT`.
+      versions: optional weight-version label list per rollout, same lengths
+        (-1 on forced tokens); see `version_BxT`. None: unlabelled.
     """
     forced = [[0] * len(t) for t in tokens] if forced is None else forced
     if not len(tokens) == len(logprobs) == len(finish_reasons) == len(forced):
@@ -141,12 +171,16 @@ class Rollouts:
           f"from_sequences: got {len(tokens)} token lists, {len(logprobs)} "
           f"logprob lists, {len(finish_reasons)} finish reasons and {len(forced)} "
           f"forced-token lists")
+    if versions is not None and len(versions) != len(tokens):
+      raise ValueError(f"from_sequences: got {len(tokens)} token lists and "
+                       f"{len(versions)} version lists")
     b = len(tokens)
     lengths = np.array([len(t) for t in tokens], dtype=np.int32)
     width = int(lengths.max()) if b else 0
     tokens_BxT = np.zeros((b, width), np.int32)
     logprobs_BxT = np.zeros((b, width), np.float32)
     forced_BxT = np.zeros((b, width), np.int32)
+    version_BxT = None if versions is None else np.full((b, width), -1, np.int32)
     for i, (t, lp, f) in enumerate(zip(tokens, logprobs, forced)):
       if not len(t) == len(lp) == len(f):
         raise ValueError(f"from_sequences: rollout {i} has {len(t)} tokens but "
@@ -154,11 +188,16 @@ class Rollouts:
       tokens_BxT[i, :len(t)] = t
       logprobs_BxT[i, :len(lp)] = lp
       forced_BxT[i, :len(f)] = f
+      if versions is not None:
+        if len(versions[i]) != len(t):
+          raise ValueError(f"from_sequences: rollout {i} has {len(t)} tokens but "
+                           f"{len(versions[i])} version labels")
+        version_BxT[i, :len(t)] = versions[i]
     return cls(tokens_BxT=tokens_BxT, logprobs_BxT=logprobs_BxT,
                lengths_B=lengths,
                finish_reason_B=np.array(list(finish_reasons), dtype=str),
                num_rollouts=b, num_generated_tokens=int(lengths.sum() - forced_BxT.sum()),
-               forced_BxT=forced_BxT)
+               forced_BxT=forced_BxT, version_BxT=version_BxT)
 
   def sequences(self) -> list[list[int]]:
     """The completions as ragged lists of token ids (padding dropped)."""
@@ -175,9 +214,15 @@ class Sampler(Protocol):
     """Samples n completions per prompt; temperature 0 means greedy."""
     ...
 
-  def update_weights(self, model: nnx.Module) -> None:
-    """Makes subsequent `generate` calls sample from `model`'s parameters (the
-    trainer passes its Decoder: the vLLM client saves it as a checkpoint)."""
+  def update_weights(self, model: nnx.Module, *, version: int | None = None) -> None:
+    """Makes `generate` sample from `model`'s parameters (the trainer passes its
+    Decoder: the vLLM client saves it as a checkpoint).
+
+    `version` labels these weights in `Rollouts.version_BxT` (None: the
+    previous label + 1; the weights a sampler is built with are 0). May be
+    called from another thread while `generate` runs; how soon that call's
+    tokens use the new weights depends on the backend.
+    """
     ...
 
 

@@ -141,9 +141,10 @@ class InterruptingSampler:
     """The wrapped sampler's context."""
     return self.sampler.max_model_len()
 
-  def update_weights(self, model: Any) -> None:
-    """Passes `model` to the wrapped sampler: both stages sample from it."""
-    self.sampler.update_weights(model)
+  def update_weights(self, model: Any, *, version: int | None = None) -> None:
+    """Passes `model` and its version label to the wrapped sampler: both stages
+    sample from it (a stage already in flight as the backend allows)."""
+    self.sampler.update_weights(model, version=version)
 
   def close(self) -> None:
     """Closes the wrapped sampler, if it has anything to close."""
@@ -199,10 +200,17 @@ class InterruptingSampler:
 
 def _splice(thought: Rollouts, rows: np.ndarray, phrase: list[int],
             answered: Rollouts) -> Rollouts:
-  """`thought` with row rows[k] extended by phrase ++ answered's k-th completion."""
+  """`thought` with row rows[k] extended by phrase ++ answered's k-th completion.
+
+  Version labels: the answer keeps the continuation call's, the phrase gets -1
+  (not sampled); unlabelled (None) when either call was.
+  """
   tokens = thought.sequences()
   logprobs = [thought.logprobs_BxT[i, :len(t)].tolist() for i, t in enumerate(tokens)]
   forced = [[0] * len(t) for t in tokens]
+  labelled = thought.version_BxT is not None and answered.version_BxT is not None
+  versions = ([thought.version_BxT[i, :len(t)].tolist() for i, t in enumerate(tokens)]
+              if labelled else None)
   finish = thought.finish_reason_B.tolist()
   answers = answered.sequences()
   for k, r in enumerate(rows):
@@ -211,5 +219,9 @@ def _splice(thought: Rollouts, rows: np.ndarray, phrase: list[int],
     logprobs[r] = (logprobs[r] + [0.0] * len(phrase)
                    + answered.logprobs_BxT[k, :len(answer)].tolist())
     forced[r] = forced[r] + [1] * len(phrase) + [0] * len(answer)
+    if labelled:
+      versions[r] = (versions[r] + [-1] * len(phrase)
+                     + answered.version_BxT[k, :len(answer)].tolist())
     finish[r] = answered.finish_reason_B[k]
-  return Rollouts.from_sequences(tokens, logprobs, finish, forced=forced)
+  return Rollouts.from_sequences(tokens, logprobs, finish, forced=forced,
+                                 versions=versions)

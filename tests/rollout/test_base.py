@@ -43,6 +43,38 @@ def test_from_sequences_rejects_ragged_mismatch():
     Rollouts.from_sequences([[1], [2]], [[-1.0]], ["stop", "stop"])
 
 
+def test_version_labels_from_sequences():
+  r = Rollouts.from_sequences([[5, 6, 3, 7], [8]], [[-0.5, -1.0, 0.0, -0.2], [-2.0]],
+                              ["stop", "stop"], forced=[[0, 0, 1, 0], [0]],
+                              versions=[[0, 1, -1, 2], [4]])
+  assert r.version_BxT.dtype == np.int32
+  np.testing.assert_array_equal(r.version_BxT, [[0, 1, -1, 2], [4, -1, -1, -1]])
+  assert Rollouts.from_sequences([[5]], [[-0.5]], ["stop"]).version_BxT is None
+  with pytest.raises(ValueError, match="rollout 1 has 1 tokens but 2 version labels"):
+    Rollouts.from_sequences([[5], [6]], [[-0.5], [-0.5]], ["stop"] * 2,
+                            versions=[[0], [0, 0]])
+  with pytest.raises(ValueError, match="2 token lists and 1 version lists"):
+    Rollouts.from_sequences([[5], [6]], [[-0.5], [-0.5]], ["stop"] * 2, versions=[[0]])
+
+
+@pytest.mark.parametrize("version,msg", [
+    (np.zeros((2, 4), np.int32), "version_BxT shape"),
+    (np.zeros((2, 3), np.float32), "version_BxT must hold integers"),
+    (np.array([[0, 0, -1], [0, 1, -1]]), "version_BxT must be >= 0 on sampled"),
+    (np.array([[0, 0, 0], [0, -1, 3]]), "version_BxT must be -1 on padding"),
+    (np.array([[0, 2, 0], [0, -1, -1]]), "version_BxT must be -1 on padding and forced"),
+])
+def test_version_labels_are_validated(version, msg):
+  # Row 0: three sampled tokens of which the middle one is forced; row 1: one token.
+  kw = dict(tokens_BxT=np.ones((2, 3), np.int32), logprobs_BxT=np.zeros((2, 3), np.float32),
+            lengths_B=np.array([3, 1], np.int32), finish_reason_B=np.array(["stop"] * 2),
+            num_rollouts=2, num_generated_tokens=3,
+            forced_BxT=np.array([[0, 1, 0], [0, 0, 0]], np.int32))
+  Rollouts(**kw, version_BxT=np.array([[0, -1, 1], [0, -1, -1]]))
+  with pytest.raises(ValueError, match=msg):
+    Rollouts(**kw, version_BxT=version)
+
+
 def _arrays(b=2, t=3):
   return dict(tokens_BxT=np.zeros((b, t), np.int32), logprobs_BxT=np.zeros((b, t), np.float32),
               lengths_B=np.full((b,), t, np.int32),
@@ -125,7 +157,7 @@ def test_sampler_protocol_is_structural():
                                      [[0.0]] * (len(prompt_ids) * n),
                                      ["length"] * (len(prompt_ids) * n))
 
-    def update_weights(self, model):
+    def update_weights(self, model, *, version=None):
       pass
 
   assert isinstance(Fake(), Sampler)

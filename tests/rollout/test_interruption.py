@@ -21,14 +21,15 @@ class StubSampler:
   """Answers from `outputs[tuple(prompt)]`: n (tokens, finish) pairs per prompt,
   logprob -token/100; records every call."""
 
-  def __init__(self, outputs, context=32):
+  def __init__(self, outputs, context=32, versions=None):
     self.outputs, self.context, self.calls = outputs, context, []
+    self.versions = versions  # per call: the label of its tokens (None: unlabelled)
 
   def max_model_len(self):
     return self.context
 
-  def update_weights(self, model):
-    self.calls.append(("update_weights", model))
+  def update_weights(self, model, *, version=None):
+    self.calls.append(("update_weights", model, version))
 
   def generate(self, prompt_ids, *, n, max_tokens, temperature, top_p=1.0, top_k=None,
                stop_token_ids=(), seed=0):
@@ -38,8 +39,10 @@ class StubSampler:
     rows = [row for p in prompt_ids for row in self.outputs[tuple(p)][:n]]
     assert all(len(t) <= max_tokens for t, _ in rows)
     tokens = [t for t, _ in rows]
+    label = None if self.versions is None else self.versions[len(self.calls) - 1]
+    versions = None if label is None else [[label] * len(t) for t in tokens]
     return Rollouts.from_sequences(tokens, [[-t / 100 for t in row] for row in tokens],
-                                   [f for _, f in rows])
+                                   [f for _, f in rows], versions=versions)
 
 
 OUTPUTS = {
@@ -81,6 +84,19 @@ def test_stub_outputs_spliced_by_hand():
   assert second["temperature"] == 0.7 and second["stop_token_ids"] == (2,)
 
 
+def test_answers_keep_their_call_s_labels_and_the_phrase_gets_none():
+  r = InterruptingSampler(StubSampler(OUTPUTS, versions=[3, 4]), SPEC).generate(
+      [[1, 2], [3]], n=2, max_tokens=8, temperature=0.7, stop_token_ids=(2,))
+  np.testing.assert_array_equal(r.version_BxT, [[3, 3, 3, -1, -1, 4, 4],
+                                                [3, 3, -1, -1, -1, -1, -1],
+                                                [3, 3, 3, -1, -1, 4, 4],
+                                                [3, 3, 3, -1, -1, -1, -1]])
+  for versions in ([3, None], [None, 4]):
+    r = InterruptingSampler(StubSampler(OUTPUTS, versions=versions), SPEC).generate(
+        [[1, 2], [3]], n=2, max_tokens=8, temperature=0.7, stop_token_ids=(2,))
+    assert r.version_BxT is None
+
+
 def test_no_truncated_row_means_one_request_and_no_forced_tokens():
   stub = StubSampler({(4,): [([13, 2], "stop")] * 2})
   r = InterruptingSampler(stub, SPEC).generate([[4]], n=2, max_tokens=7, temperature=1.0)
@@ -100,7 +116,8 @@ def test_budgets_must_fit_before_any_work():
     sampler.generate([[1, 2, 3], [1, 2, 3, 4]], n=1, max_tokens=7, temperature=1.0)
   assert stub.calls == []
   sampler.update_weights("params")
-  assert stub.calls == [("update_weights", "params")]
+  sampler.update_weights("params", version=7)
+  assert stub.calls == [("update_weights", "params", None), ("update_weights", "params", 7)]
 
 
 @pytest.fixture(scope="module")
