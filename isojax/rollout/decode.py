@@ -6,8 +6,10 @@ prompt-major (pair p is sample p % n of prompt p // n). Admission prefills each
 distinct prompt once, copies its cache row to every row that decodes one of its
 samples, and samples their first tokens; decoding then runs all R rows in a
 lax.while_loop until every row is done or, when more pairs wait, until
-`min_free` rows are done (the host refills them and calls again). Each pair's
-outputs go to its own row of the output arrays, wherever it was decoded.
+`min_free` rows are done (the host refills them and calls again), or after
+`max_steps` steps (the host calls again, then with the weights current by then).
+Each pair's outputs go to its own row of the output arrays, wherever it was
+decoded.
 
 Randomness is keyed by pair, not by row: pair p draws its uniforms from
 fold_in(key, p), one per token, so a rollout is the same whatever row, chunk or
@@ -143,7 +145,7 @@ def _emit(out: Out, live_R, pair_R, step_R, tok_R, logp_R, hit_R) -> Out:
 
 def admit_and_decode(graphdef, s: Static, state, rows: Rows, out: Out, prompt_QxL, mask_QxL,
                      src_A, dest_A, pair_A, active_A, stop_V, key, temperature, top_p,
-                     max_tokens, min_free) -> tuple[Rows, Out]:
+                     max_tokens, min_free, max_steps) -> tuple[Rows, Out]:
   """Admits A pairs, then decodes.
 
   Args:
@@ -154,6 +156,9 @@ def admit_and_decode(graphdef, s: Static, state, rows: Rows, out: Out, prompt_Qx
     active_A: False for padding entries (ignored).
     min_free: decode stops once this many rows are done (R + 1: run until all are).
       It also stops before a live row would write past the cache's read extent.
+    max_steps: decode stops after this many steps (a bound on the tokens a row
+      emits before the host may swap weights); a dynamic int32, so changing it
+      does not recompile.
   """
   model = nnx.merge(graphdef, state)
   num_rows = rows.prev_R.shape[0]
@@ -183,15 +188,15 @@ def admit_and_decode(graphdef, s: Static, state, rows: Rows, out: Out, prompt_Qx
   read_len = rows.cache.read_len or rows.cache.max_len
 
   def cond(carry):
-    rows, _ = carry
+    rows, _, steps = carry
     # A step writes slot lengths_R of every live row and attends up to it: it
     # must be inside the read extent (the host widens it and calls again).
     fill = jnp.max(jnp.where(rows.done_R, 0, rows.cache.lengths_B))
     return (~jnp.all(rows.done_R) & (jnp.sum(rows.done_R, dtype=jnp.int32) < min_free)
-            & (fill < read_len))
+            & (fill < read_len) & (steps < max_steps))
 
   def body(carry):
-    rows, out = carry
+    rows, out, steps = carry
     before = rows.cache
     logits_RxV, cache = model.decode_step(rows.prev_R, before)
     # Done rows do not advance: they rewrite one spare slot until refilled, so
@@ -208,6 +213,7 @@ def admit_and_decode(graphdef, s: Static, state, rows: Rows, out: Out, prompt_Qx
     step_R = rows.step_R + live_R.astype(jnp.int32)
     rows = rows._replace(cache=cache, prev_R=tok_R, step_R=step_R,
                          done_R=rows.done_R | hit_R | (step_R >= max_tokens))
-    return rows, out
+    return rows, out, steps + 1
 
-  return jax.lax.while_loop(cond, body, (rows, out))
+  rows, out, _ = jax.lax.while_loop(cond, body, (rows, out, jnp.zeros((), jnp.int32)))
+  return rows, out

@@ -15,6 +15,13 @@ and max_tokens is bucketed likewise, so a training run compiles a handful of
 shapes. The model's graph definition is static and its parameters are an
 argument, so `update_weights` never recompiles.
 
+Weights may change while `generate` runs (`update_weights` from another
+thread): each jitted call (an admission and a chunk of decode steps) reads the
+current (version label, parameters) once and samples with them, and the tokens
+it emitted carry that label in `Rollouts.version_BxT`. `decode_chunk` bounds
+the decode steps of a call, so new weights are picked up within that many
+tokens.
+
 Sampling semantics (match vLLM's and `transformers`' order of processing):
 logits / temperature -> top-k -> top-p (smallest set of tokens whose
 probability reaches top_p) -> sample. The returned logprob is that of the
@@ -45,6 +52,7 @@ from isojax.rollout.memory import rows_for_budget
 
 PAD_ID = decode.PAD_ID
 _REFILL_FRACTION = 8  # with pairs waiting, decoding pauses to refill once R/8 rows are free
+_NO_STEP_LIMIT = np.iinfo(np.int32).max  # decode_chunk None: a call decodes until it must stop
 
 
 def _next_pow2(x: int) -> int:
@@ -107,11 +115,16 @@ class JaxSampler:
     cache_block: slots per KV-cache block. Attention reads a power-of-two number
       of blocks covering the fullest row, widened between chunks of decode
       steps as rows grow (one compilation per extent).
+    decode_chunk: a jitted call decodes at most this many steps before the host
+      calls again (with the same rows and extent, and the weights published by
+      then); None: a call decodes until rows must be refilled or the extent
+      widened. Tokens do not depend on it while the weights stay the same.
   """
 
   def __init__(self, model, *, mesh=None, rules=None, max_len: int | None = None,
                min_prompt_bucket: int = 16, max_rows: int | None = None,
-               kv_budget_gib: float | None = None, cache_block: int = decode.DEFAULT_BLOCK):
+               kv_budget_gib: float | None = None, cache_block: int = decode.DEFAULT_BLOCK,
+               decode_chunk: int | None = None):
     self._cfg = _model_config(model)
     self._mesh = mesh
     self._rules = sharding.DEFAULT_RULES if rules is None else rules
@@ -125,13 +138,20 @@ class JaxSampler:
     if kv_budget_gib is not None and not kv_budget_gib > 0:
       raise ValueError(f"JaxSampler: kv_budget_gib={kv_budget_gib}; expected > 0 "
                        f"(or None: no budget)")
+    if decode_chunk is not None and int(decode_chunk) < 1:
+      raise ValueError(f"JaxSampler: decode_chunk={decode_chunk}; expected >= 1 (or None: "
+                       f"no bound)")
+    self._decode_chunk = None if decode_chunk is None else int(decode_chunk)
     self._max_rows = None if max_rows is None else int(max_rows)
     self._kv_budget_gib = kv_budget_gib
     self._cache_block = int(cache_block)
     self._eos_ids = _eos_ids(self._cfg)
     self._graphdef, state = nnx.split(model)
     self._state_shardings = self._shardings_for(state)
-    self._state = self._put_state(state)
+    # (version label, parameters), always replaced whole by one assignment: a
+    # generate on another thread reads both together, never a label without
+    # its parameters.
+    self._weights = (0, self._put_state(state))
     self._build_jit()
 
   # -- sharding -------------------------------------------------------------
@@ -189,13 +209,23 @@ class JaxSampler:
     context, or the `max_len` cap below it); None when neither is known."""
     return self._max_len
 
-  def update_weights(self, model) -> None:
+  def update_weights(self, model, *, version: int | None = None) -> None:
     """Swaps in new parameters without recompiling.
+
+    Safe to call from another thread while `generate` runs: its next jitted
+    call (within `decode_chunk` tokens) samples with these parameters, and
+    the tokens carry `version` in `Rollouts.version_BxT`.
 
     Args:
       model: a Decoder of the same architecture, or its `nnx.state(model)`
         (e.g. the trainer's, possibly sharded differently: it is resharded).
+      version: the label of these weights (>= 0); None: the current label + 1
+        (the weights the sampler was built with are 0).
     """
+    if version is not None and (not isinstance(version, (int, np.integer))
+                                or isinstance(version, bool) or version < 0):
+      raise ValueError(f"JaxSampler.update_weights: version={version!r}; expected an "
+                       f"int >= 0 (or None: the current label + 1)")
     if isinstance(model, nnx.State):
       state = model
     else:
@@ -203,12 +233,14 @@ class JaxSampler:
       if graphdef != self._graphdef:
         raise ValueError("JaxSampler.update_weights: model structure differs from the "
                          "one the sampler was built with")
-    old = jax.tree.map(lambda x: (x.shape, x.dtype), self._state)
+    label, current = self._weights
+    old = jax.tree.map(lambda x: (x.shape, x.dtype), current)
     new = jax.tree.map(lambda x: (x.shape, x.dtype), state)
     if jax.tree.structure(old) != jax.tree.structure(new) or old != new:
       raise ValueError("JaxSampler.update_weights: parameter names/shapes/dtypes differ "
                        "from the ones the sampler was built with")
-    self._state = self._put_state(state)
+    label = label + 1 if version is None else int(version)
+    self._weights = (label, self._put_state(state))
 
   def generate(self, prompt_ids: list[list[int]], *, n: int, max_tokens: int,
                temperature: float, top_p: float = 1.0, top_k: int | None = None,
@@ -218,7 +250,8 @@ class JaxSampler:
     EOS token(s) from the model config always end a sequence, as do
     `stop_token_ids`; the stopping token is part of the completion.
     `top_k` None or 0 disables top-k; temperature 0 is greedy (top_p/top_k
-    are then irrelevant).
+    are then irrelevant). Every token is labelled with the version of the
+    weights that sampled it (see the module doc).
     """
     validate_request(prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature,
                      top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
@@ -247,6 +280,8 @@ class JaxSampler:
     stop_V = self._put(stop_V)[0]
 
     rows, out = self._jit_empty(self._cfg, s, num_rows, cache_len, num_pairs)
+    labels = _Labels(num_pairs, s.max_tokens)
+    max_steps = np.int32(self._decode_chunk or _NO_STEP_LIMIT)
     # Whole prompts are admitted together (one prefill for their n samples)
     # unless a prompt's n samples do not fit in the rows at all.
     unit = n if num_rows >= n else 1
@@ -267,12 +302,22 @@ class JaxSampler:
       prompts = self._put(prompt_QxL[prompts_Q], mask_QxL[prompts_Q], prompts=True)
       admit = self._put(pad(src_A, 0), pad(free_R[:take], num_rows), pad(pair_A, 0),
                         np.arange(a) < take)
-      rows = rows._replace(cache=rows.cache.with_read_len(_read_len(rows.cache, need)))
-      rows, out = self._jit(s, self._state, rows, out, *prompts, *admit, stop_V, *consts,
-                            np.int32(min_free))
-      done_R, lengths_R = _to_host((rows.done_R, rows.cache.lengths_B))
+      read_len = _read_len(rows.cache, need)
+      rows = rows._replace(cache=rows.cache.with_read_len(read_len))
+      label, state = self._weights  # once per call: the weights its tokens come from
+      rows, out = self._jit(s, state, rows, out, *prompts, *admit, stop_V, *consts,
+                            np.int32(min_free), max_steps)
+      done_R, lengths_R, emitted_P = _to_host((rows.done_R, rows.cache.lengths_B,
+                                               out.lengths_P))
+      labels.add(emitted_P, label)
       if done_R.all() and not left:
         break
+      if (done_R.sum() < min_free
+          and lengths_R[~done_R].max(initial=0) < read_len):
+        # Stopped by max_steps alone: go on as if it had not stopped (admit
+        # nothing, same extent), so the rows decode what they would have.
+        free_R = free_R[:0]
+        continue
       # The next step writes slot lengths_R: attention must read one past it.
       need = max(int(lengths_R[~done_R].max(initial=0)) + 1, l_bucket + 1)
       free_R = np.flatnonzero(done_R)
@@ -285,7 +330,8 @@ class JaxSampler:
         lengths_B=lengths_B,
         finish_reason_B=np.where(stopped_B[:b], FINISH_STOP, FINISH_LENGTH),
         num_rollouts=b,
-        num_generated_tokens=int(lengths_B.sum()))
+        num_generated_tokens=int(lengths_B.sum()),
+        version_BxT=labels.version_PxT[:b, :max_tokens])
 
   def _put(self, *arrays, prompts: bool = False) -> tuple[Any, ...]:
     """Host -> device: replicated over the mesh (prompt arrays split over the
@@ -294,6 +340,23 @@ class JaxSampler:
       return tuple(jax.device_put(a) for a in arrays)
     split = prompts and arrays[0].shape[0] % self._row_multiple == 0
     return tuple(jax.device_put(a, self._rows if split else self._rep) for a in arrays)
+
+
+class _Labels:
+  """The weight-version label of every pair's tokens, filled call by call."""
+
+  def __init__(self, num_pairs: int, width: int):
+    self.version_PxT = np.full((num_pairs, width), -1, np.int32)  # -1: not (yet) emitted
+    self._emitted_P = np.zeros((num_pairs,), np.int32)
+
+  def add(self, emitted_P: np.ndarray, label: int) -> None:
+    """Labels the tokens emitted since the last call (`emitted_P`: tokens per
+    pair so far, the outputs' lengths) with `label`."""
+    new_P = np.flatnonzero(emitted_P != self._emitted_P)
+    t_T = np.arange(self.version_PxT.shape[1])
+    new_NxT = ((t_T >= self._emitted_P[new_P, None]) & (t_T < emitted_P[new_P, None]))
+    self.version_PxT[new_P] = np.where(new_NxT, label, self.version_PxT[new_P])
+    self._emitted_P = emitted_P.astype(np.int32)
 
 
 def _to_host(arrays) -> tuple[Any, ...]:

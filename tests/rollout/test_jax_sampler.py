@@ -299,7 +299,7 @@ def test_mesh_of_8_devices_matches_one_device(model, sampler):
     np.testing.assert_array_equal(got.tokens_BxT, ref.tokens_BxT)
     np.testing.assert_allclose(got.logprobs_BxT, ref.logprobs_BxT, atol=1e-5)
   # Parameters really are split over the mesh.
-  emb = sharded._state["embed"][...]
+  emb = sharded._weights[1]["embed"][...]
   assert emb.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
 
 
