@@ -226,6 +226,17 @@ class Sampler(Protocol):
     ...
 
 
+def next_version(current: int, version: int | None, *, where: str) -> int:
+  """The label of weights passed to `update_weights`: `version`, checked, or
+  `current` + 1 when None. `where` names the caller in the error."""
+  if version is None:
+    return current + 1
+  if not isinstance(version, (int, np.integer)) or isinstance(version, bool) or version < 0:
+    raise ValueError(f"{where}: version={version!r}; expected an int >= 0 (or None: "
+                     f"the current label + 1)")
+  return int(version)
+
+
 def validate_request(prompt_ids: Sequence[Sequence[int]], *, n: int,
                      max_tokens: int, temperature: float, top_p: float = 1.0,
                      top_k: int | None = None, stop_token_ids: Sequence[int] = (),

@@ -46,7 +46,7 @@ from jax.experimental import multihost_utils
 
 from isojax import sharding
 from isojax.rollout import decode
-from isojax.rollout.base import (FINISH_LENGTH, FINISH_STOP, Rollouts,
+from isojax.rollout.base import (FINISH_LENGTH, FINISH_STOP, Rollouts, next_version,
                                  validate_request)
 from isojax.rollout.memory import rows_for_budget
 
@@ -222,10 +222,6 @@ class JaxSampler:
       version: the label of these weights (>= 0); None: the current label + 1
         (the weights the sampler was built with are 0).
     """
-    if version is not None and (not isinstance(version, (int, np.integer))
-                                or isinstance(version, bool) or version < 0):
-      raise ValueError(f"JaxSampler.update_weights: version={version!r}; expected an "
-                       f"int >= 0 (or None: the current label + 1)")
     if isinstance(model, nnx.State):
       state = model
     else:
@@ -239,7 +235,7 @@ class JaxSampler:
     if jax.tree.structure(old) != jax.tree.structure(new) or old != new:
       raise ValueError("JaxSampler.update_weights: parameter names/shapes/dtypes differ "
                        "from the ones the sampler was built with")
-    label = label + 1 if version is None else int(version)
+    label = next_version(label, version, where="JaxSampler.update_weights")
     self._weights = (label, self._put_state(state))
 
   def generate(self, prompt_ids: list[list[int]], *, n: int, max_tokens: int,

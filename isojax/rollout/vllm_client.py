@@ -19,7 +19,12 @@ share their samples' random streams: each rollout is still an exact sample of
 its prompt, but rollouts of different prompts are dependent. A prompt is never
 sent twice in one request (it would get identical samples).
 
-Weight sync (`update_weights`) is in `isojax.rollout.weight_sync`.
+Weight sync (`update_weights`) is in `isojax.rollout.weight_sync`. vLLM does
+not say which tokens of a request came after a reload, so every token of a
+`generate` call carries the version label current when the call started
+(`Rollouts.version_BxT`): a lower bound on the weights that sampled it. With
+`in_flight=True` an update keeps the server's running requests and continues
+them with the new weights; otherwise it waits for them to finish.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from absl import logging
 
 from isojax.rollout import weight_sync
 from isojax.rollout.base import (FINISH_LENGTH, FINISH_STOP, Rollouts, VLLMError,
-                                 VLLMResponseError, validate_request)
+                                 VLLMResponseError, next_version, validate_request)
 
 _SEED_STRIDE = 1_000_003
 _SEED_MOD = 2**62
@@ -71,6 +76,9 @@ class VLLMSampler:
       --skip-tokenizer-init) and generation_config.json.
     keep_last: weight snapshots kept on disk (the live one and the one before).
     prompts_per_request: prompts batched into one HTTP request (see above).
+    in_flight: an update pauses the server keeping its requests in flight and
+      continues them with the new weights (`WeightSync`), instead of waiting
+      for them to finish (no overlap of sampling and reloading).
   """
 
   def __init__(self, base_url: str, *, weights_root: str | None = None,
@@ -78,7 +86,8 @@ class VLLMSampler:
                connect_timeout_s: float = 5.0, max_retries: int = 4,
                backoff_s: float = 0.5, eos_token_ids: Sequence[int] | None = None,
                keep_last: int = 2, prompts_per_request: int = 1,
-               probe_timeout_s: float = 30.0, wait_log_s: float = 60.0):
+               probe_timeout_s: float = 30.0, wait_log_s: float = 60.0,
+               in_flight: bool = False):
     if not base_url.startswith(("http://", "https://")):
       raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
     self.base_url = base_url.rstrip("/").removesuffix("/v1")
@@ -103,7 +112,8 @@ class VLLMSampler:
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._model_info: dict[str, Any] | None = None
     self.weights = weight_sync.WeightSync(self, weights_root=weights_root,
-                                          keep_last=keep_last)
+                                          keep_last=keep_last, in_flight=in_flight)
+    self._version = 0  # the label of the weights the server serves; replaced whole
 
   # -- HTTP -----------------------------------------------------------------
 
@@ -207,6 +217,7 @@ class VLLMSampler:
         context with `max_tokens` (checked before anything is sent).
       VLLMError / VLLMResponseError: server faults, naming the URL / field.
     """
+    version = self._version  # before any request: a lower bound for all its tokens
     info = self.model_info()
     vocab = info["hf_config"].get("vocab_size")
     validate_request(prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature,
@@ -253,14 +264,20 @@ class VLLMSampler:
       tokens += [x for x in t for _ in range(copies)]
       logprobs += [x for x in lp for _ in range(copies)]
       finish += [x for x in fr for _ in range(copies)]
-    return Rollouts.from_sequences(tokens, logprobs, finish)
+    return Rollouts.from_sequences(tokens, logprobs, finish,
+                                   versions=[[version] * len(t) for t in tokens])
 
-  def update_weights(self, model: Any) -> None:
+  def update_weights(self, model: Any, *, version: int | None = None) -> None:
     """Saves `model` (an isojax Decoder) and makes the server serve it.
 
-    See `isojax.rollout.weight_sync.WeightSync.push`.
+    See `isojax.rollout.weight_sync.WeightSync.push`. May be called from
+    another thread while `generate` runs. `version` labels the tokens of
+    `generate` calls that start after this returns (None: the current label
+    + 1); the label changes only once the server serves the new weights.
     """
+    label = next_version(self._version, version, where="VLLMSampler.update_weights")
     self.weights.push(model)
+    self._version = label
 
   def close(self) -> None:
     """Shuts the request thread pool down and removes temp weight snapshots."""

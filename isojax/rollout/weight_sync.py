@@ -4,12 +4,16 @@ The protocol (vLLM >= 0.32 with VLLM_SERVER_DEV_MODE=1):
 
 1. `save_pretrained` writes an HF snapshot into a fresh directory (atomically:
    temp dir + rename, so the server never reads half a checkpoint);
-2. `POST /pause?mode=wait` lets in-flight requests finish and holds new ones;
+2. `POST /pause?mode=wait` lets in-flight requests finish and holds new ones
+   (`in_flight=True`: `mode=keep`, which freezes in-flight requests where they
+   are, so sampling overlaps the update);
 3. `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`
    makes every worker load DIR's safetensors in place (no restart, ~20 ms for
    a tiny model);
 4. `POST /reset_prefix_cache`: cached KV blocks were computed with the old
-   weights and would otherwise be reused for matching prompt prefixes;
+   weights and would otherwise be reused for matching prompt prefixes (with
+   `in_flight=True`, `?reset_running_requests=true`: the kept requests' KV is
+   dropped too and recomputed, prompt and tokens so far, with the new weights);
 5. `POST /resume` (always, even when 3 or 4 failed, so the server is not left
    paused).
 
@@ -42,15 +46,20 @@ class WeightSync:
     weights_root: where snapshots go; must be visible to the server under the
       same path. A fresh temp dir when None, removed again by `close()`.
     keep_last: snapshots kept on disk (>= 1).
+    in_flight: keep the server's in-flight requests through the update and
+      continue them with the new weights (pause `mode=keep`) instead of
+      waiting for them to finish (`mode=wait`).
   """
 
-  def __init__(self, client: Any, *, weights_root: str | None = None, keep_last: int = 2):
+  def __init__(self, client: Any, *, weights_root: str | None = None, keep_last: int = 2,
+               in_flight: bool = False):
     if keep_last < 1:
       raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     self.client = client
     self._weights_root = os.path.abspath(weights_root) if weights_root else None
     self._owns_root = False  # True once a temp dir of our own holds the snapshots
     self.keep_last = int(keep_last)
+    self.in_flight = bool(in_flight)
     self._written: list[str] = []
     self.num_pushes = 0
     self.last_timings: dict[str, float] = {}
@@ -103,7 +112,7 @@ class WeightSync:
     c = self.client
     timings = {}
     t = time.perf_counter()
-    c.request("POST", "/pause", params={"mode": "wait"})
+    c.request("POST", "/pause", params={"mode": "keep" if self.in_flight else "wait"})
     timings["pause_s"] = time.perf_counter() - t
     try:
       t = time.perf_counter()
@@ -124,8 +133,15 @@ class WeightSync:
   def _reset_prefix_cache(self, attempts: int = 20) -> None:
     # vLLM refuses ({"success": false}) while KV blocks are still held; after a
     # pause in "wait" mode they are normally free, so a few short retries do.
+    # Requests kept by a "keep" pause hold their blocks until they finish, so
+    # no retry would do: reset_running_requests preempts them (their blocks,
+    # computed with the old weights, are freed; on resume they are recomputed
+    # with the new ones), and vLLM answers an error if even that cannot reset.
+    # (vLLM 0.32's keep pause may already have preempted them, as its
+    # clear_cache default; resetting here, after the reload, holds either way.)
+    params = {"reset_running_requests": "true"} if self.in_flight else None
     for _ in range(attempts):
-      answer = self.client.request("POST", "/reset_prefix_cache")
+      answer = self.client.request("POST", "/reset_prefix_cache", params=params)
       if not isinstance(answer, dict) or answer.get("success", True):
         return
       time.sleep(0.05)

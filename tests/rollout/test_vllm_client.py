@@ -295,14 +295,25 @@ def test_bad_arguments_fail_before_sending(fake):
 
 
 def _weight_routes(fake, *, reload_status=200, reset_answers=None):
+  """Weight-sync routes. Like vLLM, a reset is refused while a "keep" pause holds
+  requests, unless it preempts them (reset_running_requests=true)."""
   reset_answers = iter(reset_answers or [])
+  fake.pause_modes = []  # the mode of every /pause
+
+  def pause(b, q):
+    fake.pause_modes.append(q.get("mode"))
+    return 200, {"status": "paused"}
+
+  def reset(b, q):
+    held = fake.pause_modes[-1] == "keep" and q.get("reset_running_requests") != "true"
+    return 200, {"success": not held and next(reset_answers, True)}
+
   fake.routes.update({
-      ("POST", "/pause"): lambda b, q: (200, {"status": "paused"}),
+      ("POST", "/pause"): pause,
       ("POST", "/collective_rpc"): lambda b, q: (
           (200, {"results": [None]}) if reload_status == 200
           else (reload_status, {"error": "reload_weights failed: shape mismatch"})),
-      ("POST", "/reset_prefix_cache"): lambda b, q: (
-          200, {"success": next(reset_answers, True)}),
+      ("POST", "/reset_prefix_cache"): reset,
       ("POST", "/resume"): lambda b, q: (200, {"status": "resumed"}),
   })
 
@@ -327,7 +338,7 @@ def test_update_weights_protocol_and_keeps_last_two(fake, tiny_model, tmp_path):
   assert [(m, p) for m, p, _, _ in first] == [
       ("POST", "/pause"), ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"),
       ("POST", "/reset_prefix_cache"), ("POST", "/resume")]
-  assert first[0][2] == {"mode": "wait"}
+  assert first[0][2] == {"mode": "wait"} and first[2][2] == first[3][2] == {}
   snapshot = root / "weights_000001"
   assert first[1][3] == {"method": "reload_weights",
                          "kwargs": {"weights_path": str(snapshot)}}
@@ -339,6 +350,56 @@ def test_update_weights_protocol_and_keeps_last_two(fake, tiny_model, tmp_path):
   assert sorted(p.name for p in root.iterdir()) == ["weights_000002", "weights_000003"]
   assert s.weights.num_pushes == 3
   assert set(s.weights.last_timings) >= {"pause_s", "reload_s", "resume_s", "save_s"}
+
+
+def test_in_flight_update_keeps_requests_and_preempts_them_at_the_reset(fake, tiny_model,
+                                                                       tmp_path):
+  _weight_routes(fake)
+  s = _sampler(fake.url, weights_root=str(tmp_path / "w"), in_flight=True)
+  s.update_weights(tiny_model)
+  assert fake.pause_modes == ["keep"]
+  assert [(p, q) for _, p, q, _ in fake.calls] == [
+      ("/pause", {"mode": "keep"}), ("/collective_rpc", {}),
+      ("/reset_prefix_cache", {"reset_running_requests": "true"}), ("/resume", {})]
+  # Without the preemption the kept requests' blocks stay held: the reset fails
+  # (after its retries) and the server is still resumed.
+  s.weights.in_flight = False
+  fake.pause_modes.append("keep")
+  fake.calls.clear()
+  with pytest.raises(VLLMError, match="reset_prefix_cache kept answering success=false"):
+    s.weights._reset_prefix_cache(attempts=2)
+
+
+def test_tokens_carry_the_version_current_when_generate_started(fake, tiny_model,
+                                                                tmp_path):
+  _weight_routes(fake)
+  s = _sampler(fake.url, weights_root=str(tmp_path / "w"), in_flight=True)
+  prompts = [[5, 6, 7], [8, 9]]
+  r = s.generate(prompts, n=2, max_tokens=4, temperature=1.0)
+  np.testing.assert_array_equal(r.version_BxT, [[0, -1], [0, 0], [0, -1], [0, 0]])
+  # An update from another thread while the requests are being answered: those
+  # tokens keep the label of the start (a lower bound), later calls get the new one.
+  updates = []
+
+  def complete_during_update(body, q):
+    if not updates:
+      updates.append(threading.Thread(target=s.update_weights, args=(tiny_model,),
+                                       kwargs=dict(version=9)))
+      updates[0].start()
+      updates[0].join(timeout=60)
+    return 200, fake.complete(body)
+
+  fake.routes[("POST", "/v1/completions")] = complete_during_update
+  r = s.generate(prompts, n=2, max_tokens=4, temperature=1.0)
+  assert not updates[0].is_alive() and fake.pause_modes == ["keep"]
+  assert set(r.version_BxT[r.version_BxT >= 0].tolist()) == {0}
+  assert (s.generate(prompts, n=1, max_tokens=4, temperature=1.0).version_BxT[:, 0]
+          == 9).all()
+  s.update_weights(tiny_model)
+  assert (s.generate(prompts, n=1, max_tokens=4, temperature=1.0).version_BxT[:, 0]
+          == 10).all()
+  with pytest.raises(ValueError, match=r"VLLMSampler.update_weights: version=-2"):
+    s.update_weights(tiny_model, version=-2)
 
 
 def test_close_removes_its_own_temp_snapshots_but_not_a_given_root(fake, tiny_model,
