@@ -155,6 +155,9 @@ def base_config() -> ml_collections.ConfigDict:
   # finished rows are refilled. The run checks trainer + cache <= device memory.
   c.sampler.max_rows = 0
   c.sampler.kv_budget_gib = 0.0
+  # At most this many tokens per jitted decode call (0 = no cap): with
+  # rl.pipeline.max_lag > 0 new weights reach generation in flight between calls.
+  c.sampler.decode_chunk = 0
   c.sampler.vllm_url = "http://127.0.0.1:8000"
   # Where the weight snapshots pushed to the server go; the server must read
   # them under the same path. "" = a temp dir on this host, removed at the end.
@@ -177,7 +180,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.adv_std_eps = 1e-6
   c.rl.kind = "ppo_clip"           # ppo_clip | cispo | cispo_two_sided | gspo
   # The clips act on pi/pi_old, exactly 1 with one on-policy update per batch:
-  # a run refuses other values unless updates reuse stale batches (off_policy_k).
+  # a run refuses other values unless updates reuse stale batches (off_policy_k,
+  # pipeline.max_lag).
   c.rl.clip_low = 0.2
   c.rl.clip_high = 0.2             # also CISPO's weight cap
   c.rl.clip_dual = ml_collections.config_dict.placeholder(float)
@@ -207,6 +211,12 @@ def base_config() -> ml_collections.ConfigDict:
   # k updates, one per batch (2..k on stale batches); ratios are then taken
   # against the sampler's log-probs and the clips above bind. 1 = on-policy.
   c.rl.off_policy_k = 1
+  # PipelineRL-k (ScaleRL's choice): a thread samples while updates run, every
+  # update's weights reach generation in flight, and a batch is trained on only
+  # if its oldest token was sampled at most max_lag updates ago; ratios are
+  # against the sampler's log-probs. 0 = the synchronous loop.
+  c.rl.pipeline = ml_collections.ConfigDict()
+  c.rl.pipeline.max_lag = 0
 
   # The value model of PPO, read only when rl.adv_estimator = "gae" (isojax.rl.ppo).
   # Defaults are verl's. The critic's forward/backward FLOPs go to the ledger's

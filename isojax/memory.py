@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from isojax import batching, models, rl, run, run_setup
+from isojax import batching, models, rl, run_setup
 from isojax import data as data_lib
 from isojax.models import Decoder, ModelConfig
 from isojax.rl import ppo
+from isojax.run_plan import plan_run
 
 GIB = 1024 ** 3
 
@@ -116,7 +117,7 @@ def dry_run(config) -> tuple[StepMemory, dict]:
   Returns:
     (StepMemory, a dict describing what was compiled: B, T, micro-batch, mesh).
   """
-  run_plan = run.plan_run(config)
+  run_plan = plan_run(config)
   path = run_setup.model_path(config)
   config_file = path / "config.json"
   if not config_file.exists():

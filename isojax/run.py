@@ -3,10 +3,10 @@
     sample Bp problems -> n rollouts each -> rewards -> Batch -> step (advantages,
     loss, update inside) -> weight sync -> ledger -> [eval] -> metrics -> [checkpoint]
 
-`plan_run(config)` validates everything that can be checked without work (the
-budget point above all: an infeasible point fails here, naming its numbers); `run`
-then opens the run (builds the parts, resumes from the last checkpoint) and loops
-until M updates are done. The workdir (layout: `isojax.rundir`) holds
+`plan_run(config)` (`isojax.run_plan`) validates everything that can be checked
+without work (the budget point above all: an infeasible point fails here, naming
+its numbers); `run` then opens the run (builds the parts, resumes from the last
+checkpoint) and loops until M updates are done. The workdir (layout: `isojax.rundir`) holds
 
     config.json     the resolved config, with the derived budget point
     metrics.jsonl   one line per step (step 0: the base model's eval)
@@ -19,7 +19,10 @@ samples k batches with one policy, then runs k updates, one per batch
 (`isojax.run_batches`); the step takes its ratios against the sampler's
 log-probs. The last group of the M updates is shorter when k does not divide M.
 A checkpoint falls due as usual but is written at the end of its group, so a
-resumed run restarts at a group boundary with no batch pending.
+resumed run restarts at a group boundary with no batch pending. With
+config.rl.pipeline.max_lag = k > 0 (PipelineRL-k, `isojax.pipeline`) a thread
+samples while the loop updates, and every update's weights reach generation in
+flight; a checkpoint drains it.
 
 Determinism: the samples of step s are drawn with a seed derived from (seed, s)
 alone via `jax.random.fold_in`, evals with fixed per-run seeds, and the data
@@ -33,7 +36,6 @@ device_hours column, a wall-clock measurement.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pathlib
@@ -45,170 +47,20 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from isojax import assets, rundir, run_setup
+from isojax import rundir, run_setup
 from isojax import budget as budget_lib
 from isojax import evaluate as ev
 from isojax import metrics as metrics_lib
 from isojax.checkpoint import HostState
-from isojax.data.loader import check_retire_threshold
-from isojax.data.problem_sets import check_data_config, metric_prefix
+from isojax.data.problem_sets import metric_prefix
 from isojax.errors import disk_full_as
-from isojax.models.tokenizer import Tokenizer
-from isojax.rl import LossConfig, OptimConfig, learning_rate
-from isojax.rl.advantages import ESTIMATORS, min_group_size
-from isojax.rl.value import VALUE_ESTIMATORS, ValueConfig
-from isojax.rollout.interruption import interruption_from_config
+from isojax.pipeline import Pipeline
 from isojax.rundir import CONFIG_FILE, DONE_FILE, METRICS_FILE
-from isojax.run_batches import (TRAIN_EVAL, VAL, VAL_EXTRA, NonFiniteLossError,
-                                SampledBatch, derive_seed, lag_metrics, sample_group)
+from isojax.run_batches import (TRAIN_EVAL, VAL, VAL_EXTRA, GroupedBatches,
+                                NonFiniteLossError, SampledBatch, derive_seed, lag_metrics)
+from isojax.run_plan import RunPlan, plan_run, resolved_config
 from isojax.run_setup import (OpenRun, RunParts, check_same_config, model_of,
                               nonfinite_step_message, open_run, run_key, write_json)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunPlan:
-  """What `config` asks for, derived once and frozen (the config is never written).
-
-  Attributes:
-    point: the budget point (Bp, n, M) from config.bp, config.n, config.budget
-      (and config.rl.n_est: a decoupled baseline samples n_est per problem).
-    loss: the isojax.rl LossConfig.
-    optim: the isojax.rl OptimConfig.
-    lr: the peak learning rate the optimiser's rule gives for B = Bp * n.
-    micro_batch: rollouts per gradient-accumulation chunk (B when 0 in config).
-    max_tokens: the response-length cap, config.sampler.max_tokens with 0
-      resolved (`isojax.budget.study_max_tokens`).
-    val_sets: data.val's (name, source) pairs, the primary first.
-    value: the critic's isojax.rl ValueConfig when rl.adv_estimator is a
-      value estimator ("gae": PPO), else None.
-    critic_optim: the critic's OptimConfig (the policy's with config.critic.lr_base),
-      or None.
-    off_policy_k: batches sampled with one policy, then updated on one by one
-      (config.rl.off_policy_k; 1: on-policy).
-  """
-  point: budget_lib.BudgetPoint
-  loss: object
-  optim: object
-  lr: float
-  micro_batch: int
-  max_tokens: int = budget_lib.SYNTHETIC_MAX_TOKENS
-  val_sets: tuple = ()
-  value: object = None
-  critic_optim: object = None
-  off_policy_k: int = 1
-
-
-def plan_run(config) -> RunPlan:
-  """Validates `config` and derives the budget point; does no work.
-
-  Raises:
-    ValueError: naming the numbers, for an infeasible budget point (Bp * n >
-      b_max, or a budget below one batch so that M = 0) or any bad field.
-  """
-  n_est = config.rl.n_est or None
-  per = n_est or config.n
-  if n_est is not None and n_est < config.n:
-    raise ValueError(f"config.rl.n_est={n_est} must be 0 (off) or >= n={config.n}: the "
-                     f"baseline is estimated from n_est rollouts, n of them trained on")
-  point = budget_lib.BudgetPoint.feasible(config.budget, bp=config.bp, n=config.n,
-                                          n_est=n_est, b_max=config.b_max)
-  # The estimator's baseline is taken over the n_est sampled rollouts when set.
-  check_min_n(per, config.rl.adv_estimator)
-  for name in ("eval_every", "checkpoint_every", "keep_checkpoints",
-               "max_consecutive_skips"):
-    if config[name] < 1:
-      raise ValueError(f"config.{name}={config[name]} must be >= 1")
-  server = config.sampler.server_devices
-  if (isinstance(server, bool) or not isinstance(server, int) or server < 0
-      or (server and config.sampler.backend != "vllm")):
-    raise ValueError(f"config.sampler.server_devices={server!r} must be an int >= 0, and 0 "
-                     f"unless sampler.backend is 'vllm' (a vLLM server's accelerators, "
-                     f"counted in device-hours)")
-  if config.sampler.backend not in ("jax", "vllm"):
-    raise ValueError(f"config.sampler.backend={config.sampler.backend!r}; expected "
-                     f"'jax' or 'vllm'")
-  max_tokens = budget_lib.study_max_tokens(config.sampler.max_tokens, config.model.path)
-  interruption_from_config(config.sampler, max_tokens=max_tokens, encode=lambda text: (
-      Tokenizer.from_pretrained(run_setup.model_path(config)).encode(text)))
-  if config.eval.k < 1:
-    raise ValueError(f"config.eval.k={config.eval.k} must be >= 1")
-  if config.data.reward not in ("exact", "math"):
-    raise ValueError(f"config.data.reward={config.data.reward!r}; expected 'exact' or "
-                     f"'math'")
-  val_sets = check_data_config(config.data, assets.ASSETS_DIR / "splits")
-  if config.data.drop_solved_above:  # 0.0 = off
-    check_retire_threshold(config.data.drop_solved_above,
-                           name="config.data.drop_solved_above")
-  rl = config.rl
-  loss = LossConfig.from_config(rl, name="config.rl")
-  off_policy_k = check_off_policy_k(rl)
-  if off_policy_k == 1:
-    loss.check_on_policy(name="config.rl")  # clip settings would be silent no-ops
-  optim = OptimConfig(
-      lr_base=rl.lr_base, batch_base=rl.batch_base, lr_rule=rl.lr_rule,
-      warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
-      max_grad_norm=rl.max_grad_norm)
-  micro = rl.micro_batch or point.batch
-  if rl.logits_chunk is not None and rl.logits_chunk < 1:
-    raise ValueError(f"config.rl.logits_chunk={rl.logits_chunk} must be >= 1 (sequence "
-                     f"positions per lm-head chunk) or None (all at once)")
-  if point.batch % micro:
-    raise ValueError(f"config.rl.micro_batch={micro} does not divide B = Bp*n = "
-                     f"{point.batch}")
-  value, critic_optim = _critic_plan(config, optim)
-  return RunPlan(point=point, loss=loss, optim=optim,
-                 lr=learning_rate(optim, point.batch), micro_batch=micro,
-                 max_tokens=max_tokens, val_sets=tuple(val_sets), value=value,
-                 critic_optim=critic_optim, off_policy_k=off_policy_k)
-
-
-def check_off_policy_k(rl) -> int:
-  """config.rl.off_policy_k (1 when absent), checked; ValueError naming the field."""
-  k = rl.get("off_policy_k", 1)
-  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-    raise ValueError(f"config.rl.off_policy_k={k!r} must be an integer >= 1 (batches "
-                     f"sampled with one policy before it is updated; 1 = on-policy)")
-  if k > 1 and rl.adv_estimator in VALUE_ESTIMATORS:
-    raise ValueError(f"config.rl.off_policy_k={k} needs a critic-free estimator: the "
-                     f"critic's step (rl.adv_estimator={rl.adv_estimator!r}) takes its "
-                     f"ratio against the current policy, exact only on-policy")
-  return k
-
-
-def _critic_plan(config, optim):
-  """(ValueConfig, the critic's OptimConfig) from config.critic, or (None, None)."""
-  if config.rl.adv_estimator not in VALUE_ESTIMATORS:
-    return None, None
-  c = config.critic
-  value = ValueConfig(gamma=c.gamma, lam=c.lam, whiten=c.whiten,
-                      cliprange_value=c.cliprange_value,
-                      value_coef=c.value_coef, critic_warmup=c.warmup_steps)
-  return value, dataclasses.replace(optim, lr_base=c.lr_base)
-
-
-def check_min_n(n: int, estimator: str) -> None:
-  """Raises ValueError when n rollouts per problem are too few for the estimator."""
-  need = min_group_size(estimator)
-  if n < need:
-    fits = sorted(k for k in [*ESTIMATORS, *VALUE_ESTIMATORS] if min_group_size(k) <= n)
-    raise ValueError(f"n={n} rollouts per problem: config.rl.adv_estimator="
-                     f"{estimator!r} needs n >= {need} (its per-problem baseline is "
-                     f"undefined below); raise n or use one of {fits}")
-
-
-def resolved_config(config, run_plan: RunPlan) -> dict:
-  """config.json's content: the config plus the derived point (analysis reads it).
-
-  "budget" becomes {"requested", "bp", "n", "m", "batch", "compute"} (and
-  "n_est" for a decoupled baseline), and bp, n, m sit at top level too; "lr" is
-  the derived peak learning rate and "max_tokens" the response-length cap used.
-  """
-  out = config.to_dict()
-  out["budget"] = {"requested": config.budget, **run_plan.point.to_dict()}
-  out["m"] = run_plan.point.m
-  out["lr"] = run_plan.lr
-  out["max_tokens"] = run_plan.max_tokens
-  return json.loads(json.dumps(out))  # tuples -> lists, as a reload would see them
 
 
 def evaluate_step(parts: RunParts, config) -> tuple[dict, np.ndarray | None]:
@@ -239,20 +91,19 @@ def evaluate_step(parts: RunParts, config) -> tuple[dict, np.ndarray | None]:
   return out, counts
 
 
-def update_on(parts: RunParts, state, sampled: SampledBatch, *,
-              off_policy_k: int) -> tuple:
+def update_on(parts: RunParts, state, sampled: SampledBatch, *, stale: bool) -> tuple:
   """One update on a sampled batch.
 
   Returns:
     (state, metrics): the new train state and the step's metrics ("train/...",
-    the batch's host metrics and the device's; with off_policy_k > 1 the policy
+    the batch's host metrics and the device's; with stale batches the policy
     lag of its tokens too).
   """
   state, step_metrics = parts.train_step(state, sampled.batch)
   step_metrics = {f"train/{k}": float(v) for k, v in jax.device_get(step_metrics).items()}
   if parts.critic_flops is not None:  # PPO: the critic's cost of this update
     step_metrics["train/critic_flops"] = parts.critic_flops(sampled.batch.attention_mask_BxT)
-  if off_policy_k > 1:  # on-policy the lag is always 0: no columns for it
+  if stale:  # on-policy the lag is always 0: no columns for it
     step_metrics.update(lag_metrics(sampled.version_BxT, updates_done=sampled.step - 1))
   return state, {**sampled.host, **step_metrics}
 
@@ -281,7 +132,7 @@ def run(config, workdir: str | os.PathLike) -> dict:
     return done["last"]
   opened = open_run(config, run_plan, workdir, resolved)
   try:
-    last = train_loop(opened, config, run_plan.point, off_policy_k=run_plan.off_policy_k)
+    last = train_loop(opened, config, run_plan)
   finally:
     opened.close()
   if last is None:  # resumed at the last step: nothing was left to do
@@ -302,17 +153,27 @@ def compute_devices(config, mesh) -> int:
   return mesh.devices.size + config.sampler.server_devices
 
 
-def train_loop(opened: OpenRun, config, point: budget_lib.BudgetPoint, *,
-               off_policy_k: int = 1) -> dict | None:
-  """Runs the updates after the opened run's last step up to M: [sample a group of
-  off_policy_k batches], update on the next one, sync weights, count, [eval], write
-  metrics, [checkpoint at a group's end].
+def batch_source(parts: RunParts, config, run_plan: RunPlan, *, first: int, state):
+  """Where the updates first..M get their batches: the synchronous loop's groups
+  (`GroupedBatches`) or PipelineRL-k's producer thread (`Pipeline`, started)."""
+  last = run_plan.point.m
+  if not run_plan.max_lag:
+    return GroupedBatches(parts, config, k=run_plan.off_policy_k, last=last)
+  return Pipeline(parts, config, first=first, last=last, max_lag=run_plan.max_lag,
+                  checkpoint_every=config.checkpoint_every,
+                  copy_weights=config.sampler.backend == "jax").start(model_of(parts, state))
+
+
+def train_loop(opened: OpenRun, config, run_plan: RunPlan) -> dict | None:
+  """Runs the updates after the opened run's last step up to M: take the step's
+  batch (sampling a group, or from the pipeline), update, hand the sampler the
+  weights, count, [eval], write metrics, [checkpoint once no batch is pending].
 
   Returns:
     the last metrics record written, or None when nothing was left to do.
   """
   parts, writer, ckpt, state = opened.parts, opened.writer, opened.ckpt, opened.state
-  last, pending, k = None, [], off_policy_k
+  point, last = run_plan.point, None
   if opened.resumed is None:
     start, ledger, skips = 0, budget_lib.Ledger(), 0
     val, counts = evaluate_step(parts, config)
@@ -325,54 +186,60 @@ def train_loop(opened: OpenRun, config, point: budget_lib.BudgetPoint, *,
   bar = _progress(point.m, start, point.name)
   devices = compute_devices(config, parts.mesh)
   checkpoint_due = False
-  for step in range(start + 1, point.m + 1):
-    t_step = time.perf_counter()
-    if not pending:  # a group starts: its batches from the current policy, charged now
-      pending = sample_group(parts, config, step, min(step + k - 1, point.m))
-      for sampled in pending:
-        ledger = ledger.add_rollouts(sampled.rollouts, dropped_rollouts=sampled.dropped,
+  source = batch_source(parts, config, run_plan, first=start + 1, state=state)
+  try:
+    for step in range(start + 1, point.m + 1):
+      t_step = time.perf_counter()
+      sampled, charged = source.take(step)
+      for batch in charged:  # the ledger pays for a batch when it is sampled
+        ledger = ledger.add_rollouts(batch.rollouts, dropped_rollouts=batch.dropped,
                                      updates=0)
-    state, record = update_on(parts, state, pending.pop(0), off_policy_k=k)
-    eval_due = step % config.eval_every == 0 or step == point.m or step in extra_evals
-    if eval_due or not pending:
-      # The sampler next generates for this eval or the next group: it gets these
-      # weights now (a group's other updates need no push, which for a vLLM server
-      # is a save and reload). The step donated the old arrays, so the sampler gets
-      # the new ones even after a skipped update (same values, fresh buffers).
-      parts.sampler.update_weights(model_of(parts, state))
-    ledger = ledger.add(rollouts=0, tokens=0, updates=1,
-                        critic_flops=record.get("train/critic_flops", 0),
-                        device_seconds=devices * (time.perf_counter() - t_step))
-    skips = skips + 1 if record["train/skipped"] > 0 else 0
-    critic = {} if parts.critic_flops is None else {"critic_flops": ledger.critic_flops}
-    record = {"rollouts": ledger.rollouts, "tokens": ledger.tokens,
-              "dropped_rollouts": ledger.dropped_rollouts,
-              "device_hours": ledger.device_hours, **critic, **record,
-              "consecutive_skips": skips}
-    counts = None
-    if eval_due:
-      val, counts = evaluate_step(parts, config)
-      record.update(val)
-    last = _write_step(writer, step, record, counts, config.eval.k)
-    bar.update(1)
-    bar.set_postfix(reward=f"{record['train/reward']:.3f}")
-    if counts is not None:
-      logging.info("step %d/%d: train reward %.3f, val avg@%d %.3f (%.0f s)", step,
-                   point.m, record["train/reward"], config.eval.k,
-                   record[f"val/avg@{config.eval.k}"], time.time() - opened.t0)
-    if skips >= config.max_consecutive_skips:
-      raise NonFiniteLossError(nonfinite_step_message(
-          step, skips, config.max_consecutive_skips, ckpt.latest_step()))
-    # Due checkpoints wait for the group's end: no sampled batch is ever pending in one.
-    checkpoint_due = checkpoint_due or step % config.checkpoint_every == 0
-    if (checkpoint_due and not pending) or step == point.m:
-      checkpoint_due = False
-      host = HostState(step=step, loader=parts.loader.state_dict(), ledger=ledger,
-                       consecutive_skips=skips, rng=tuple(run_key(config)))
-      with disk_full_as(ckpt.directory, f"checkpoint {step}"):
-        ckpt.save(step, state, host)
+      state, record = update_on(parts, state, sampled, stale=run_plan.stale)
+      eval_due = step % config.eval_every == 0 or step == point.m or step in extra_evals
+      # The step donated the old arrays, so the sampler gets the new ones even
+      # after a skipped update (same values, fresh buffers).
+      source.after_update(step, model_of(parts, state), eval_due=eval_due)
+      ledger = ledger.add(rollouts=0, tokens=0, updates=1,
+                          critic_flops=record.get("train/critic_flops", 0),
+                          device_seconds=devices * (time.perf_counter() - t_step))
+      skips = skips + 1 if record["train/skipped"] > 0 else 0
+      critic = {} if parts.critic_flops is None else {"critic_flops": ledger.critic_flops}
+      record = {"rollouts": ledger.rollouts, "tokens": ledger.tokens,
+                "dropped_rollouts": ledger.dropped_rollouts,
+                "device_hours": ledger.device_hours, **critic, **record,
+                "consecutive_skips": skips}
+      counts = None
+      if eval_due:
+        val, counts = evaluate_step(parts, config)
+        record.update(val)
+      last = _write_step(writer, step, record, counts, config.eval.k)
+      _report(bar, step, point, record, counts, config, opened.t0)
+      if skips >= config.max_consecutive_skips:
+        raise NonFiniteLossError(nonfinite_step_message(
+            step, skips, config.max_consecutive_skips, ckpt.latest_step()))
+      # A due checkpoint waits until no sampled batch is pending (a group's end).
+      checkpoint_due = checkpoint_due or step % config.checkpoint_every == 0
+      if (checkpoint_due and source.checkpoint_ready(step)) or step == point.m:
+        checkpoint_due = False
+        host = HostState(step=step, loader=parts.loader.state_dict(), ledger=ledger,
+                         consecutive_skips=skips, rng=tuple(run_key(config)))
+        with disk_full_as(ckpt.directory, f"checkpoint {step}"):
+          ckpt.save(step, state, host)
+        source.checkpoint_written(step)
+  finally:
+    source.close()
   bar.close()
   return last
+
+
+def _report(bar, step: int, point, record: dict, counts, config, t0: float) -> None:
+  """The progress bar, and a log line at an eval."""
+  bar.update(1)
+  bar.set_postfix(reward=f"{record['train/reward']:.3f}")
+  if counts is not None:
+    logging.info("step %d/%d: train reward %.3f, val avg@%d %.3f (%.0f s)", step,
+                 point.m, record["train/reward"], config.eval.k,
+                 record[f"val/avg@{config.eval.k}"], time.time() - t0)
 
 
 def _write_step(writer: metrics_lib.MetricsWriter, step: int, record: dict,

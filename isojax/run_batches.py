@@ -130,10 +130,62 @@ def sample_batch(parts, config, step: int, *, version: int) -> SampledBatch:
   # sampled for each group it leaves out, by the step's own rule.
   dropped_Bp = LossConfig.from_config(config.rl).dropped_groups(
       rewards_B, group_size=n, baseline_rewards_B=baseline_B)
-  version_BxT = np.where(np.asarray(batch.loss_mask_BxT) > 0, version, -1).astype(np.int32)
+  version_BxT = token_versions(batch.loss_mask_BxT, rollouts, parts.prompt_width, version)
   return SampledBatch(step=step, batch=batch, rollouts=sampled,
                       dropped=n_est * int(np.sum(dropped_Bp)), host=host,
                       version_BxT=version_BxT)
+
+
+def token_versions(loss_mask_BxT, rollouts, prompt_width: int, version: int) -> np.ndarray:
+  """Per token of a packed batch: the version of the policy that sampled it (-1 off
+  the loss mask). The sampler's own labels when it gives them (a generation that
+  picked up new weights in flight mixes versions), else `version` for every token.
+  """
+  on_BxT = np.asarray(loss_mask_BxT) > 0
+  labels = rollouts.version_BxT
+  if labels is None:
+    return np.where(on_BxT, version, -1).astype(np.int32)
+  out_BxT = np.full(on_BxT.shape, -1, np.int32)
+  width = min(labels.shape[1], on_BxT.shape[1] - prompt_width)
+  out_BxT[:, prompt_width:prompt_width + width] = labels[:, :width]
+  return np.where(on_BxT, out_BxT, -1)
+
+
+class GroupedBatches:
+  """The batch source of the synchronous loop: a group of k batches sampled with one
+  policy, then k updates (k = 1: on-policy, one batch per update).
+
+  `take(step)` returns the batch of update `step` and the batches sampled for it
+  (the ledger charges them when sampled); `after_update` gives the sampler the
+  new weights when it next generates (for an eval or the next group: a group's
+  other updates need no push, which for a vLLM server is a save and reload);
+  `checkpoint_ready` holds a due checkpoint until the group's end, so that no
+  sampled batch is ever pending in one.
+  """
+
+  def __init__(self, parts, config, *, k: int, last: int):
+    self.parts, self.config, self.k, self.last = parts, config, k, last
+    self.pending: list[SampledBatch] = []
+
+  def take(self, step: int) -> tuple[SampledBatch, list[SampledBatch]]:
+    sampled = []
+    if not self.pending:  # a group starts: its batches from the current policy
+      sampled = sample_group(self.parts, self.config, step, min(step + self.k - 1, self.last))
+      self.pending = list(sampled)
+    return self.pending.pop(0), sampled
+
+  def after_update(self, step: int, model, *, eval_due: bool) -> None:
+    if eval_due or not self.pending:
+      self.parts.sampler.update_weights(model, version=step)
+
+  def checkpoint_ready(self, step: int) -> bool:
+    return not self.pending
+
+  def checkpoint_written(self, step: int) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
 
 
 def lag_metrics(version_BxT: np.ndarray, updates_done: int) -> dict[str, float]:

@@ -109,21 +109,24 @@ def _mesh(config):
   return sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
 
 
-def _sampler(config, model, mesh):
+def _sampler(config, model, mesh, run_plan):
   # Each backend is imported only when chosen: the vLLM client needs `requests`
   # (the `vllm` extra), which a JAX-only install lacks.
   if config.sampler.backend == "jax":
     return JaxSampler(model, mesh=mesh, max_rows=config.sampler.get("max_rows") or None,
-                      kv_budget_gib=config.sampler.get("kv_budget_gib") or None)
+                      kv_budget_gib=config.sampler.get("kv_budget_gib") or None,
+                      decode_chunk=config.sampler.get("decode_chunk") or None)
   from isojax.rollout.vllm_client import VLLMSampler  # pylint: disable=g-import-not-at-top
   s = config.sampler
   sampler = VLLMSampler(s.vllm_url, weights_root=s.vllm_weights_dir or None,
                         connect_timeout_s=s.vllm_connect_timeout_s,
                         probe_timeout_s=s.vllm_probe_timeout_s,
-                        request_timeout_s=s.vllm_request_timeout_s)
+                        request_timeout_s=s.vllm_request_timeout_s,
+                        # PipelineRL: weight pushes keep requests in flight.
+                        in_flight=bool(run_plan.max_lag))
   try:
     sampler.wait_until_ready()  # before writing a weight snapshot for it
-    sampler.update_weights(model)  # the server may hold other weights
+    sampler.update_weights(model, version=0)  # the server may hold other weights
   except BaseException:
     sampler.close()  # the run never holds it: remove its snapshots now
     raise
@@ -158,8 +161,9 @@ def make_step(config, run_plan, model, mesh, critic=None):
                 rules=sharding.DEFAULT_RULES, logits_chunk=config.rl.logits_chunk,
                 temperature=config.sampler.temperature)
   if run_plan.value is None:
-    # Batches sampled by an older policy (off_policy_k > 1): ratios against the sampler.
-    old_logp = "current" if run_plan.off_policy_k == 1 else "sampler"
+    # Batches sampled by an older policy (PPO-off-policy-k, PipelineRL-k): ratios
+    # against the sampler.
+    old_logp = "sampler" if run_plan.stale else "current"
     return rl.make_train_step(model, run_plan.loss, run_plan.optim, old_logp=old_logp,
                               **kwargs)
   return ppo.make_ppo_train_step(
@@ -214,7 +218,7 @@ def build_parts(config, run_plan) -> RunParts:
   eos = tokenizer.eos_token_id
   interrupt = interruption_from_config(config.sampler, max_tokens=run_plan.max_tokens,
                                        encode=tokenizer.encode)
-  sampler = _sampler(config, model, mesh)
+  sampler = _sampler(config, model, mesh, run_plan)
   if interrupt is not None:  # ScaleRL's forced length interruption, either backend
     sampler = InterruptingSampler(sampler, interrupt)
   return RunParts(
@@ -341,7 +345,7 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
     if list(resumed.rng) != run_key(config):
       raise ValueError(f"checkpoint {start} in {workdir} was made with another seed")
     parts.loader.load_state_dict(resumed.loader)
-    parts.sampler.update_weights(model_of(parts, state))
+    parts.sampler.update_weights(model_of(parts, state), version=start)
     logging.info("resumed from the checkpoint at step %d", start)
   writes_files = writes_run_files()
   # Only a run that really started (model, data, sampler and state loaded) records

@@ -9,7 +9,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import scalerl_ablate
-from isojax import run
+from isojax import run, run_plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FILES = sorted(p for p in (ROOT / "experiments").glob("*.py")
@@ -241,7 +241,7 @@ def test_scalerl_recipe(monkeypatch):
 def test_scalerl_full_scale_points(monkeypatch):
   # The default phrase and 14k tokens need a real model: its tokenizer stands in.
   monkeypatch.chdir(ROOT)
-  monkeypatch.setattr(run, "Tokenizer", _WordTokenizer)
+  monkeypatch.setattr(run_plan, "Tokenizer", _WordTokenizer)
   real = "--config.model.path=/ckpt/m"
   specs = ["experiments/scalerl.py"] + [f"experiments/scalerl_ablate.py:drop={drop}"
                                         for drop in scalerl_ablate.ABLATIONS]

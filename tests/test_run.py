@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from experiments import tiny
-from isojax import assets, batching, checkpoint as ckpt_lib, run
+from isojax import assets, batching, checkpoint as ckpt_lib, run, run_batches
 from isojax import run_setup
 from tests.config_overrides import set_fields
 from tests import run_records
@@ -120,7 +120,7 @@ def test_retired_prompts_grow_and_resume_exactly(tmp_path, monkeypatch):
   whole = run.run(tiny_config(point, **overrides), tmp_path / "whole")
   retired = [r["train/retired_prompts"] for r in run_records.records(tmp_path / "whole")[1:]]
   assert retired == sorted(retired) and 0 < retired[-1] < 8, retired
-  sample_group = run.sample_group
+  sample_group = run_batches.sample_group
 
   def stop_at_step_4(parts, config, first, last):
     if first == 4:
@@ -128,10 +128,10 @@ def test_retired_prompts_grow_and_resume_exactly(tmp_path, monkeypatch):
       raise KeyboardInterrupt("stopped after the step-3 checkpoint")
     return sample_group(parts, config, first, last)
 
-  monkeypatch.setattr(run, "sample_group", stop_at_step_4)
+  monkeypatch.setattr(run_batches, "sample_group", stop_at_step_4)
   with pytest.raises(KeyboardInterrupt):
     run.run(tiny_config(point, **overrides), tmp_path / "cut")
-  monkeypatch.setattr(run, "sample_group", sample_group)
+  monkeypatch.setattr(run_batches, "sample_group", sample_group)
   last = run.run(tiny_config(point, **overrides), tmp_path / "cut")
   assert [run_records.without_timing(r) for r in run_records.records(tmp_path / "cut")] == [
       run_records.without_timing(r) for r in run_records.records(tmp_path / "whole")]

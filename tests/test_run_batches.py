@@ -35,9 +35,9 @@ def k3_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("k3")
   push = JaxSampler.update_weights
 
-  def counted(sampler, model):
+  def counted(sampler, model, **kw):
     PUSHED_AT_STEP.append(len(run_records.records(workdir)))  # lines: step 0 .. s - 1
-    return push(sampler, model)
+    return push(sampler, model, **kw)
 
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(JaxSampler, "update_weights", counted)

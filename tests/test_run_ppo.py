@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from isojax import models, run, run_setup
+from isojax import models, run, run_batches, run_setup
 from isojax import sharding as shd
 from tests import run_records
 from tests.test_run import POINT, tiny_config
@@ -61,14 +61,14 @@ def test_ppo_run_learns_and_records_the_critic_cost(trained):
 def test_ppo_run_resumes_identically(trained, tmp_path, monkeypatch):
   reference, last = trained
   workdir = tmp_path / "interrupted"
-  real_sample = run.sample_group
+  real_sample = run_batches.sample_group
 
   def stop_after_the_first_checkpoint(parts, config, first, last):
     if first == 8:
       raise KeyboardInterrupt("stopped at step 8")
     return real_sample(parts, config, first, last)
 
-  monkeypatch.setattr(run, "sample_group", stop_after_the_first_checkpoint)
+  monkeypatch.setattr(run_batches, "sample_group", stop_after_the_first_checkpoint)
   with pytest.raises(KeyboardInterrupt):
     run.run(tiny_config(POINT, **PPO), workdir)
   assert max(r["step"] for r in run_records.records(workdir)) == 7  # checkpoint at 6, then 7

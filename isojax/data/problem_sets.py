@@ -29,7 +29,7 @@ keys, so "the first is primary" could not be read from one, and a string is one
 No validation problem is trained on: every training problem whose prompt appears in a
 validation set is removed from the training set (before mixing or subsampling).
 
-Errors are raised before any work by `check_data_config` (which `isojax.run.plan_run`
+Errors are raised before any work by `check_data_config` (which `isojax.run_plan.plan_run`
 calls): a malformed mapping, a duplicate name or a source that does not exist, each
 naming the config field and the key.
 """

@@ -1,0 +1,192 @@
+"""What a run's config asks for, checked and derived before any work (`plan_run`).
+
+Every check that needs no model, data or device lives here, so that an
+infeasible budget point or a bad field fails at once, naming its numbers or the
+field, and `--dry_run` and the sweep planner can ask the same questions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from isojax import assets, run_setup
+from isojax import budget as budget_lib
+from isojax.data.loader import check_retire_threshold
+from isojax.data.problem_sets import check_data_config
+from isojax.models.tokenizer import Tokenizer
+from isojax.rl import LossConfig, OptimConfig, learning_rate
+from isojax.rl.advantages import ESTIMATORS, min_group_size
+from isojax.rl.value import VALUE_ESTIMATORS, ValueConfig
+from isojax.rollout.interruption import interruption_from_config
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+  """What `config` asks for, derived once and frozen (the config is never written).
+
+  Attributes:
+    point: the budget point (Bp, n, M) from config.bp, config.n, config.budget
+      (and config.rl.n_est: a decoupled baseline samples n_est per problem).
+    loss: the isojax.rl LossConfig.
+    optim: the isojax.rl OptimConfig.
+    lr: the peak learning rate the optimiser's rule gives for B = Bp * n.
+    micro_batch: rollouts per gradient-accumulation chunk (B when 0 in config).
+    max_tokens: the response-length cap, config.sampler.max_tokens with 0
+      resolved (`isojax.budget.study_max_tokens`).
+    val_sets: data.val's (name, source) pairs, the primary first.
+    value: the critic's isojax.rl ValueConfig when rl.adv_estimator is a
+      value estimator ("gae": PPO), else None.
+    critic_optim: the critic's OptimConfig (the policy's with config.critic.lr_base),
+      or None.
+    off_policy_k: batches sampled with one policy, then updated on one by one
+      (config.rl.off_policy_k; 1: on-policy).
+    max_lag: PipelineRL-k's bound on a trained token's lag
+      (config.rl.pipeline.max_lag; 0: the synchronous loop).
+  """
+  point: budget_lib.BudgetPoint
+  loss: object
+  optim: object
+  lr: float
+  micro_batch: int
+  max_tokens: int = budget_lib.SYNTHETIC_MAX_TOKENS
+  val_sets: tuple = ()
+  value: object = None
+  critic_optim: object = None
+  off_policy_k: int = 1
+  max_lag: int = 0
+
+  @property
+  def stale(self) -> bool:
+    """Batches may be sampled by an older policy than the one they update."""
+    return self.off_policy_k > 1 or self.max_lag > 0
+
+
+def plan_run(config) -> RunPlan:
+  """Validates `config` and derives the budget point; does no work.
+
+  Raises:
+    ValueError: naming the numbers, for an infeasible budget point (Bp * n >
+      b_max, or a budget below one batch so that M = 0) or any bad field.
+  """
+  n_est = config.rl.n_est or None
+  per = n_est or config.n
+  if n_est is not None and n_est < config.n:
+    raise ValueError(f"config.rl.n_est={n_est} must be 0 (off) or >= n={config.n}: the "
+                     f"baseline is estimated from n_est rollouts, n of them trained on")
+  point = budget_lib.BudgetPoint.feasible(config.budget, bp=config.bp, n=config.n,
+                                          n_est=n_est, b_max=config.b_max)
+  # The estimator's baseline is taken over the n_est sampled rollouts when set.
+  check_min_n(per, config.rl.adv_estimator)
+  for name in ("eval_every", "checkpoint_every", "keep_checkpoints",
+               "max_consecutive_skips"):
+    if config[name] < 1:
+      raise ValueError(f"config.{name}={config[name]} must be >= 1")
+  server = config.sampler.server_devices
+  if (isinstance(server, bool) or not isinstance(server, int) or server < 0
+      or (server and config.sampler.backend != "vllm")):
+    raise ValueError(f"config.sampler.server_devices={server!r} must be an int >= 0, and 0 "
+                     f"unless sampler.backend is 'vllm' (a vLLM server's accelerators, "
+                     f"counted in device-hours)")
+  if config.sampler.backend not in ("jax", "vllm"):
+    raise ValueError(f"config.sampler.backend={config.sampler.backend!r}; expected "
+                     f"'jax' or 'vllm'")
+  max_tokens = budget_lib.study_max_tokens(config.sampler.max_tokens, config.model.path)
+  interruption_from_config(config.sampler, max_tokens=max_tokens, encode=lambda text: (
+      Tokenizer.from_pretrained(run_setup.model_path(config)).encode(text)))
+  if config.eval.k < 1:
+    raise ValueError(f"config.eval.k={config.eval.k} must be >= 1")
+  if config.data.reward not in ("exact", "math"):
+    raise ValueError(f"config.data.reward={config.data.reward!r}; expected 'exact' or "
+                     f"'math'")
+  val_sets = check_data_config(config.data, assets.ASSETS_DIR / "splits")
+  if config.data.drop_solved_above:  # 0.0 = off
+    check_retire_threshold(config.data.drop_solved_above,
+                           name="config.data.drop_solved_above")
+  rl = config.rl
+  loss = LossConfig.from_config(rl, name="config.rl")
+  off_policy_k = check_off_policy_k(rl)
+  max_lag = check_max_lag(rl)
+  if max_lag and (off_policy_k > 1 or rl.adv_estimator in VALUE_ESTIMATORS):
+    raise ValueError(f"config.rl.pipeline.max_lag={max_lag} goes with neither "
+                     f"config.rl.off_policy_k={off_policy_k} > 1 nor a critic "
+                     f"(rl.adv_estimator={rl.adv_estimator!r}): one way of producing "
+                     f"batches per run, and critic-free")
+  if off_policy_k == 1 and not max_lag:
+    loss.check_on_policy(name="config.rl")  # clip settings would be silent no-ops
+  optim = OptimConfig(
+      lr_base=rl.lr_base, batch_base=rl.batch_base, lr_rule=rl.lr_rule,
+      warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
+      max_grad_norm=rl.max_grad_norm)
+  micro = rl.micro_batch or point.batch
+  if rl.logits_chunk is not None and rl.logits_chunk < 1:
+    raise ValueError(f"config.rl.logits_chunk={rl.logits_chunk} must be >= 1 (sequence "
+                     f"positions per lm-head chunk) or None (all at once)")
+  if point.batch % micro:
+    raise ValueError(f"config.rl.micro_batch={micro} does not divide B = Bp*n = "
+                     f"{point.batch}")
+  value, critic_optim = _critic_plan(config, optim)
+  return RunPlan(point=point, loss=loss, optim=optim,
+                 lr=learning_rate(optim, point.batch), micro_batch=micro,
+                 max_tokens=max_tokens, val_sets=tuple(val_sets), value=value,
+                 critic_optim=critic_optim, off_policy_k=off_policy_k, max_lag=max_lag)
+
+
+def check_off_policy_k(rl) -> int:
+  """config.rl.off_policy_k (1 when absent), checked; ValueError naming the field."""
+  k = rl.get("off_policy_k", 1)
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    raise ValueError(f"config.rl.off_policy_k={k!r} must be an integer >= 1 (batches "
+                     f"sampled with one policy before it is updated; 1 = on-policy)")
+  if k > 1 and rl.adv_estimator in VALUE_ESTIMATORS:
+    raise ValueError(f"config.rl.off_policy_k={k} needs a critic-free estimator: the "
+                     f"critic's step (rl.adv_estimator={rl.adv_estimator!r}) takes its "
+                     f"ratio against the current policy, exact only on-policy")
+  return k
+
+
+def _critic_plan(config, optim):
+  """(ValueConfig, the critic's OptimConfig) from config.critic, or (None, None)."""
+  if config.rl.adv_estimator not in VALUE_ESTIMATORS:
+    return None, None
+  c = config.critic
+  value = ValueConfig(gamma=c.gamma, lam=c.lam, whiten=c.whiten,
+                      cliprange_value=c.cliprange_value,
+                      value_coef=c.value_coef, critic_warmup=c.warmup_steps)
+  return value, dataclasses.replace(optim, lr_base=c.lr_base)
+
+
+def check_min_n(n: int, estimator: str) -> None:
+  """Raises ValueError when n rollouts per problem are too few for the estimator."""
+  need = min_group_size(estimator)
+  if n < need:
+    fits = sorted(k for k in [*ESTIMATORS, *VALUE_ESTIMATORS] if min_group_size(k) <= n)
+    raise ValueError(f"n={n} rollouts per problem: config.rl.adv_estimator="
+                     f"{estimator!r} needs n >= {need} (its per-problem baseline is "
+                     f"undefined below); raise n or use one of {fits}")
+
+
+def resolved_config(config, run_plan: RunPlan) -> dict:
+  """config.json's content: the config plus the derived point (analysis reads it).
+
+  "budget" becomes {"requested", "bp", "n", "m", "batch", "compute"} (and
+  "n_est" for a decoupled baseline), and bp, n, m sit at top level too; "lr" is
+  the derived peak learning rate and "max_tokens" the response-length cap used.
+  """
+  out = config.to_dict()
+  out["budget"] = {"requested": config.budget, **run_plan.point.to_dict()}
+  out["m"] = run_plan.point.m
+  out["lr"] = run_plan.lr
+  out["max_tokens"] = run_plan.max_tokens
+  return json.loads(json.dumps(out))  # tuples -> lists, as a reload would see them
+
+
+def check_max_lag(rl) -> int:
+  """config.rl.pipeline.max_lag (0 when absent), checked; ValueError naming the field."""
+  pipeline = rl.get("pipeline")
+  k = 0 if pipeline is None else pipeline.get("max_lag", 0)
+  if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    raise ValueError(f"config.rl.pipeline.max_lag={k!r} must be an integer >= 0 (the "
+                     f"most updates a trained token may lag the policy; 0 = the "
+                     f"synchronous loop)")
+  return k
