@@ -1,6 +1,8 @@
-r"""ScaleRL's recipe (Khatri et al. 2025), with PPO-off-policy-8 in PipelineRL-8's place.
+r"""ScaleRL's recipe (Khatri et al. 2025), PipelineRL-8 included.
 
-What isojax has of the recipe, each turned on here: CISPO (rl.kind = "cispo"),
+What isojax has of the recipe, each turned on here: PipelineRL-8 (rl.pipeline.max_lag
+= 8: sampling runs beside the updates, weights reach generation in flight, no token
+trained on is more than 8 updates old), CISPO (rl.kind = "cispo"),
 prompt-level loss aggregation (rl.agg = "prompt_mean"), batch-level advantage
 normalisation (rl.adv_estimator = "batch"), zero-variance filtering
 (rl.zero_var_filter = "all"), no-positive-resampling (data.drop_solved_above =
@@ -9,11 +11,8 @@ device-hours (metrics.jsonl's device_hours, ScaleRL's x-axis), and the FP32 lm
 head (model.lm_head_fp32) beside a bfloat16 trunk (model.dtype; the smoke point
 keeps the tiny model's float32, where the head's precision changes nothing).
 
-Not PipelineRL-8: isojax has no asynchronous streaming sampler. Its place is
-taken by PPO-off-policy-8 (rl.off_policy_k = 8: 8 batches sampled with one policy,
-then 8 updates), the asynchrony ScaleRL compares PipelineRL against: the same
-asymptote A, but a 2-3x lower efficiency B. A fitted B from these runs is
-therefore PPO-off-policy's, not ScaleRL's.
+The JAX sampler picks up new weights every sampler.decode_chunk = 256 decoded
+tokens; a vLLM server at every update.
 
 ScaleRL's numbers, where its summary sets one: G = 16 generations per prompt and a
 batch of 768 = 48 prompts x 16 (its base setting; bp=128 gives the 2048 batch that
@@ -36,7 +35,7 @@ ScaleRL's setting (an 8B model on Polaris-53K, 64 generator + 16 trainer GPUs):
       --config.data.chat_template=True --config.data.reward=math
 
 Laptop scale (tiny base model, interruption phrase "=", 512 rollouts = 16 updates,
-two groups of 8 stale batches, CPU learning rate):
+weights picked up every 2 tokens, CPU learning rate):
 
   python -m isojax.main --config=experiments/scalerl.py:smoke --workdir=/tmp/isojax/scalerl
 
@@ -49,7 +48,8 @@ under runs/scalerl with
 from experiments import common
 
 RECIPE = "scalerl"  # config.recipe: how isojax.analysis.compare_recipes groups runs
-OFF_POLICY_K = 8    # PPO-off-policy-k standing in for PipelineRL-k (k = 8)
+MAX_LAG = 8         # PipelineRL-k's k
+DECODE_CHUNK = 256  # tokens between the JAX sampler's weight pick-ups
 # ScaleRL's lengths: 14k generated tokens, the thinking budget 12k.
 MAX_TOKENS = 14 * 1024
 THINK_TOKENS = 12 * 1024
@@ -71,7 +71,8 @@ def get_config(arg=None):
   c.rl.agg = "prompt_mean"
   c.rl.adv_estimator = "batch"
   c.rl.zero_var_filter = "all"
-  c.rl.off_policy_k = OFF_POLICY_K
+  c.rl.pipeline.max_lag = MAX_LAG
+  c.sampler.decode_chunk = DECODE_CHUNK
   # With stale batches the ratio is taken against the sampler's log-probs, so the
   # sampler/trainer correction is inside CISPO's capped weight; no TIS on top.
   c.rl.tis_cap = None
@@ -86,6 +87,7 @@ def get_config(arg=None):
     c.sampler.max_tokens = 0       # the tiny model's study length, 8
     c.sampler.interrupt_think_tokens = SMOKE_THINK_TOKENS
     c.sampler.interrupt_phrase = SMOKE_PHRASE
+    c.sampler.decode_chunk = 2
   else:
     c.bp, c.n, c.budget = a.bp or 48, a.n or 16, a.budget or 4e6
     c.model.dtype = "bfloat16"     # the trunk; the head stays float32

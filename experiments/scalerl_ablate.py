@@ -9,7 +9,8 @@ drop= names the component; each changes exactly these fields:
   zero_var      rl.zero_var_filter all -> off
   resampling    data.drop_solved_above 0.9 -> 0.0 (solved prompts stay)
   interruption  sampler.interrupt_think_tokens -> 0 (no forced interruption)
-  off_policy    rl.off_policy_k 8 -> 1 (on-policy: one update per sampled batch)
+  pipeline      rl.pipeline.max_lag 8 -> 0 with rl.off_policy_k 1 -> 8 (PPO-off-policy-8,
+                ScaleRL's alternative: 8 batches sampled with one policy, then 8 updates)
   fp32_head     model.lm_head_fp32 True -> False (the head in the trunk's bfloat16)
 
 Each run's config.recipe is
@@ -26,7 +27,7 @@ experiments/scalerl.py):
 
 Laptop scale (the recipe's smoke point):
 
-  python -m isojax.main --config=experiments/scalerl_ablate.py:drop=off_policy,smoke --workdir=/tmp/isojax/scalerl_drop_off_policy
+  python -m isojax.main --config=experiments/scalerl_ablate.py:drop=pipeline,smoke --workdir=/tmp/isojax/scalerl_drop_pipeline
 
 Args: drop (required), and experiments/scalerl.py's bp, n, budget, smoke.
 """
@@ -41,7 +42,7 @@ ABLATIONS = {
     "zero_var": {"rl.zero_var_filter": "off"},
     "resampling": {"data.drop_solved_above": 0.0},
     "interruption": {"sampler.interrupt_think_tokens": 0},
-    "off_policy": {"rl.off_policy_k": 1},
+    "pipeline": {"rl.pipeline.max_lag": 0, "rl.off_policy_k": 8},
     "fp32_head": {"model.lm_head_fp32": False},
 }
 
@@ -58,7 +59,10 @@ def get_config(arg=None):
                      f"known: {sorted(ABLATIONS)}")
   c = scalerl.get_config(rest)
   for dotted, value in ABLATIONS[mine.drop].items():
-    section, field = dotted.split(".")
-    c[section][field] = value
+    *sections, field = dotted.split(".")
+    node = c
+    for section in sections:
+      node = node[section]
+    node[field] = value
   c.recipe = f"{scalerl.RECIPE}_drop_{mine.drop}"
   return c

@@ -230,7 +230,8 @@ def test_scalerl_recipe(monkeypatch):
   assert c.recipe == "scalerl"
   assert (c.rl.kind, c.rl.clip_high, c.rl.agg) == ("cispo", 0.2, "prompt_mean")
   assert (c.rl.adv_estimator, c.rl.zero_var_filter) == ("batch", "all")
-  assert c.rl.off_policy_k == 8 and c.data.drop_solved_above == 0.9
+  assert c.rl.pipeline.max_lag == 8 and c.data.drop_solved_above == 0.9
+  assert (c.rl.off_policy_k, c.sampler.decode_chunk) == (1, 256)
   assert (c.bp, c.n, c.bp * c.n) == (48, 16, 768)
   assert (c.sampler.max_tokens, c.sampler.interrupt_think_tokens) == (14_336, 12_288)
   assert (c.rl.lr_rule, c.rl.lr_base, c.rl.batch_base) == ("sqrt", 1e-6, 1024)
@@ -279,7 +280,7 @@ def test_scalerl_ablations_change_exactly_their_component(monkeypatch):
 
 def test_scalerl_ablate_names_its_components(monkeypatch):
   monkeypatch.chdir(ROOT)
-  known = r"known: \['batch_norm', 'cispo', 'fp32_head', 'interruption', 'off_policy'"
+  known = r"known: \['batch_norm', 'cispo', 'fp32_head', 'interruption', 'pipeline'"
   for bad in ("drop=kl,smoke", "smoke"):
     with pytest.raises(Exception, match=known):
       _load(f"experiments/scalerl_ablate.py:{bad}")
