@@ -193,14 +193,7 @@ def test_lag2_resumes_from_the_drained_checkpoint(lag2_run, tmp_path, monkeypatc
   sampled with the weights after update 3 alone (the update waits for it), so the
   restart redoes step 4 exactly; steps 5 and 6 depend on timing, as in any run."""
   reference, _ = lag2_run
-  update_on = run.update_on
-
-  def stop_before_update_5(parts, state, sampled, **kw):
-    if sampled.step == 5:
-      raise KeyboardInterrupt("stopped")
-    return update_on(parts, state, sampled, **kw)
-
-  monkeypatch.setattr(run, "update_on", stop_before_update_5)
+  run_records.stop_before_update(monkeypatch, 5)
   with pytest.raises(KeyboardInterrupt):
     run.run(tiny_config(POINT, **LAG2), tmp_path)
   stopped = [run_records.without_timing(r) for r in run_records.records(tmp_path)]

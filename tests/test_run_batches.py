@@ -106,14 +106,7 @@ def test_k3_resumes_exactly_after_a_stop_mid_group(k3_run, tmp_path, monkeypatch
   """Stopped before update 5 (group 4..5 sampled, update 4 written): the checkpoint
   due at step 2 was written at its group's end, step 3; the restart redoes 4 and 5."""
   reference, last = k3_run
-  update_on = run.update_on
-
-  def stop_before_update_5(parts, state, sampled, **kw):
-    if sampled.step == 5:
-      raise KeyboardInterrupt("stopped mid-group")
-    return update_on(parts, state, sampled, **kw)
-
-  monkeypatch.setattr(run, "update_on", stop_before_update_5)
+  run_records.stop_before_update(monkeypatch, 5)
   with pytest.raises(KeyboardInterrupt):
     run.run(tiny_config(POINT, **K3), tmp_path)
   assert [r["step"] for r in run_records.records(tmp_path)] == [0, 1, 2, 3, 4]
