@@ -20,7 +20,8 @@ thread): each jitted call (an admission and a chunk of decode steps) reads the
 current (version label, parameters) once and samples with them, and the tokens
 it emitted carry that label in `Rollouts.version_BxT`. `decode_chunk` bounds
 the decode steps of a call, so new weights are picked up within that many
-tokens.
+tokens. The KV cache of the tokens before a swap is kept as the old weights
+computed it (not recomputed, unlike `VLLMSampler(in_flight=True)`).
 
 Sampling semantics (match vLLM's and `transformers`' order of processing):
 logits / temperature -> top-k -> top-p (smallest set of tokens whose
@@ -137,6 +138,8 @@ class JaxSampler:
       calls again (with the same rows and extent, and the weights published by
       then); None: a call decodes until rows must be refilled or the extent
       widened. Tokens do not depend on it while the weights stay the same.
+      Each call also runs an admission's prefill (on padding when nothing is
+      admitted), so a chunk of a few tokens costs that much more per token.
   """
 
   def __init__(self, model, *, mesh=None, rules=None, max_len: int | None = None,
