@@ -138,8 +138,8 @@ class JaxSampler:
       calls again (with the same rows and extent, and the weights published by
       then); None: a call decodes until rows must be refilled or the extent
       widened. Tokens do not depend on it while the weights stay the same.
-      Each call also runs an admission's prefill (on padding when nothing is
-      admitted), so a chunk of a few tokens costs that much more per token.
+      A call that only resumes decoding admits nothing and skips the prefill;
+      each costs a host round trip (a small transfer).
   """
 
   def __init__(self, model, *, mesh=None, rules=None, max_len: int | None = None,
