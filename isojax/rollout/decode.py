@@ -165,25 +165,30 @@ def admit_and_decode(graphdef, s: Static, state, rows: Rows, out: Out, prompt_Qx
   t_max = s.max_tokens
   dest_A = jnp.where(active_A, dest_A, num_rows)  # padding entries write nothing
 
-  # Admission: one prefill per distinct prompt, copied to its pairs' rows.
-  q, l = prompt_QxL.shape
-  cfg = model.cfg
-  pre = KVCache.zeros(cfg.num_layers, q, l, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
-                      block=s.cache_block)
-  logits_QxV, pre = model.prefill(prompt_QxL, mask_QxL, pre, last_only=True)
-  c = rows.cache.insert(dest_A, pre, src_A)  # pre's slots fit: l <= l + max_tokens
-  u_AxT = 1.0 - jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(key, p), (t_max,)))(
-      pair_A)
-  tok_A, logp_A = sample_token(logits_QxV[src_A], u_AxT[:, 0], temperature, top_p, s)
-  hit_A = stop_V[tok_A]
-  zero_A = jnp.zeros_like(pair_A)
-  out = _emit(out, active_A, pair_A, zero_A, tok_A, logp_A, hit_A)
-  put = lambda x_R, x_A: x_R.at[dest_A].set(x_A, mode="drop")
-  rows = Rows(cache=c, prev_R=put(rows.prev_R, tok_A), pair_R=put(rows.pair_R, pair_A),
-              step_R=put(rows.step_R, zero_A + 1),
-              done_R=put(rows.done_R, hit_A | (max_tokens <= 1)),
-              u_RxT=put(rows.u_RxT, u_AxT))
-  rows, out = _constrain(s, rows, out)
+  def admit(rows: Rows, out: Out) -> tuple[Rows, Out]:
+    """One prefill per distinct prompt, copied to its pairs' rows."""
+    q, l = prompt_QxL.shape
+    cfg = model.cfg
+    pre = KVCache.zeros(cfg.num_layers, q, l, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
+                        block=s.cache_block)
+    logits_QxV, pre = model.prefill(prompt_QxL, mask_QxL, pre, last_only=True)
+    c = rows.cache.insert(dest_A, pre, src_A)  # pre's slots fit: l <= l + max_tokens
+    u_AxT = 1.0 - jax.vmap(
+        lambda p: jax.random.uniform(jax.random.fold_in(key, p), (t_max,)))(pair_A)
+    tok_A, logp_A = sample_token(logits_QxV[src_A], u_AxT[:, 0], temperature, top_p, s)
+    hit_A = stop_V[tok_A]
+    zero_A = jnp.zeros_like(pair_A)
+    out = _emit(out, active_A, pair_A, zero_A, tok_A, logp_A, hit_A)
+    put = lambda x_R, x_A: x_R.at[dest_A].set(x_A, mode="drop")
+    rows = Rows(cache=c, prev_R=put(rows.prev_R, tok_A), pair_R=put(rows.pair_R, pair_A),
+                step_R=put(rows.step_R, zero_A + 1),
+                done_R=put(rows.done_R, hit_A | (max_tokens <= 1)),
+                u_RxT=put(rows.u_RxT, u_AxT))
+    return _constrain(s, rows, out)
+
+  # A call that admits nothing (it only resumes decoding) skips the prefill.
+  rows, out = jax.lax.cond(jnp.any(active_A), admit, lambda rows, out: (rows, out), rows,
+                           out)
 
   read_len = rows.cache.read_len or rows.cache.max_len
 

@@ -20,7 +20,8 @@ thread): each jitted call (an admission and a chunk of decode steps) reads the
 current (version label, parameters) once and samples with them, and the tokens
 it emitted carry that label in `Rollouts.version_BxT`. `decode_chunk` bounds
 the decode steps of a call, so new weights are picked up within that many
-tokens.
+tokens. The KV cache of the tokens before a swap is kept as the old weights
+computed it (not recomputed, unlike `VLLMSampler(in_flight=True)`).
 
 Sampling semantics (match vLLM's and `transformers`' order of processing):
 logits / temperature -> top-k -> top-p (smallest set of tokens whose
@@ -75,6 +76,24 @@ def _read_len(cache, need: int) -> int:
   return min(blocks * cache.block, cache.max_len)
 
 
+def _left_pad(prompt_ids: Sequence[Sequence[int]], width: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+  """(prompt_QxL, mask_QxL): the prompts left-padded with PAD_ID to `width`."""
+  prompt_QxL = np.full((len(prompt_ids), width), PAD_ID, np.int32)
+  mask_QxL = np.zeros((len(prompt_ids), width), np.int32)
+  for i, p in enumerate(prompt_ids):
+    prompt_QxL[i, width - len(p):] = np.asarray(p, np.int32)
+    mask_QxL[i, width - len(p):] = 1
+  return prompt_QxL, mask_QxL
+
+
+def _stopped_at_step_limit(done_R, lengths_R, min_free: int, read_len: int) -> bool:
+  """Whether a decode call that left rows live stopped at its `max_steps` only:
+  neither `min_free` rows were done nor did a live row reach the read extent
+  (`decode.admit_and_decode`'s other reasons to stop)."""
+  return bool(done_R.sum() < min_free and lengths_R[~done_R].max(initial=0) < read_len)
+
+
 def _model_config(model):
   for name in ("cfg", "config"):
     cfg = getattr(model, name, None)
@@ -119,6 +138,8 @@ class JaxSampler:
       calls again (with the same rows and extent, and the weights published by
       then); None: a call decodes until rows must be refilled or the extent
       widened. Tokens do not depend on it while the weights stay the same.
+      A call that only resumes decoding admits nothing and skips the prefill;
+      each costs a host round trip (a small transfer).
   """
 
   def __init__(self, model, *, mesh=None, rules=None, max_len: int | None = None,
@@ -264,11 +285,7 @@ class JaxSampler:
     b = len(prompt_ids) * n
     num_pairs = _bucket_prompts(len(prompt_ids), n, self._row_multiple) * n
     num_rows = self.num_rows(num_pairs, cache_len)
-    prompt_QxL = np.full((len(prompt_ids), l_bucket), PAD_ID, np.int32)
-    mask_QxL = np.zeros((len(prompt_ids), l_bucket), np.int32)
-    for i, p in enumerate(prompt_ids):
-      prompt_QxL[i, l_bucket - len(p):] = np.asarray(p, np.int32)
-      mask_QxL[i, l_bucket - len(p):] = 1
+    prompt_QxL, mask_QxL = _left_pad(prompt_ids, l_bucket)
     stop_V = np.zeros((self._vocab_size,), bool)
     stop_V[list(self._eos_ids) + [int(t) for t in stop_token_ids]] = True
     consts = self._put(jax.random.key(seed), np.float32(temperature if not greedy else 1.0),
@@ -308,10 +325,9 @@ class JaxSampler:
       labels.add(emitted_P, label)
       if done_R.all() and not left:
         break
-      if (done_R.sum() < min_free
-          and lengths_R[~done_R].max(initial=0) < read_len):
-        # Stopped by max_steps alone: go on as if it had not stopped (admit
-        # nothing, same extent), so the rows decode what they would have.
+      if _stopped_at_step_limit(done_R, lengths_R, min_free, read_len):
+        # Go on as if the call had not stopped: admit nothing, same extent, so
+        # the rows decode what they would have (with the weights of now).
         free_R = free_R[:0]
         continue
       # The next step writes slot lengths_R: attention must read one past it.
