@@ -161,10 +161,12 @@ def test_readme_commands_serve_a_tiny_run_and_stop(venv, readme, tmp_path):
   updates at a large learning rate, and set-up reuses $VLLM_VENV. With the
   server in float32 the sampler/trainer logprob gap is ~1e-5; a server that
   missed a weight push samples from stale weights (with the push removed from
-  the loop, the gap was 5.6 at the second update).
+  the loop, the gap was 5.6 at the second update). The same command then runs
+  as PipelineRL-2 against the same server.
   """
   setup, start, train, stop = readme.block_of("python launch/vllm_server.py --model")
   port, pid_file, workdir = free_port(), tmp_path / "vllm.pid", tmp_path / "tiny_vllm"
+  pipelined = tmp_path / "tiny_vllm_pipelined"
   env = {**os.environ, "VLLM_VENV": venv, "XLA_FLAGS": "", "TMPDIR": str(tmp_path)}
   pid_place, port_place = {"/tmp/vllm.pid": str(pid_file)}, {"8000": str(port)}
 
@@ -178,9 +180,14 @@ def test_readme_commands_serve_a_tiny_run_and_stop(venv, readme, tmp_path):
   try:
     os.killpg(pid, 0)  # --detach left the server (its process group) running
     steps, lr = 5, 1e-3
-    _run(readme.argv(train, {**port_place, "runs/tiny_vllm": str(workdir)}) + [
-        f"--config.budget={steps * 32}", f"--config.rl.lr_base={lr}",
-        "--config.eval_every=100", "--config.data.num_val=16"], env, 600)
+    short = [f"--config.budget={steps * 32}", f"--config.rl.lr_base={lr}",
+             "--config.eval_every=100", "--config.data.num_val=16"]
+    _run(readme.argv(train, {**port_place, "runs/tiny_vllm": str(workdir)}) + short,
+         env, 600)
+    # The same run as PipelineRL-2: every update's weights reach the server while
+    # the next batch is in flight (pause keeping its requests, reload, resume).
+    _run(readme.argv(train, {**port_place, "runs/tiny_vllm": str(pipelined)}) + short + [
+        "--config.rl.pipeline.max_lag=2"], env, 600)
   finally:
     stopped = subprocess.run(readme.argv(stop, pid_place), cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=120)
@@ -201,6 +208,10 @@ def test_readme_commands_serve_a_tiny_run_and_stop(venv, readme, tmp_path):
     assert r["train/logp_gap_max"] < 1e-3, r
     assert abs(r["train/tis_weight_mean"] - 1.0) < 1e-4, r
   assert not [p for p in os.listdir(tmp_path) if p.startswith("isojax-vllm-weights-")]
+  records = [json.loads(line) for line in (pipelined / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == list(range(steps + 1))
+  assert all(0 <= r["train/policy_lag_max"] <= 2 for r in records[1:])
+  assert records[1]["train/logp_gap_max"] < 1e-3  # batch 1: the base weights, served
 
 
 @pytest.fixture(scope="module")
