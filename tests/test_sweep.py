@@ -383,6 +383,19 @@ def test_run_arguments_are_checked_before_any_run(tmp_path):
   assert proc.stdout.splitlines()[1].split()[-1] == str(64 // 8 * 8 * 3)
 
 
+def test_run_arguments_take_their_fields_declared_type():
+  """A None placeholder (rl.clip_dual) parses as its declared float, a bad value
+  fails naming the argument."""
+  config = sweep.apply_overrides(
+      sweep.load_experiment(TINY, ""),
+      ["--config.rl.clip_dual=3", "--config.rl.tis_cap=2.5", "--config.eval.k=2",
+       "--config.data.chat_template=true", "--config.data.train=synthetic:hard"])
+  assert (config.rl.clip_dual, config.rl.tis_cap, config.eval.k) == (3.0, 2.5, 2)
+  assert config.data.chat_template is True and config.data.train == "synthetic:hard"
+  with pytest.raises(ValueError, match=r"run argument '--config.rl.clip_dual=x'"):
+    sweep.apply_overrides(sweep.load_experiment(TINY, ""), ["--config.rl.clip_dual=x"])
+
+
 # ------------------------------------------------------------- end to end, real trainer
 
 # Four points of the tiny config (M = 8 for n = 2, M = 4 for n = 4), small enough for two

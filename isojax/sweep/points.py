@@ -132,19 +132,21 @@ def apply_overrides(config, args: Sequence[str]):
     if not sep or node is None or not hasattr(node, "get") or leaf not in node:
       raise ValueError(f"run argument {arg!r}: no config field {path!r} in the "
                        "experiment file (expected --config.FIELD=VALUE)")
-    node[leaf] = _parse_like(node[leaf], raw, arg)
+    # The field's declared type, which a None placeholder (rl.clip_dual) has too.
+    kind = node.get_type(leaf) if hasattr(node, "get_type") else type(node[leaf])
+    node[leaf] = _parse_as(kind, raw, arg)
   return config
 
 
-def _parse_like(current, raw: str, arg: str):
+def _parse_as(kind: type, raw: str, arg: str):
   try:
-    if isinstance(current, bool):
+    if issubclass(kind, bool):
       if raw.lower() not in ("true", "false", "1", "0"):
         raise ValueError(f"not a bool: {raw!r}")
       return raw.lower() in ("true", "1")
-    if isinstance(current, int):
+    if issubclass(kind, int):
       return int(raw)
-    if isinstance(current, float):
+    if issubclass(kind, float):
       return float(raw)
   except ValueError as e:
     raise ValueError(f"run argument {arg!r}: {e}") from e
