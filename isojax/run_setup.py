@@ -334,27 +334,33 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
                point.compute, run_plan.lr)
   t0 = time.time()
   parts = build_parts(config, run_plan)
-  state = parts.init_state()
-  files.check_not_link(workdir / CHECKPOINT_DIR)
-  _log_memory_split(config, parts, state, point)
-  ckpt = ckpt_lib.RunCheckpointer(workdir / CHECKPOINT_DIR,
-                                  max_to_keep=config.keep_checkpoints)
-  resumed, start = None, ckpt.latest_step()
-  if start is not None:
-    state, resumed = ckpt.restore(start, state)
-    if list(resumed.rng) != run_key(config):
-      raise ValueError(f"checkpoint {start} in {workdir} was made with another seed")
-    parts.loader.load_state_dict(resumed.loader)
-    parts.sampler.update_weights(model_of(parts, state), version=start)
-    logging.info("resumed from the checkpoint at step %d", start)
-  writes_files = writes_run_files()
-  # Only a run that really started (model, data, sampler and state loaded) records
-  # its config: a failed start (a bad model path) must not hold its config against
-  # the corrected command in the same workdir.
-  if writes_files and not (workdir / CONFIG_FILE).exists():
-    with disk_full_as(workdir, CONFIG_FILE):
-      write_json(workdir / CONFIG_FILE, resolved)
-  writer = metrics_lib.MetricsWriter(workdir, resume_step=start, enabled=writes_files)
+  closes = [parts.close]  # on a failure below: a vLLM client's snapshots go too
+  try:
+    state = parts.init_state()
+    files.check_not_link(workdir / CHECKPOINT_DIR)
+    _log_memory_split(config, parts, state, point)
+    ckpt = ckpt_lib.RunCheckpointer(workdir / CHECKPOINT_DIR,
+                                    max_to_keep=config.keep_checkpoints)
+    closes.insert(0, ckpt.close)
+    resumed, start = None, ckpt.latest_step()
+    if start is not None:
+      state, resumed = ckpt.restore(start, state)
+      if list(resumed.rng) != run_key(config):
+        raise ValueError(f"checkpoint {start} in {workdir} was made with another seed")
+      parts.loader.load_state_dict(resumed.loader)
+      parts.sampler.update_weights(model_of(parts, state), version=start)
+      logging.info("resumed from the checkpoint at step %d", start)
+    writes_files = writes_run_files()
+    # Only a run that really started (model, data, sampler and state loaded) records
+    # its config: a failed start (a bad model path) must not hold its config against
+    # the corrected command in the same workdir.
+    if writes_files and not (workdir / CONFIG_FILE).exists():
+      with disk_full_as(workdir, CONFIG_FILE):
+        write_json(workdir / CONFIG_FILE, resolved)
+    writer = metrics_lib.MetricsWriter(workdir, resume_step=start, enabled=writes_files)
+  except BaseException:
+    _close_all(*closes)
+    raise
   return OpenRun(parts=parts, state=state, ckpt=ckpt, writer=writer, resumed=resumed,
                  t0=t0)
 

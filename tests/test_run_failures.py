@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from experiments import tiny
-from isojax import checkpoint as ckpt_lib, run, rundir
+from isojax import checkpoint as ckpt_lib, run, run_setup, rundir
 from isojax.errors import DiskFullError, UnsafePathError
 from tests.config_overrides import set_fields
 
@@ -63,7 +63,7 @@ def test_prompt_longer_than_the_context_fails_at_load_naming_the_line(tmp_path):
   assert not (workdir / "config.json").exists() and not (workdir / "metrics.jsonl").exists()
 
 
-def test_failed_start_then_fixed_command_links_refused(tmp_path):
+def test_failed_start_then_fixed_command_links_refused(tmp_path, monkeypatch):
   workdir = tmp_path / "run"
   with pytest.raises(Exception, match="no-such-model"):
     run.run(small_config(**{"model.path": str(tmp_path / "no-such-model")}), workdir)
@@ -72,6 +72,8 @@ def test_failed_start_then_fixed_command_links_refused(tmp_path):
   victim = tmp_path / "victim.txt"
   victim.write_text("precious\n")
   config = small_config()
+  closed, close = [], run_setup.RunParts.close  # the sampler is closed on every failure
+  monkeypatch.setattr(run_setup.RunParts, "close", lambda self: closed.append(close(self)))
   # Every name the run creates in its directory, in the order it creates them;
   # DONE.tmp is the last write of a run that trained to the end.
   for name in ("checkpoints", "config.json.tmp", "metrics.jsonl.tmp", "metrics.jsonl",
@@ -80,7 +82,7 @@ def test_failed_start_then_fixed_command_links_refused(tmp_path):
     with pytest.raises(UnsafePathError, match=rf"{workdir / name} -> {victim}"):
       run.run(config, workdir)
     (workdir / name).unlink()
-  assert victim.read_text() == "precious\n"
+  assert victim.read_text() == "precious\n" and len(closed) == 6
 
   last = run.run(config, workdir)  # the corrected command, same workdir
   assert last["step"] == 4 and (workdir / "DONE").exists()
