@@ -103,7 +103,7 @@ def test_compiled_sampler_holds_the_budgeted_cache_once():
   mem = jitted.lower(
       s, state, *rows_out, i32(8, prompt_len), i32(8, prompt_len), i32(rows), i32(rows),
       i32(rows), sds((rows,), bool), sds((cfg.vocab_size,), bool),
-      jax.eval_shape(lambda: jax.random.key(0)), f32, f32, i32(), i32()
+      jax.eval_shape(lambda: jax.random.key(0)), f32, f32, i32(), i32(), i32()
   ).compile().memory_analysis()
   cache = rows * per_row
   params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
