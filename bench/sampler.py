@@ -260,7 +260,7 @@ def memory_check(args):
   compiled = jitted.lower(
       s, state, *rows_out, i32(q, prompt_len), i32(q, prompt_len), i32(a), i32(a), i32(a),
       sds((a,), bool), sds((cfg.vocab_size,), bool), jax.eval_shape(lambda: jax.random.key(0)),
-      f32, f32, i32(), i32()).compile()
+      f32, f32, i32(), i32(), i32()).compile()
   mem = compiled.memory_analysis()
   params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / GIB
   total = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
