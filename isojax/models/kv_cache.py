@@ -69,18 +69,24 @@ def _online_softmax_step(q_BxKxGxTxH, k_BxKxHxC, v_BxKxCxH, ok_BxTxC, m_BxKxGxT,
                          acc_BxKxGxTxH):
   """Folds C more key slots into a running softmax: (max m, normaliser l,
   unnormalised output acc) -> the same after them; `ok` says which slots each
-  query sees. Scores and the carry are float32; p meets v in v's dtype."""
+  query sees. Scores and the carry are float32; p meets v in v's dtype. A
+  carry of None is the empty one (the first block): the same values with
+  fewer operations (a decode step reads one block per layer)."""
   s = jnp.einsum("bkgth,bkhc->bkgtc", q_BxKxGxTxH, k_BxKxHxC,
                  preferred_element_type=jnp.float32)
   ok = ok_BxTxC[:, None, None]
-  m_new = jnp.maximum(m_BxKxGxT, jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1))
+  m_new = jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1)
+  if m_BxKxGxT is not None:
+    m_new = jnp.maximum(m_BxKxGxT, m_new)
   # Rows with nothing valid yet keep m = -inf; shift by 0 there (p is 0 anyway).
   shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
   p = jnp.where(ok, jnp.exp(s - shift[..., None]), 0.0)
-  corr = jnp.exp(m_BxKxGxT - shift)
-  l_new = l_BxKxGxT * corr + p.sum(-1)
   pv = jnp.einsum("bkgtc,bkch->bkgth", p.astype(v_BxKxCxH.dtype), v_BxKxCxH,
                   preferred_element_type=jnp.float32)
+  if m_BxKxGxT is None:
+    return m_new, p.sum(-1), pv
+  corr = jnp.exp(m_BxKxGxT - shift)
+  l_new = l_BxKxGxT * corr + p.sum(-1)
   return m_new, l_new, acc_BxKxGxTxH * corr[..., None] + pv
 
 
@@ -221,14 +227,15 @@ class KVCache:
                                        m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxH)
       return m, l, acc, k_all, v_all
 
-    init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
-            jnp.zeros((B, K, G, T), jnp.float32),
-            jnp.zeros((B, K, G, T, H), jnp.float32), k_all, v_all)
     if self.read_len is not None or self.max_len == blk:
       # A static extent: plain attention over it, no control flow (a loop costs a
       # device->host sync per iteration on some backends, and dominates short caches).
-      _, l_BxKxGxT, acc, k_all, v_all = read(0, self.read_len or blk, init)
+      _, l_BxKxGxT, acc, k_all, v_all = read(0, self.read_len or blk,
+                                             (None, None, None, k_all, v_all))
     else:
+      init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
+              jnp.zeros((B, K, G, T), jnp.float32),
+              jnp.zeros((B, K, G, T, H), jnp.float32), k_all, v_all)
       # The cache arrays ride through the loop carry: closed over while also
       # live after the loop, XLA would copy them (the whole cache, per layer).
       _, l_BxKxGxT, acc, k_all, v_all = jax.lax.fori_loop(
