@@ -1,10 +1,15 @@
 """KVCache: a fixed-shape key/value cache that lives inside jit and lax.while_loop.
 
-All layers are stacked into one array per k and v so the cache is five leaves
-whatever the depth. Each row has its own fill level (`lengths_B`, the next slot
-it writes): rows of one batch may hold sequences of different lengths, and a
-row can be emptied and refilled with a new sequence while the others go on
-(continuous batching). New keys/values are scattered at each row's own slots.
+Each layer has its own key and value arrays, laid out as attention's matmuls
+read them (keys [B, K, H, S], values [B, K, S, H]), so a decode step reads a
+layer's cache in place: on XLA:CPU a layer slice of one stacked [L, ...] array,
+or keys/values in [B, S, K, H], cost a copy (a transpose) of the layer's whole
+cache per step, about half of the decode time of a small model.
+
+Each row has its own fill level (`lengths_B`, the next slot it writes): rows of
+one batch may hold sequences of different lengths, and a row can be emptied and
+refilled with a new sequence while the others go on (continuous batching). New
+keys/values are scattered at each row's own slots.
 
 Attention reads only what was written, not all `max_len` slots. The slots are
 grouped in blocks of `block` positions; by default `attend` loops
@@ -60,22 +65,28 @@ def _from_storage(x: jax.Array, dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
 
 
-def _online_softmax_step(q_BxKxGxTxH, k_BxCxKxH, v_BxCxKxH, ok_BxTxC, m_BxKxGxT, l_BxKxGxT,
+def _online_softmax_step(q_BxKxGxTxH, k_BxKxHxC, v_BxKxCxH, ok_BxTxC, m_BxKxGxT, l_BxKxGxT,
                          acc_BxKxGxTxH):
   """Folds C more key slots into a running softmax: (max m, normaliser l,
   unnormalised output acc) -> the same after them; `ok` says which slots each
-  query sees. Scores and the carry are float32; p meets v in v's dtype."""
-  s = jnp.einsum("bkgth,bckh->bkgtc", q_BxKxGxTxH, k_BxCxKxH,
+  query sees. Scores and the carry are float32; p meets v in v's dtype. A
+  carry of None is the empty one (the first block): the same values with
+  fewer operations (a decode step reads one block per layer)."""
+  s = jnp.einsum("bkgth,bkhc->bkgtc", q_BxKxGxTxH, k_BxKxHxC,
                  preferred_element_type=jnp.float32)
   ok = ok_BxTxC[:, None, None]
-  m_new = jnp.maximum(m_BxKxGxT, jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1))
+  m_new = jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1)
+  if m_BxKxGxT is not None:
+    m_new = jnp.maximum(m_BxKxGxT, m_new)
   # Rows with nothing valid yet keep m = -inf; shift by 0 there (p is 0 anyway).
   shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
   p = jnp.where(ok, jnp.exp(s - shift[..., None]), 0.0)
+  pv = jnp.einsum("bkgtc,bkch->bkgth", p.astype(v_BxKxCxH.dtype), v_BxKxCxH,
+                  preferred_element_type=jnp.float32)
+  if m_BxKxGxT is None:
+    return m_new, p.sum(-1), pv
   corr = jnp.exp(m_BxKxGxT - shift)
   l_new = l_BxKxGxT * corr + p.sum(-1)
-  pv = jnp.einsum("bkgtc,bckh->bkgth", p.astype(v_BxCxKxH.dtype), v_BxCxKxH,
-                  preferred_element_type=jnp.float32)
   return m_new, l_new, acc_BxKxGxTxH * corr[..., None] + pv
 
 
@@ -84,9 +95,9 @@ class KVCache:
   """Keys/values of every layer plus per-row bookkeeping.
 
   Attributes:
-    k_LxBxSxKxH, v_LxBxSxKxH: cached keys/values (S = max_len rounded up to a
-      whole number of blocks, K = kv heads, H = head_dim); values of `dtype`,
-      stored as raw uint16 bits when `dtype` is a 16-bit float.
+    k_BxKxHxS, v_BxKxSxH: per layer, cached keys/values (S = max_len rounded
+      up to a whole number of blocks, K = kv heads, H = head_dim); values of
+      `dtype`, stored as raw uint16 bits when `dtype` is a 16-bit float.
     positions_B: int32, the RoPE position the next token of each row gets.
     valid_BxS: bool, slot s holds a real token of row b.
     lengths_B: int32, the next slot each row writes (slots [0, lengths_B) are
@@ -100,8 +111,8 @@ class KVCache:
       chunks of decode steps (`with_read_len`).
   """
 
-  k_LxBxSxKxH: jax.Array
-  v_LxBxSxKxH: jax.Array
+  k_BxKxHxS: tuple[jax.Array, ...]
+  v_BxKxSxH: tuple[jax.Array, ...]
   positions_B: jax.Array
   valid_BxS: jax.Array
   lengths_B: jax.Array
@@ -111,18 +122,20 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
-    return self.k_LxBxSxKxH.shape[2]
+    return self.v_BxKxSxH[0].shape[2]
 
   @classmethod
   def zeros(cls, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int,
             head_dim: int, dtype, block: int = DEFAULT_BLOCK) -> KVCache:
     blk = block_size(max_len, block)
-    shape = (num_layers, batch_size, _round_up(max_len, blk), num_kv_heads, head_dim)
+    slots = _round_up(max_len, blk)
     return cls(
-        k_LxBxSxKxH=jnp.zeros(shape, _storage(dtype)),
-        v_LxBxSxKxH=jnp.zeros(shape, _storage(dtype)),
+        k_BxKxHxS=tuple(jnp.zeros((batch_size, num_kv_heads, head_dim, slots),
+                                  _storage(dtype)) for _ in range(num_layers)),
+        v_BxKxSxH=tuple(jnp.zeros((batch_size, num_kv_heads, slots, head_dim),
+                                  _storage(dtype)) for _ in range(num_layers)),
         positions_B=jnp.zeros((batch_size,), jnp.int32),
-        valid_BxS=jnp.zeros((batch_size, shape[2]), bool),
+        valid_BxS=jnp.zeros((batch_size, slots), bool),
         lengths_B=jnp.zeros((batch_size,), jnp.int32), block=blk, dtype=dtype)
 
   def with_read_len(self, read_len: int | None) -> KVCache:
@@ -168,10 +181,11 @@ class KVCache:
                        f"this cache's {self.max_len}")
     valid_AxS = jnp.zeros((src_A.shape[0], self.max_len), bool).at[:, :s_src].set(
         src.valid_BxS[src_A])
-    index = (slice(None), dest_A, slice(0, s_src))
     return self.replace(
-        k_LxBxSxKxH=self.k_LxBxSxKxH.at[index].set(src.k_LxBxSxKxH[:, src_A], mode="drop"),
-        v_LxBxSxKxH=self.v_LxBxSxKxH.at[index].set(src.v_LxBxSxKxH[:, src_A], mode="drop"),
+        k_BxKxHxS=tuple(k.at[dest_A, :, :, :s_src].set(k_src[src_A], mode="drop")
+                        for k, k_src in zip(self.k_BxKxHxS, src.k_BxKxHxS)),
+        v_BxKxSxH=tuple(v.at[dest_A, :, :s_src].set(v_src[src_A], mode="drop")
+                        for v, v_src in zip(self.v_BxKxSxH, src.v_BxKxSxH)),
         positions_B=self.positions_B.at[dest_A].set(src.positions_B[src_A], mode="drop"),
         valid_BxS=self.valid_BxS.at[dest_A].set(valid_AxS, mode="drop"),
         lengths_B=self.lengths_B.at[dest_A].set(src.lengths_B[src_A], mode="drop"))
@@ -192,9 +206,9 @@ class KVCache:
     dt = self.dtype
     row_Bx1 = jnp.arange(B)[:, None]
     slot_BxT = first_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
-    index = (layer, row_Bx1, slot_BxT)
-    k_all = self.k_LxBxSxKxH.at[index].set(_to_storage(k_BxTxKxH, dt))
-    v_all = self.v_LxBxSxKxH.at[index].set(_to_storage(v_BxTxKxH, dt))
+    # Advanced indices split by slices: the indexed [B, T] dims come first.
+    k_all = self.k_BxKxHxS[layer].at[row_Bx1, :, :, slot_BxT].set(_to_storage(k_BxTxKxH, dt))
+    v_all = self.v_BxKxSxH[layer].at[row_Bx1, :, slot_BxT].set(_to_storage(v_BxTxKxH, dt))
 
     blk = self.block
     q_BxKxGxTxH = (q_BxTxNxH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
@@ -204,28 +218,30 @@ class KVCache:
     def read(start, size, carry):
       """Online-softmax update with slots [start, start + size)."""
       m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxH, k_all, v_all = carry
-      at = (layer, 0, start, 0, 0)
-      k_BxCxKxH = _from_storage(jax.lax.dynamic_slice(k_all, at, (1, B, size, K, H))[0], dt)
-      v_BxCxKxH = _from_storage(jax.lax.dynamic_slice(v_all, at, (1, B, size, K, H))[0], dt)
+      k_BxKxHxC = _from_storage(jax.lax.dynamic_slice_in_dim(k_all, start, size, axis=3), dt)
+      v_BxKxCxH = _from_storage(jax.lax.dynamic_slice_in_dim(v_all, start, size, axis=2), dt)
       valid_BxC = jax.lax.dynamic_slice_in_dim(self.valid_BxS, start, size, axis=1)
       slot_C = start + jnp.arange(size, dtype=jnp.int32)
       ok_BxTxC = valid_BxC[:, None, :] & (slot_C[None, None, :] <= slot_BxT[:, :, None])
-      m, l, acc = _online_softmax_step(q_BxKxGxTxH, k_BxCxKxH, v_BxCxKxH, ok_BxTxC,
+      m, l, acc = _online_softmax_step(q_BxKxGxTxH, k_BxKxHxC, v_BxKxCxH, ok_BxTxC,
                                        m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxH)
       return m, l, acc, k_all, v_all
 
-    init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
-            jnp.zeros((B, K, G, T), jnp.float32),
-            jnp.zeros((B, K, G, T, H), jnp.float32), k_all, v_all)
     if self.read_len is not None or self.max_len == blk:
       # A static extent: plain attention over it, no control flow (a loop costs a
       # device->host sync per iteration on some backends, and dominates short caches).
-      _, l_BxKxGxT, acc, k_all, v_all = read(0, self.read_len or blk, init)
+      _, l_BxKxGxT, acc, k_all, v_all = read(0, self.read_len or blk,
+                                             (None, None, None, k_all, v_all))
     else:
+      init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
+              jnp.zeros((B, K, G, T), jnp.float32),
+              jnp.zeros((B, K, G, T, H), jnp.float32), k_all, v_all)
       # The cache arrays ride through the loop carry: closed over while also
       # live after the loop, XLA would copy them (the whole cache, per layer).
       _, l_BxKxGxT, acc, k_all, v_all = jax.lax.fori_loop(
           0, num_blocks, lambda j, c: read(j * blk, blk, c), init)
     o_BxKxGxTxH = acc / jnp.maximum(l_BxKxGxT, 1e-30)[..., None]
     o = o_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(B * T, N * H).astype(q_BxTxNxH.dtype)
-    return self.replace(k_LxBxSxKxH=k_all, v_LxBxSxKxH=v_all), o
+    swap = lambda layers, x: (*layers[:layer], x, *layers[layer + 1:])
+    return self.replace(k_BxKxHxS=swap(self.k_BxKxHxS, k_all),
+                        v_BxKxSxH=swap(self.v_BxKxSxH, v_all)), o

@@ -110,8 +110,8 @@ def _constrain(s: Static, rows: Rows, out: Out) -> tuple[Rows, Out]:
   c = jax.lax.with_sharding_constraint
   cache = rows.cache
   cache = cache.replace(
-      k_LxBxSxKxH=c(cache.k_LxBxSxKxH, s.cache_rows),
-      v_LxBxSxKxH=c(cache.v_LxBxSxKxH, s.cache_rows),
+      k_BxKxHxS=tuple(c(k, s.cache_rows) for k in cache.k_BxKxHxS),
+      v_BxKxSxH=tuple(c(v, s.cache_rows) for v in cache.v_BxKxSxH),
       positions_B=c(cache.positions_B, s.rows), valid_BxS=c(cache.valid_BxS, s.rows),
       lengths_B=c(cache.lengths_B, s.rows))
   rows = Rows(cache, *(c(x, s.rows) for x in rows[1:]))

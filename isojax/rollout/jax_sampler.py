@@ -205,7 +205,7 @@ class JaxSampler:
       self._row_multiple = math.prod(mesh.shape[a] for a in axes)
       self._rows = jax.sharding.NamedSharding(mesh, P(batch_axes))
       self._cache_rows = jax.sharding.NamedSharding(
-          mesh, P(None, batch_axes, None, P.UNCONSTRAINED, None))
+          mesh, P(batch_axes, P.UNCONSTRAINED, None, None))
       self._rep = jax.sharding.NamedSharding(mesh, P())
     self._jit_empty = jax.jit(decode.empty, static_argnums=(0, 1, 2, 3, 4))
     self._jit = jax.jit(functools.partial(decode.admit_and_decode, self._graphdef),

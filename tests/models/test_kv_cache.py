@@ -129,7 +129,12 @@ def test_init_cache_shapes(hf_dir):
   model, cfg = load_pretrained(path, dtype=jnp.bfloat16)
   cache = model.init_cache(4, 32)
   assert isinstance(cache, KVCache) and cache.max_len == 32
-  assert cache.k_LxBxSxKxH.shape == (cfg.num_layers, 4, 32, cfg.num_kv_heads, cfg.head_dim)
+  L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  # One array per layer, in the layouts attention's matmuls read.
+  assert [k.shape for k in cache.k_BxKxHxS] == [(4, K, H, 32)] * L
+  assert [v.shape for v in cache.v_BxKxSxH] == [(4, K, 32, H)] * L
   # bf16 keys/values are stored as their uint16 bits (in-place updates on XLA:CPU).
-  assert cache.dtype == jnp.bfloat16 and cache.v_LxBxSxKxH.dtype == jnp.uint16
-  assert len(jax.tree.leaves(cache)) == 5  # a pytree: passes through jit / while_loop
+  assert cache.dtype == jnp.bfloat16
+  assert all(x.dtype == jnp.uint16 for x in cache.k_BxKxHxS + cache.v_BxKxSxH)
+  # A pytree (passes through jit / while_loop): 2 arrays per layer + bookkeeping.
+  assert len(jax.tree.leaves(cache)) == 2 * L + 3
