@@ -2,7 +2,7 @@
 
 Every check that needs no model, data or device lives here, so that an
 infeasible budget point or a bad field fails at once, naming its numbers or the
-field, and `--dry_run` and the sweep planner can ask the same questions.
+field; `isojax.main --dry_run` asks the same questions before compiling.
 """
 
 from __future__ import annotations
