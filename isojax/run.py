@@ -6,7 +6,8 @@
 `plan_run(config)` (`isojax.run_plan`) validates everything that can be checked
 without work (the budget point above all: an infeasible point fails here, naming
 its numbers); `run` then opens the run (builds the parts, resumes from the last
-checkpoint) and loops until M updates are done. The workdir (layout: `isojax.rundir`) holds
+checkpoint) and loops until M updates are done. The workdir (layout:
+`isojax.rundir`) holds
 
     config.json     the resolved config, with the derived budget point
     metrics.jsonl   one line per step (step 0: the base model's eval)

@@ -109,7 +109,7 @@ def _mesh(config):
   return sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
 
 
-def _sampler(config, model, mesh):
+def _sampler(config, model, mesh, *, in_flight: bool = False):
   # Each backend is imported only when chosen: the vLLM client needs `requests`
   # (the `vllm` extra), which a JAX-only install lacks.
   if config.sampler.backend == "jax":
@@ -122,8 +122,7 @@ def _sampler(config, model, mesh):
                         connect_timeout_s=s.vllm_connect_timeout_s,
                         probe_timeout_s=s.vllm_probe_timeout_s,
                         request_timeout_s=s.vllm_request_timeout_s,
-                        # PipelineRL: weight pushes keep requests in flight.
-                        in_flight=bool(config.rl.get("pipeline", {}).get("max_lag")))
+                        in_flight=in_flight)
   try:
     sampler.wait_until_ready()  # before writing a weight snapshot for it
     sampler.update_weights(model, version=0)  # the server may hold other weights
@@ -218,7 +217,8 @@ def build_parts(config, run_plan) -> RunParts:
   eos = tokenizer.eos_token_id
   interrupt = interruption_from_config(config.sampler, max_tokens=run_plan.max_tokens,
                                        encode=tokenizer.encode)
-  sampler = _sampler(config, model, mesh)
+  # PipelineRL: weight pushes keep a vLLM server's requests in flight.
+  sampler = _sampler(config, model, mesh, in_flight=bool(run_plan.max_lag))
   if interrupt is not None:  # ScaleRL's forced length interruption, either backend
     sampler = InterruptingSampler(sampler, interrupt)
   return RunParts(
