@@ -7,7 +7,8 @@ The producer, with a stand-in for sampling and a scripted trainer:
 * its errors reach the trainer's `take`; a token older than k updates is refused;
 * an in-process sampler gets a copy of the weights (the next update donates them).
 The run, on the tiny CPU config with the JAX sampler:
-* max_lag = 0 writes what a config without the field writes;
+* max_lag = 0 writes what a config without the field writes (tested with
+  off_policy_k = 1 in test_run_batches);
 * max_lag = 2: every update trains on tokens at most 2 updates old, the ledger
   charges each batch once, ratios are against the sampler;
 * stopped after a checkpoint and restarted, it resumes from the drained
@@ -154,19 +155,6 @@ def test_malformed_max_lag_fails_before_any_work(tmp_path):
   assert not (tmp_path / "run").exists()
   plan = run.plan_run(tiny_config(POINT, **{"rl.pipeline.max_lag": 2, "rl.clip_high": 0.28}))
   assert plan.stale and plan.max_lag == 2 and plan.loss.clip_high == 0.28
-
-
-def test_lag0_is_the_synchronous_loop(tmp_path):
-  overrides = {"eval_every": 100, "eval.num_train": 0}
-  run.run(tiny_config("bp=4,n=4,budget=32", **overrides, **{"rl.pipeline.max_lag": 0}),
-          tmp_path / "lag0")
-  absent = tiny_config("bp=4,n=4,budget=32", **overrides)
-  del absent.rl["pipeline"]
-  run.run(absent, tmp_path / "absent")
-  lag0 = [run_records.without_timing(r) for r in run_records.records(tmp_path / "lag0")]
-  assert lag0 == [run_records.without_timing(r)
-                  for r in run_records.records(tmp_path / "absent")]
-  assert "train/policy_lag_max" not in lag0[-1]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """PPO-off-policy-k (config.rl.off_policy_k) end to end on the tiny CPU config.
 
-* k = 1 is the on-policy loop: its metrics.jsonl equals a run whose config has no
-  off_policy_k field at all;
+* k = 1 (with pipeline.max_lag = 0) is the on-policy loop: its metrics.jsonl
+  equals a run whose config has neither field;
 * k = 3 over M = 5 updates: groups of 3 and 2 (the last one shorter), the policy
   lag of the updates is 0, 1, 2, 0, 1, the ledger charges each group's rollouts
   when they are sampled, and the clips are live (ratios against the sampler);
@@ -62,13 +62,15 @@ def test_clip_settings_are_refused_on_policy_only():
   assert (plan.off_policy_k, plan.loss.clip_high, plan.point.m) == (2, 0.28, 5)
 
 
-def test_k1_is_the_on_policy_loop(tmp_path):
-  """off_policy_k = 1 writes what a config without the field writes (no lag columns)."""
+def test_k1_and_lag0_are_the_on_policy_loop(tmp_path):
+  """off_policy_k = 1 and pipeline.max_lag = 0 write what a config without either
+  field writes (no lag columns)."""
   overrides = {"eval_every": 100, "eval.num_train": 0}
-  run.run(tiny_config("bp=4,n=4,budget=32", **overrides, **{"rl.off_policy_k": 1}),
-          tmp_path / "k1")
+  run.run(tiny_config("bp=4,n=4,budget=32", **overrides,
+                      **{"rl.off_policy_k": 1, "rl.pipeline.max_lag": 0}), tmp_path / "k1")
   absent = tiny_config("bp=4,n=4,budget=32", **overrides)
   del absent.rl["off_policy_k"]
+  del absent.rl["pipeline"]
   run.run(absent, tmp_path / "absent")
   k1 = [run_records.without_timing(r) for r in run_records.records(tmp_path / "k1")]
   assert k1 == [run_records.without_timing(r)
