@@ -21,6 +21,13 @@ attention reads exactly those slots with no control flow.
 Left-padded prompts leave invalid slots, tracked by `valid_BxS`; each sequence's
 RoPE position is its own count of real tokens (`positions_B`), so padding never
 shifts positions.
+
+A cache may also hold a shared prefix (`with_prefix`): Q prefixes (prompts), each
+attended by a group of B / Q consecutive rows (its n samples) before the rows'
+own slots. A prefix is stored and read once for its group, not copied to every
+row, and its group's queries meet its keys in one matmul. Such a cache decodes
+in lockstep: every row writes the same slot (one contiguous update instead of a
+per-row scatter).
 """
 
 from __future__ import annotations
@@ -102,6 +109,9 @@ class KVCache:
     valid_BxS: bool, slot s holds a real token of row b.
     lengths_B: int32, the next slot each row writes (slots [0, lengths_B) are
       filled, padding included).
+    prefix_k_QxKxHxL, prefix_v_QxKxLxH, prefix_valid_QxL: the shared prefixes
+      (empty / None: none), stored like k/v; row b attends prefix b // (B / Q)
+      before its own slots, and all rows write the same slots (lockstep).
     block: static, slots per attention block (S is a multiple of it).
     dtype: static, the dtype of keys/values (the model's compute dtype).
     read_len: static; None: attention loops over the blocks up to the fullest
@@ -116,6 +126,9 @@ class KVCache:
   positions_B: jax.Array
   valid_BxS: jax.Array
   lengths_B: jax.Array
+  prefix_k_QxKxHxL: tuple[jax.Array, ...] = ()
+  prefix_v_QxKxLxH: tuple[jax.Array, ...] = ()
+  prefix_valid_QxL: jax.Array | None = None
   block: int = struct.field(pytree_node=False, default=DEFAULT_BLOCK)
   dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
   read_len: int | None = struct.field(pytree_node=False, default=None)
@@ -124,19 +137,48 @@ class KVCache:
   def max_len(self) -> int:
     return self.v_BxKxSxH[0].shape[2]
 
+  @property
+  def shared_prefix(self) -> bool:
+    """Whether rows attend shared prefixes (and decode in lockstep)."""
+    return self.prefix_valid_QxL is not None
+
   @classmethod
   def zeros(cls, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int,
-            head_dim: int, dtype, block: int = DEFAULT_BLOCK) -> KVCache:
+            head_dim: int, dtype, block: int = DEFAULT_BLOCK, num_prefixes: int = 0,
+            prefix_len: int = 0) -> KVCache:
+    """An empty cache of `max_len` slots per row; with `num_prefixes`, also that
+    many empty shared prefixes of `prefix_len` slots (filled by `with_prefix`
+    from a cache made as `zeros(..., num_prefixes, prefix_len, ...)`)."""
     blk = block_size(max_len, block)
     slots = _round_up(max_len, blk)
-    return cls(
+    layers = range(num_layers)
+    cache = cls(
         k_BxKxHxS=tuple(jnp.zeros((batch_size, num_kv_heads, head_dim, slots),
-                                  _storage(dtype)) for _ in range(num_layers)),
+                                  _storage(dtype)) for _ in layers),
         v_BxKxSxH=tuple(jnp.zeros((batch_size, num_kv_heads, slots, head_dim),
-                                  _storage(dtype)) for _ in range(num_layers)),
+                                  _storage(dtype)) for _ in layers),
         positions_B=jnp.zeros((batch_size,), jnp.int32),
         valid_BxS=jnp.zeros((batch_size, slots), bool),
         lengths_B=jnp.zeros((batch_size,), jnp.int32), block=blk, dtype=dtype)
+    if num_prefixes:
+      cache = cache.with_prefix(cls.zeros(num_layers, num_prefixes, prefix_len, num_kv_heads,
+                                          head_dim, dtype, block))
+    return cache
+
+  def with_prefix(self, prefix: KVCache) -> KVCache:
+    """This cache's rows, emptied, attending the rows of `prefix` (e.g. a
+    prefill of Q prompts) as shared prefixes: row b attends prefix row
+    b // (B / Q) first and continues its RoPE positions."""
+    batch, num_prefixes = self.lengths_B.shape[0], prefix.lengths_B.shape[0]
+    if prefix.shared_prefix or batch % num_prefixes:
+      raise ValueError(f"KVCache.with_prefix: {num_prefixes} prefixes for {batch} rows; "
+                       f"expected a cache without prefixes whose rows divide {batch}")
+    group = batch // num_prefixes
+    return self.replace(
+        prefix_k_QxKxHxL=prefix.k_BxKxHxS, prefix_v_QxKxLxH=prefix.v_BxKxSxH,
+        prefix_valid_QxL=prefix.valid_BxS,
+        positions_B=jnp.repeat(prefix.positions_B, group),
+        valid_BxS=jnp.zeros_like(self.valid_BxS), lengths_B=jnp.zeros_like(self.lengths_B))
 
   def with_read_len(self, read_len: int | None) -> KVCache:
     """This cache with attention reading slots [0, read_len) (see read_len)."""
@@ -190,11 +232,32 @@ class KVCache:
         valid_BxS=self.valid_BxS.at[dest_A].set(valid_AxS, mode="drop"),
         lengths_B=self.lengths_B.at[dest_A].set(src.lengths_B[src_A], mode="drop"))
 
+  def _attend_prefix(self, layer: int, q_BxKxGxTxH: jax.Array):
+    """The online-softmax state (m, l, acc) of every row's queries after its
+    shared prefix. The queries of a prefix's rows are stacked, so that they
+    meet its keys and values in one matmul each (the prefix is read once)."""
+    B, K, G, T, H = q_BxKxGxTxH.shape
+    Q, L = self.prefix_valid_QxL.shape
+    n = B // Q
+    q_QxKxMxTxH = (q_BxKxGxTxH.reshape(Q, n, K, G, T, H).transpose(0, 2, 1, 3, 4, 5)
+                   .reshape(Q, K, n * G, T, H))
+    ok_QxTxL = jnp.broadcast_to(self.prefix_valid_QxL[:, None, :], (Q, T, L))
+    state = _online_softmax_step(q_QxKxMxTxH,
+                                 _from_storage(self.prefix_k_QxKxHxL[layer], self.dtype),
+                                 _from_storage(self.prefix_v_QxKxLxH[layer], self.dtype),
+                                 ok_QxTxL, None, None, None)
+
+    def per_row(x):  # [Q, K, n*G, T, ...] -> [B, K, G, T, ...]
+      x = x.reshape(Q, K, n, G, *x.shape[3:])
+      return jnp.moveaxis(x, 2, 1).reshape(B, K, G, *x.shape[4:])
+    return tuple(per_row(x) for x in state)
+
   def attend(self, layer: int, q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array,
              v_BxTxKxH: jax.Array, first_B: jax.Array, scale: float
              ) -> tuple[KVCache, jax.Array]:
     """Writes one layer's new keys/values at slots [first_B, first_B + T) and
-    attends the new queries over the filled blocks (causal, valid slots only).
+    attends the new queries over the row's shared prefix, if any, then the
+    filled blocks (causal, valid slots only).
 
     Grouped-query: query head n uses kv head n // (N/K). Returns the cache and
     the attention output [B*T, N*H] in the compute dtype. A query with nothing
@@ -204,11 +267,21 @@ class KVCache:
     K = k_BxTxKxH.shape[2]
     G = N // K
     dt = self.dtype
-    row_Bx1 = jnp.arange(B)[:, None]
     slot_BxT = first_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
-    # Advanced indices split by slices: the indexed [B, T] dims come first.
-    k_all = self.k_BxKxHxS[layer].at[row_Bx1, :, :, slot_BxT].set(_to_storage(k_BxTxKxH, dt))
-    v_all = self.v_BxKxSxH[layer].at[row_Bx1, :, slot_BxT].set(_to_storage(v_BxTxKxH, dt))
+    if self.shared_prefix:
+      # Lockstep: one slot range for all rows, a contiguous update (a scatter
+      # costs ~10x more per step on XLA:CPU). The caller keeps it inside max_len
+      # (an update past the end would be moved back onto the last slots).
+      first = jnp.max(first_B)
+      k_all = jax.lax.dynamic_update_slice_in_dim(
+          self.k_BxKxHxS[layer], _to_storage(k_BxTxKxH.transpose(0, 2, 3, 1), dt), first, 3)
+      v_all = jax.lax.dynamic_update_slice_in_dim(
+          self.v_BxKxSxH[layer], _to_storage(v_BxTxKxH.transpose(0, 2, 1, 3), dt), first, 2)
+    else:
+      row_Bx1 = jnp.arange(B)[:, None]
+      # Advanced indices split by slices: the indexed [B, T] dims come first.
+      k_all = self.k_BxKxHxS[layer].at[row_Bx1, :, :, slot_BxT].set(_to_storage(k_BxTxKxH, dt))
+      v_all = self.v_BxKxSxH[layer].at[row_Bx1, :, slot_BxT].set(_to_storage(v_BxTxKxH, dt))
 
     blk = self.block
     q_BxKxGxTxH = (q_BxTxNxH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
@@ -227,19 +300,22 @@ class KVCache:
                                        m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxH)
       return m, l, acc, k_all, v_all
 
+    # The running softmax starts from the shared prefix, if any (None: empty).
+    start = (self._attend_prefix(layer, q_BxKxGxTxH) if self.shared_prefix
+             else (None, None, None))
     if self.read_len is not None or self.max_len == blk:
       # A static extent: plain attention over it, no control flow (a loop costs a
       # device->host sync per iteration on some backends, and dominates short caches).
-      _, l_BxKxGxT, acc, k_all, v_all = read(0, self.read_len or blk,
-                                             (None, None, None, k_all, v_all))
+      _, l_BxKxGxT, acc, k_all, v_all = read(0, self.read_len or blk, (*start, k_all, v_all))
     else:
-      init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
-              jnp.zeros((B, K, G, T), jnp.float32),
-              jnp.zeros((B, K, G, T, H), jnp.float32), k_all, v_all)
+      if start[0] is None:
+        start = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
+                 jnp.zeros((B, K, G, T), jnp.float32),
+                 jnp.zeros((B, K, G, T, H), jnp.float32))
       # The cache arrays ride through the loop carry: closed over while also
       # live after the loop, XLA would copy them (the whole cache, per layer).
       _, l_BxKxGxT, acc, k_all, v_all = jax.lax.fori_loop(
-          0, num_blocks, lambda j, c: read(j * blk, blk, c), init)
+          0, num_blocks, lambda j, c: read(j * blk, blk, c), (*start, k_all, v_all))
     o_BxKxGxTxH = acc / jnp.maximum(l_BxKxGxT, 1e-30)[..., None]
     o = o_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(B * T, N * H).astype(q_BxTxNxH.dtype)
     swap = lambda layers, x: (*layers[:layer], x, *layers[layer + 1:])

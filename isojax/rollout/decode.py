@@ -104,7 +104,9 @@ def sample_token(logits_BxV, u_B, temperature, top_p, s: Static):
 
 
 def _constrain(s: Static, rows: Rows, out: Out) -> tuple[Rows, Out]:
-  """Rollout rows are split over the mesh, never replicated."""
+  """Rollout rows are split over the mesh, never replicated. (Shared prompts
+  keep the sharding of their prefill: split like the prompts when their count
+  divides evenly, else replicated.)"""
   if s.rows is None:
     return rows, out
   c = jax.lax.with_sharding_constraint
@@ -118,11 +120,17 @@ def _constrain(s: Static, rows: Rows, out: Out) -> tuple[Rows, Out]:
   return rows, Out(*(c(x, s.rows) for x in out))
 
 
-def empty(cfg, s: Static, num_rows: int, max_len: int, num_pairs: int) -> tuple[Rows, Out]:
-  """R free rows with a cache of `max_len` slots each, and empty outputs for P pairs."""
+def empty(cfg, s: Static, num_rows: int, max_len: int, num_pairs: int,
+          num_prompts: int = 0, prompt_len: int = 0) -> tuple[Rows, Out]:
+  """R free rows with a cache of `max_len` slots each, and empty outputs for P pairs.
+
+  With `num_prompts`, the rows decode in lockstep after shared prompts of
+  `prompt_len` slots (`KVCache.with_prefix`): row r is pair r, a sample of
+  prompt r // (R / num_prompts), and `max_len` counts its completion only.
+  """
   r, t = num_rows, s.max_tokens
   cache = KVCache.zeros(cfg.num_layers, r, max_len, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
-                        block=s.cache_block)
+                        block=s.cache_block, num_prefixes=num_prompts, prefix_len=prompt_len)
   rows = Rows(cache=cache, prev_R=jnp.zeros((r,), jnp.int32),
               pair_R=jnp.full((r,), num_pairs, jnp.int32),
               step_R=jnp.zeros((r,), jnp.int32), done_R=jnp.ones((r,), bool),
@@ -172,7 +180,10 @@ def admit_and_decode(graphdef, s: Static, state, rows: Rows, out: Out, prompt_Qx
     pre = KVCache.zeros(cfg.num_layers, q, l, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
                         block=s.cache_block)
     logits_QxV, pre = model.prefill(prompt_QxL, mask_QxL, pre, last_only=True)
-    c = rows.cache.insert(dest_A, pre, src_A)  # pre's slots fit: l <= l + max_tokens
+    if rows.cache.shared_prefix:  # prompt q is the prefix of rows [q n, (q + 1) n)
+      c = rows.cache.with_prefix(pre)
+    else:  # pre's slots fit: l <= l + max_tokens
+      c = rows.cache.insert(dest_A, pre, src_A)
     u_AxT = 1.0 - jax.vmap(
         lambda p: jax.random.uniform(jax.random.fold_in(key, p), (t_max,)))(pair_A)
     tok_A, logp_A = sample_token(logits_QxV[src_A], u_AxT[:, 0], temperature, top_p, s)
@@ -204,11 +215,13 @@ def admit_and_decode(graphdef, s: Static, state, rows: Rows, out: Out, prompt_Qx
     rows, out, steps = carry
     before = rows.cache
     logits_RxV, cache = model.decode_step(rows.prev_R, before)
-    # Done rows do not advance: they rewrite one spare slot until refilled, so
-    # the filled length (what attention reads) never grows past the live rows'.
-    cache = cache.replace(
-        lengths_B=jnp.where(rows.done_R, before.lengths_B, cache.lengths_B),
-        positions_B=jnp.where(rows.done_R, before.positions_B, cache.positions_B))
+    if not cache.shared_prefix:
+      # Done rows do not advance: they rewrite one spare slot until refilled, so
+      # the filled length (what attention reads) never grows past the live rows'.
+      # (In lockstep every row advances: they write one slot together.)
+      cache = cache.replace(
+          lengths_B=jnp.where(rows.done_R, before.lengths_B, cache.lengths_B),
+          positions_B=jnp.where(rows.done_R, before.positions_B, cache.positions_B))
     step_R = jnp.minimum(rows.step_R, t_max - 1)
     u_R = jnp.take_along_axis(rows.u_RxT, step_R[:, None], axis=1)[:, 0]
     tok_R, logp_R = sample_token(logits_RxV, u_R, temperature, top_p, s)

@@ -2,12 +2,14 @@
 
 Rollouts are (prompt, sample) pairs decoded in a fixed set of cache rows. By
 default there is a row per pair and everything runs in one admission and one
-decode loop. With `max_rows` (or a KV budget in GiB) at most that many rows
-decode at once: rows that finish are refilled with waiting pairs between
-chunks of decode steps, so the cache is bounded whatever the number of
-rollouts (continuous batching). Either way each distinct prompt of an
-admission is prefilled once and its cache row copied to its samples' rows, and
-attention reads only the filled blocks of the cache (`isojax.models.KVCache`).
+decode loop, in lockstep: each prompt is prefilled once and its cache is the
+shared prefix of its n samples' rows (stored and read once, not copied). With
+`max_rows` (or a KV budget in GiB) at most that many rows decode at once: rows
+that finish are refilled with waiting pairs between chunks of decode steps, so
+the cache is bounded whatever the number of rollouts (continuous batching);
+each distinct prompt of an admission is prefilled once and its cache copied to
+its samples' rows. Either way attention reads only the filled blocks of the
+cache (`isojax.models.KVCache`).
 
 Prompts are left-padded to a power-of-two length bucket, the prompt count is
 padded with dummy prompts to a power of two (their pairs are never decoded)
@@ -29,7 +31,9 @@ probability reaches top_p) -> sample. The returned logprob is that of the
 distribution actually sampled from, i.e. log-softmax of the processed logits.
 With temperature 0 (greedy) the argmax token is taken and its logprob is the
 log-softmax of the unscaled logits. Randomness is keyed by (seed, pair), so a
-rollout does not depend on which row or chunk decoded it, nor on max_rows.
+rollout does not depend on which row or chunk decoded it, nor on max_rows (up
+to float rounding: the shared-prefix and copied layouts sum attention in a
+different order).
 """
 
 from __future__ import annotations
@@ -207,7 +211,7 @@ class JaxSampler:
       self._cache_rows = jax.sharding.NamedSharding(
           mesh, P(batch_axes, P.UNCONSTRAINED, None, None))
       self._rep = jax.sharding.NamedSharding(mesh, P())
-    self._jit_empty = jax.jit(decode.empty, static_argnums=(0, 1, 2, 3, 4))
+    self._jit_empty = jax.jit(decode.empty, static_argnums=(0, 1, 2, 3, 4, 5, 6))
     self._jit = jax.jit(functools.partial(decode.admit_and_decode, self._graphdef),
                         static_argnums=0, donate_argnums=(2, 3))
 
@@ -292,20 +296,29 @@ class JaxSampler:
                        np.float32(top_p), np.int32(max_tokens))
     stop_V = self._put(stop_V)[0]
 
-    rows, out = self._jit_empty(self._cfg, s, num_rows, cache_len, num_pairs)
+    # Every pair has a row: one admission, the rows decode in lockstep after
+    # their prompt's cache, shared by its n rows. Else rows are refilled.
+    lockstep = num_rows == num_pairs
+    if lockstep:
+      rows, out = self._jit_empty(self._cfg, s, num_rows, _next_pow2(max_tokens), num_pairs,
+                                  num_pairs // n, l_bucket)
+    else:
+      rows, out = self._jit_empty(self._cfg, s, num_rows, cache_len, num_pairs)
     labels = _Labels(num_pairs, s.max_tokens)
     max_steps = np.int32(self._decode_chunk or _NO_STEP_LIMIT)
     # Whole prompts are admitted together (one prefill for their n samples)
     # unless a prompt's n samples do not fit in the rows at all.
     unit = n if num_rows >= n else 1
-    free_R, start, q, need = np.arange(num_rows), 0, 1, l_bucket + 1
+    # A row's own slots start after its prompt (lockstep: in the shared prefix).
+    first_slot = 0 if lockstep else l_bucket
+    free_R, start, q, need = np.arange(num_rows), 0, 1, first_slot + 1
     while True:
       take = min(b - start, len(free_R) // unit * unit)
       pair_A = np.arange(start, start + take)
       start += take
       prompts_Q, src_A = np.unique(pair_A // n, return_inverse=True)
       if take:  # else only the read extent grows: nothing is admitted
-        q = _next_pow2(len(prompts_Q))
+        q = num_pairs // n if lockstep else _next_pow2(len(prompts_Q))
       prompts_Q = np.concatenate([prompts_Q, np.full(q - len(prompts_Q), 0)]).astype(int)
       a = _next_pow2(num_rows)  # one admission shape per request: fewer compilations
       pad = lambda x, v: np.concatenate([x, np.full(a - take, v, x.dtype)]).astype(np.int32)
@@ -331,7 +344,7 @@ class JaxSampler:
         free_R = free_R[:0]
         continue
       # The next step writes slot lengths_R: attention must read one past it.
-      need = max(int(lengths_R[~done_R].max(initial=0)) + 1, l_bucket + 1)
+      need = max(int(lengths_R[~done_R].max(initial=0)) + 1, first_slot + 1)
       free_R = np.flatnonzero(done_R)
 
     tokens_BxT, logp_BxT, lengths_B, stopped_B = _to_host(out)

@@ -108,6 +108,45 @@ def test_rows_at_different_fill_levels(hf_dir):
                                rtol=0)
 
 
+@pytest.mark.parametrize("block", [8, 256])
+def test_shared_prefixes_equal_full_forward(hf_dir, block):
+  """Two left-padded prompts prefilled once, each the shared prefix of 3 rows
+  that decode different tokens in lockstep, equal every row's full forward.
+  block=8: the rows' own 9 slots span 2 blocks (the online softmax loop starts
+  from the prefix's state); 256: one static block."""
+  _, path = hf_dir("qwen2")
+  model, cfg = load_pretrained(path)
+  rng = np.random.RandomState(3)
+  P, N, n = 10, 6, 3
+  prompts = [rng.randint(0, 128, k) for k in (10, 4)]
+  prompt_QxP, mask_QxP = _left_pad(prompts, P)
+  new_BxN = rng.randint(0, 128, (2 * n, N)).astype(np.int32)
+  zeros = lambda b, slots: KVCache.zeros(cfg.num_layers, b, slots, cfg.num_kv_heads,
+                                         cfg.head_dim, cfg.dtype, block=block)
+
+  @jax.jit
+  def decode(model, prompt, mask, new_BxN):
+    _, pre = model.prefill(prompt, mask, zeros(2, P))
+    cache = zeros(2 * n, N + 3).with_prefix(pre)
+    logits = []
+    for i in range(N):
+      logits_BxV, cache = model.decode_step(new_BxN[:, i], cache)
+      logits.append(logits_BxV)
+    return jnp.stack(logits, 1), cache
+
+  got, cache = decode(model, prompt_QxP, mask_QxP, new_BxN)
+  # Prefix 0 (10 real slots) serves rows 0-2, prefix 1 (4) rows 3-5; all rows
+  # wrote the same N own slots and continue their prompt's positions.
+  np.testing.assert_array_equal(np.asarray(cache.lengths_B), N)
+  np.testing.assert_array_equal(np.asarray(cache.positions_B), [10 + N] * n + [4 + N] * n)
+  ids = np.concatenate([np.repeat(prompt_QxP, n, 0), new_BxN], 1)
+  mask = np.concatenate([np.repeat(mask_QxP, n, 0), np.ones_like(new_BxN)], 1)
+  full = np.asarray(jax.jit(lambda m, i, a: m(i, attention_mask=a))(model, ids, mask))
+  np.testing.assert_allclose(np.asarray(got), full[:, P:], atol=1e-5, rtol=0)
+  with pytest.raises(ValueError, match="3 prefixes for 4 rows"):
+    zeros(4, 8).with_prefix(zeros(3, 8))
+
+
 def test_prefill_last_only_and_chunked_prefill(hf_dir):
   """Prefill in two chunks == one prefill; last_only gives the last column."""
   _, path = hf_dir("qwen2")
