@@ -18,44 +18,45 @@ from typing import Any
 
 from isojax.rollout.interruption import DEFAULT_PHRASE
 
-# Fields of the run schema added after the first config.json was written, each
+# Fields of the run schema added after isojax wrote its first config.json, each
 # with the value its absence means: what the code did before the field existed.
 # ADDING A FIELD TO experiments/common.py MEANS ADDING IT HERE, with that value
 # (not necessarily the new default), or no run started before it can resume.
 # A field read as `config.x.get(name, fallback)` declares its fallback.
 ADDED_FIELDS: dict[str, Any] = {
-    "eval_steps": (),  # evaluations at eval_every (and the end) only
-    "model.attention": "xla",  # the one implementation before the field ("auto" picks cuDNN on GPU)
-    "model.lm_head_fp32": True,  # load_pretrained's default when no field passed it
-    "data.drop_too_long": False,  # no problem left out (a prompt that does not fit fails at load)
-    "data.drop_solved_above": 0.0,  # no prompt retired
-    "sampler.vllm_weights_dir": "",  # weight snapshots in a temp dir of this host
-    # The vLLM client's built-in timeouts, before they were fields.
-    "sampler.vllm_connect_timeout_s": 5.0,
-    "sampler.vllm_probe_timeout_s": 30.0,
-    "sampler.vllm_request_timeout_s": 600.0,
-    "sampler.max_rows": 0,  # every rollout of a batch decoded at once (.get(...) or None)
-    "sampler.kv_budget_gib": 0.0,  # no KV-cache budget (.get(...) or None)
-    "sampler.decode_chunk": 0,  # one decode call per batch (.get(...) or None)
-    "sampler.server_devices": 0,  # device-hours count the trainer's devices only
-    # No forced length interruption (think_tokens 0); the other two are then unread.
-    "sampler.interrupt_think_tokens": 0,
-    "sampler.interrupt_answer_tokens": 0,
-    "sampler.interrupt_phrase": DEFAULT_PHRASE,
-    "rl.n_est": 0,  # the baseline over the n trained rollouts
-    "rl.logits_chunk": None,  # the lm head over all positions at once
-    "rl.off_policy_k": 1,  # on-policy (run_plan.check_off_policy_k's fallback)
-    "rl.pipeline.max_lag": 0,  # the synchronous loop (run_plan.check_max_lag's fallback)
-    # The critic is read only with rl.adv_estimator = "gae", which came with it: a
-    # run without these fields never reads them, and declares their defaults.
-    "critic.path": "",
-    "critic.lr_base": 1e-5,
-    "critic.warmup_steps": 0,
-    "critic.gamma": 1.0,
-    "critic.lam": 1.0,
-    "critic.whiten": True,
-    "critic.cliprange_value": 0.5,
-    "critic.value_coef": 1.0,
+  "eval_steps": (),  # evaluations at eval_every (and the end) only
+  # The one implementation before the field ("auto", its default, is cuDNN on GPU).
+  "model.attention": "xla",
+  "model.lm_head_fp32": True,  # load_pretrained's default when no field passed it
+  "data.drop_too_long": False,  # no problem left out (one too long fails at load)
+  "data.drop_solved_above": 0.0,  # no prompt retired
+  "sampler.vllm_weights_dir": "",  # weight snapshots in a temp dir of this host
+  # The vLLM client's built-in timeouts, before they were fields.
+  "sampler.vllm_connect_timeout_s": 5.0,
+  "sampler.vllm_probe_timeout_s": 30.0,
+  "sampler.vllm_request_timeout_s": 600.0,
+  "sampler.max_rows": 0,  # every rollout of a batch decoded at once (.get(...) or None)
+  "sampler.kv_budget_gib": 0.0,  # no KV-cache budget (.get(...) or None)
+  "sampler.decode_chunk": 0,  # one decode call per batch (.get(...) or None)
+  "sampler.server_devices": 0,  # device-hours count the trainer's devices only
+  # No forced length interruption (think_tokens 0); the other two are then unread.
+  "sampler.interrupt_think_tokens": 0,
+  "sampler.interrupt_answer_tokens": 0,
+  "sampler.interrupt_phrase": DEFAULT_PHRASE,
+  "rl.n_est": 0,  # the baseline over the n trained rollouts
+  "rl.logits_chunk": None,  # the lm head over all positions at once
+  "rl.off_policy_k": 1,  # on-policy (run_plan.check_off_policy_k's fallback)
+  "rl.pipeline.max_lag": 0,  # the synchronous loop (run_plan.check_max_lag's fallback)
+  # The critic is read only with rl.adv_estimator = "gae", which came with it: a run
+  # without these fields never read them; their defaults are declared.
+  "critic.path": "",
+  "critic.lr_base": 1e-5,
+  "critic.warmup_steps": 0,
+  "critic.gamma": 1.0,
+  "critic.lam": 1.0,
+  "critic.whiten": True,
+  "critic.cliprange_value": 0.5,
+  "critic.value_coef": 1.0,
 }
 
 

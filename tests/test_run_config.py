@@ -90,11 +90,12 @@ def test_only_added_fields_at_their_declared_values_may_be_absent(tmp_path):
       r"these fields and resumes only with --config\.critic\.lam=1\.0 "
       r"--config\.sampler\.interrupt_phrase='Okay, time is up\. [^']*' \(what")):
     check_saved_config(_saved(tmp_path, old), new)
-  # A field that is not declared, or that the new config lacks, is a difference.
+  # An undeclared field the saved config lacks is a difference, hint or not.
   del old["rl"]["kl_coef"], new["sampler"]["interrupt_phrase"]
   with pytest.raises(ValueError, match=r"differs in \['critic\.lam', 'rl\.kl_coef'\]\); "
                                        r"it predates 1 of"):
     check_saved_config(_saved(tmp_path, old), new)
+  # So is a field the new config lacks (declared or not).
   old = _schema()
   del new["rl"]["pipeline"]
   with pytest.raises(ValueError, match=r"differs in \['critic\.lam', 'rl\.pipeline\.max_lag', "
