@@ -66,7 +66,12 @@ def split_arg(arg: str | None, **extra) -> tuple[ml_collections.ConfigDict, str]
 
 
 def base_config() -> ml_collections.ConfigDict:
-  """The full run schema with the paper's defaults (the easy-set recipe)."""
+  """The full run schema with the paper's defaults (the easy-set recipe).
+
+  A field added here needs an entry in `isojax.run_config.ADDED_FIELDS`: the value
+  that does what isojax did without it, so that runs started before it resume
+  (tests/test_run_config.py fails until it has one).
+  """
   c = ml_collections.ConfigDict()
   c.seed = 0
 

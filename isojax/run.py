@@ -59,9 +59,10 @@ from isojax.pipeline import Pipeline
 from isojax.rundir import CONFIG_FILE, DONE_FILE, METRICS_FILE
 from isojax.run_batches import (TRAIN_EVAL, VAL, VAL_EXTRA, GroupedBatches,
                                 NonFiniteLossError, SampledBatch, derive_seed, lag_metrics)
+from isojax.run_config import check_saved_config
 from isojax.run_plan import RunPlan, plan_run, resolved_config
-from isojax.run_setup import (OpenRun, RunParts, check_same_config, model_of,
-                              nonfinite_step_message, open_run, run_key, write_json)
+from isojax.run_setup import (OpenRun, RunParts, model_of, nonfinite_step_message, open_run,
+                              run_key, write_json)
 
 
 def evaluate_step(parts: RunParts, config) -> tuple[dict, np.ndarray | None]:
@@ -127,7 +128,7 @@ def run(config, workdir: str | os.PathLike) -> dict:
   workdir = pathlib.Path(workdir)
   resolved = resolved_config(config, run_plan)
   if rundir.is_done(workdir):
-    check_same_config(workdir / CONFIG_FILE, resolved)
+    check_saved_config(workdir / CONFIG_FILE, resolved)  # a finished run keeps its file
     done = json.loads((workdir / DONE_FILE).read_text())
     logging.info("%s: finished at step %d already; not rerunning", workdir, done["step"])
     return done["last"]

@@ -37,6 +37,7 @@ from isojax.rl import ppo
 from isojax.rollout.interruption import InterruptingSampler, interruption_from_config
 from isojax.rollout.jax_sampler import JaxSampler
 from isojax.rollout.memory import check_run_split
+from isojax.run_config import check_saved_config
 from isojax.rundir import CHECKPOINT_DIR, CONFIG_FILE
 
 REWARDS = {"exact": "exact_match", "math": "math_verify"}
@@ -274,26 +275,6 @@ def write_json(path: pathlib.Path, obj) -> None:
   files.write_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
-def check_same_config(path: pathlib.Path, resolved: dict) -> None:
-  """Raises ValueError naming the fields where `path` (a run's config.json) differs
-  from `resolved`."""
-  old, new = _flat(json.loads(path.read_text())), _flat(resolved)
-  diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-  if diff:
-    raise ValueError(f"{path} was written by a run with a different config (differs in "
-                     f"{diff[:8]}); use a fresh --workdir or the same config")
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(_flat(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = json.dumps(v)
-  return out
-
-
 @dataclasses.dataclass
 class OpenRun:
   """A run ready to loop: what `open_run` built and where the loop continues.
@@ -323,13 +304,18 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
   """Builds the run's parts, resumes from the last checkpoint in `workdir` if any,
   records config.json and opens metrics.jsonl.
 
+  A saved config.json that lacks fields added since its run started
+  (`isojax.run_config.ADDED_FIELDS`, at the values their absence means) is
+  rewritten with `resolved` once the run has started.
+
   Raises:
     ValueError: if `workdir` holds a run with a different config or seed.
   """
   point = run_plan.point
   workdir.mkdir(parents=True, exist_ok=True)
+  lacking = []  # fields the saved config.json predates
   if (workdir / CONFIG_FILE).exists():
-    check_same_config(workdir / CONFIG_FILE, resolved)
+    lacking = check_saved_config(workdir / CONFIG_FILE, resolved)
   logging.info("budget point %s: B=%d, C=%d rollouts, lr=%.3g", point.name, point.batch,
                point.compute, run_plan.lr)
   t0 = time.time()
@@ -353,8 +339,11 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
     writes_files = writes_run_files()
     # Only a run that really started (model, data, sampler and state loaded) records
     # its config: a failed start (a bad model path) must not hold its config against
-    # the corrected command in the same workdir.
-    if writes_files and not (workdir / CONFIG_FILE).exists():
+    # the corrected command in the same workdir. A config.json from before fields
+    # were added is rewritten whole (atomically), so the next rerun compares all.
+    if writes_files and (lacking or not (workdir / CONFIG_FILE).exists()):
+      if lacking:
+        logging.info("%s predates the fields %s: rewritten with them", CONFIG_FILE, lacking)
       with disk_full_as(workdir, CONFIG_FILE):
         write_json(workdir / CONFIG_FILE, resolved)
     writer = metrics_lib.MetricsWriter(workdir, resume_step=start, enabled=writes_files)

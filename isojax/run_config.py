@@ -1,0 +1,113 @@
+"""A run's config.json against the config of a rerun in the same run directory.
+
+A rerun resumes only the run its workdir holds: every field of the saved
+config.json must equal the new resolved config's, or the rerun is refused,
+naming the fields. One difference is not a different run: a field added to the
+run schema (`experiments/common.py`) after a run started is absent from that
+run's config.json. `ADDED_FIELDS` declares, for each such field, the value
+that does what isojax did before the field existed; a saved config that lacks
+the field resumes when the new config holds exactly that value.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shlex
+from typing import Any
+
+from isojax.rollout.interruption import DEFAULT_PHRASE
+
+# Fields of the run schema added after isojax wrote its first config.json, each
+# with the value its absence means: what the code did before the field existed.
+# ADDING A FIELD TO experiments/common.py MEANS ADDING IT HERE, with that value
+# (not necessarily the new default), or no run started before it can resume.
+# A field read as `config.x.get(name, fallback)` declares its fallback.
+ADDED_FIELDS: dict[str, Any] = {
+  "eval_steps": (),  # evaluations at eval_every (and the end) only
+  # The one implementation before the field ("auto", its default, is cuDNN on GPU).
+  "model.attention": "xla",
+  "model.lm_head_fp32": True,  # load_pretrained's default when no field passed it
+  "data.drop_too_long": False,  # no problem left out (one too long fails at load)
+  "data.drop_solved_above": 0.0,  # no prompt retired
+  "sampler.vllm_weights_dir": "",  # weight snapshots in a temp dir of this host
+  # The vLLM client's built-in timeouts, before they were fields.
+  "sampler.vllm_connect_timeout_s": 5.0,
+  "sampler.vllm_probe_timeout_s": 30.0,
+  "sampler.vllm_request_timeout_s": 600.0,
+  "sampler.max_rows": 0,  # every rollout of a batch decoded at once (.get(...) or None)
+  "sampler.kv_budget_gib": 0.0,  # no KV-cache budget (.get(...) or None)
+  "sampler.decode_chunk": 0,  # one decode call per batch (.get(...) or None)
+  "sampler.server_devices": 0,  # device-hours count the trainer's devices only
+  # No forced length interruption (think_tokens 0); the other two are then unread.
+  "sampler.interrupt_think_tokens": 0,
+  "sampler.interrupt_answer_tokens": 0,
+  "sampler.interrupt_phrase": DEFAULT_PHRASE,
+  "rl.n_est": 0,  # the baseline over the n trained rollouts
+  "rl.logits_chunk": None,  # the lm head over all positions at once
+  "rl.off_policy_k": 1,  # on-policy (run_plan.check_off_policy_k's fallback)
+  "rl.pipeline.max_lag": 0,  # the synchronous loop (run_plan.check_max_lag's fallback)
+  # The critic is read only with rl.adv_estimator = "gae", which came with it: a run
+  # without these fields never read them; their defaults are declared.
+  "critic.path": "",
+  "critic.lr_base": 1e-5,
+  "critic.warmup_steps": 0,
+  "critic.gamma": 1.0,
+  "critic.lam": 1.0,
+  "critic.whiten": True,
+  "critic.cliprange_value": 0.5,
+  "critic.value_coef": 1.0,
+}
+
+
+def check_saved_config(path: pathlib.Path, resolved: dict) -> list[str]:
+  """Checks that `resolved` is the config of the run whose config.json is `path`.
+
+  Args:
+    path: the run directory's config.json.
+    resolved: the new run's resolved config (`run_plan.resolved_config`).
+
+  Returns:
+    the `ADDED_FIELDS` that the saved config lacks and `resolved` holds at their
+    declared value (sorted; empty when the two configs are equal): the caller
+    rewrites config.json with `resolved` once the run has started, so that the
+    next rerun compares like with like.
+
+  Raises:
+    ValueError: naming the fields that differ (a field either lacks counts,
+      unless it is one of the above); for an added field the saved config lacks,
+      the message says which value resumes the run.
+  """
+  saved, new = flat_config(json.loads(path.read_text())), flat_config(resolved)
+  lacking, diff, hints = [], [], []
+  for key in sorted(saved.keys() | new.keys()):
+    if saved.get(key) == new.get(key):
+      continue
+    if key not in saved and key in new and key in ADDED_FIELDS:
+      if new[key] == json.dumps(ADDED_FIELDS[key]):
+        lacking.append(key)
+        continue
+      hints.append(f"--config.{key}={_flag_text(ADDED_FIELDS[key])}")
+    diff.append(key)
+  if diff:
+    hint = (f"; it predates {len(hints)} of these fields and resumes only with "
+            f"{' '.join(hints)} (what their absence means)" if hints else "")
+    raise ValueError(f"{path} was written by a run with a different config (differs in "
+                     f"{diff[:8]}){hint}; use a fresh --workdir or the same config")
+  return lacking
+
+
+def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
+  """{dotted field: its value as JSON text} over the leaves of a nested config dict."""
+  out = {}
+  for k, v in config.items():
+    if isinstance(v, dict):
+      out.update(flat_config(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = json.dumps(v)
+  return out
+
+
+def _flag_text(value) -> str:
+  """`value` as a shell command line writes it after `--config.FIELD=`."""
+  return shlex.quote(value) if isinstance(value, str) else repr(value)
