@@ -40,7 +40,7 @@ FIRST_CONFIG_FIELDS = frozenset([
 ])
 # Added fields whose reader (of config.rl) falls back to a value when they are absent.
 READERS = {"rl.off_policy_k": run_plan.check_off_policy_k,
-              "rl.pipeline.max_lag": run_plan.check_max_lag}
+           "rl.pipeline.max_lag": run_plan.check_max_lag}
 
 
 def _schema() -> dict:
