@@ -324,7 +324,7 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
   try:
     state = parts.init_state()
     files.check_not_link(workdir / CHECKPOINT_DIR)
-    _log_memory_split(config, parts, state, point)
+    _log_memory_split(config, parts, state, point, pipelined=bool(run_plan.max_lag))
     ckpt = ckpt_lib.RunCheckpointer(workdir / CHECKPOINT_DIR,
                                     max_to_keep=config.keep_checkpoints)
     closes.insert(0, ckpt.close)
@@ -354,16 +354,23 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
                  t0=t0)
 
 
-def _log_memory_split(config, parts: RunParts, state, point: budget_lib.BudgetPoint) -> None:
+def _log_memory_split(config, parts: RunParts, state, point: budget_lib.BudgetPoint, *,
+                      pipelined: bool) -> None:
   """Checks trainer state + sampler cache against the device (raises if they do not
   fit) and logs the split."""
+  eval_sets = [p for p in (*parts.val_sets.values(), parts.train_eval_problems) if p]
+  eval_problems = max((min(len(p), config.eval.batch_problems or len(p)) for p in eval_sets),
+                      default=0)
   split = check_run_split(config, model_of(parts, state).cfg, state,
                           rollouts=point.bp * (config.rl.n_est or config.n),
+                          eval_rollouts=eval_problems * config.eval.k,
+                          pipelined_params=state.params if pipelined else None,
                           max_len=parts.prompt_width + parts.max_tokens)
   if split is not None:
-    logging.info("memory per device: trainer state %.2f GiB + sampler KV cache %.2f GiB "
-                 "(%d rows) of %.2f GiB", split["trainer_gib"], split["kv_gib"],
-                 split["rows"], split["device_gib"])
+    logging.info("memory per device: trainer state %.2f GiB + sampler weights %.2f GiB + "
+                 "KV cache %.2f GiB (%d rows) of %.2f GiB", split["trainer_gib"],
+                 split["sampler_weights_gib"], split["kv_gib"], split["rows"],
+                 split["device_gib"])
 
 
 def run_key(config) -> list[int]:

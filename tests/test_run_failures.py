@@ -9,6 +9,8 @@ mid-way says so in one message and leaves files a rerun can resume from.
   checkpoints) is refused, and the file it points at is untouched;
 * a full disk while checkpointing is one DiskFullError naming the checkpoint,
   and the rerun completes;
+* trainer + sampler over the device's memory stop before the first update,
+  naming the numbers (the evaluation's cache and PipelineRL's weight copy too);
 * `python -m isojax.main` prints such an error as one line and exits with 2.
 """
 
@@ -25,6 +27,7 @@ import pytest
 
 from experiments import tiny
 from isojax import checkpoint as ckpt_lib, run, run_setup, rundir
+from isojax.rollout import memory
 from isojax.errors import DiskFullError, UnsafePathError
 from tests.config_overrides import set_fields
 
@@ -115,6 +118,24 @@ def test_full_disk_while_checkpointing_is_one_message_and_resumable(tmp_path, mo
   assert last["step"] == 4 and (workdir / "DONE").exists()
   steps = [r["step"] for r in rundir.read_metrics(workdir / "metrics.jsonl").records]
   assert steps == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("max_lag,rows,concurrency", [
+    (0, 32, ""), (1, 8 + 32, ", 2 generate calls at once")])
+def test_trainer_and_sampler_over_the_device_fail_before_the_first_update(
+    tmp_path, monkeypatch, max_lag, rows, concurrency):
+  """On an accelerator that cannot hold them (a device memory patched in: CPU
+  reports none), the run stops before the first update naming the numbers. The
+  cache is the largest generate call's: the evaluation's 8 problems x k=4 rows
+  beside a batch of 8; with PipelineRL both decode at once, beside the sampler's
+  own copy of the weights."""
+  monkeypatch.setattr(memory, "device_gib", lambda: 1e-5)
+  copy = r" \+ sampler's weight copy \(\d\.\d\d GiB\)" if max_lag else ""
+  with pytest.raises(ValueError, match=rf"trainer \(\d\.\d\d GiB\){copy} \+ sampler KV "
+                     rf"cache \(\d\.\d\d GiB = {rows} rows x \d+ positions x \d\.\d\d MiB per "
+                     rf"row{concurrency}\) = .* > device memory 0\.00 GiB"):
+    run.run(small_config(**{"rl.pipeline.max_lag": max_lag}), tmp_path / "run")
+  assert not (tmp_path / "run" / rundir.CHECKPOINT_DIR).exists()
 
 
 def test_main_prints_one_line_and_exits_2(tmp_path):

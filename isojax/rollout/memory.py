@@ -10,6 +10,8 @@ is the check a run makes before its first update.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
@@ -51,7 +53,8 @@ def rows_for_budget(cfg, kv_budget_gib: float, max_len: int) -> int:
 
 def check_memory_split(cfg, *, max_len: int, device_gib: float, trainer_gib: float,
                        kv_budget_gib: float = 0.0, max_rows: int = 0,
-                       rollouts: int | None = None) -> dict:
+                       rollouts: int | Sequence[int] | None = None,
+                       sampler_weights_gib: float = 0.0) -> dict:
   """Checks that the trainer's state and the sampler's cache fit on one device.
 
   Args:
@@ -60,33 +63,45 @@ def check_memory_split(cfg, *, max_len: int, device_gib: float, trainer_gib: flo
     device_gib: memory of one accelerator.
     trainer_gib: the trainer's per-device memory (e.g. the compiled update
       step's, as a dry run reports it).
-    kv_budget_gib: the sampler's budget (0 = none given: max_rows, else every
-      rollout at once, sets the cache size).
-    max_rows: the sampler's row cap (0 = none).
-    rollouts: rollouts per batch (rows needed when nothing caps them).
+    kv_budget_gib: the sampler's budget per generate call (0 = none given:
+      max_rows, else every rollout of the call at once, sets its cache size).
+    max_rows: the sampler's row cap per call (0 = none).
+    rollouts: rollouts of a generate call (rows needed when nothing caps them),
+      or of each of several calls that decode at once (each has its own cache).
+    sampler_weights_gib: a copy of the parameters the sampler holds beside the
+      trainer's (0: it decodes with the trainer's own).
 
   Returns:
-    {"rows", "kv_gib", "trainer_gib", "device_gib"}: the split.
+    {"rows", "kv_gib", "trainer_gib", "sampler_weights_gib", "device_gib"}: the
+    split (rows: of all concurrent calls together).
   Raises:
-    ValueError naming every number when trainer + cache exceed the device.
+    ValueError naming every number when trainer + sampler exceed the device.
   """
   per_row = kv_bytes_per_row(cfg, max_len)
-  caps = [r for r in (max_rows or None, rollouts) if r]
+  calls = [rollouts] if rollouts is None or isinstance(rollouts, int) else list(rollouts)
+  calls = [c for c in calls if c != 0]  # None: a call of unknown size; 0: no call
+  caps = [max_rows] if max_rows else []
   if kv_budget_gib:
     caps.append(rows_for_budget(cfg, kv_budget_gib, max_len))
-  if not caps:
+  if not calls or (None in calls and not caps):
     raise ValueError("check_memory_split: give kv_budget_gib, max_rows or rollouts")
-  rows = min(caps)
+  rows = sum(min(caps + ([c] if c else [])) for c in calls)  # each call's own cache
   kv_gib = rows * per_row / GIB
-  if trainer_gib + kv_gib > device_gib:
+  used = trainer_gib + sampler_weights_gib + kv_gib
+  if used > device_gib:
+    left = max(device_gib - trainer_gib - sampler_weights_gib, 0)
+    concurrent = len(calls)  # each call may fill its own budget at once
+    copy = (f" + sampler's weight copy ({sampler_weights_gib:.2f} GiB)"
+            if sampler_weights_gib else "")
+    at_once = f", {concurrent} generate calls at once" if concurrent > 1 else ""
     raise ValueError(
-        f"trainer ({trainer_gib:.2f} GiB) + sampler KV cache ({kv_gib:.2f} GiB = {rows} rows "
-        f"x {max_len} positions x {per_row / 2**20:.2f} MiB per row) = "
-        f"{trainer_gib + kv_gib:.2f} GiB > device memory {device_gib:.2f} GiB; set "
-        f"sampler.kv_budget_gib <= {max(device_gib - trainer_gib, 0):.2f} (or "
-        f"sampler.max_rows <= {int(max(device_gib - trainer_gib, 0) * GIB // per_row)})")
+        f"trainer ({trainer_gib:.2f} GiB){copy} + sampler KV cache ({kv_gib:.2f} GiB = "
+        f"{rows} rows x {max_len} positions x {per_row / 2**20:.2f} MiB per row{at_once}) = "
+        f"{used:.2f} GiB > device memory {device_gib:.2f} GiB; set "
+        f"sampler.kv_budget_gib <= {left / concurrent:.2f} (or sampler.max_rows <= "
+        f"{int(left * GIB // per_row) // concurrent})")
   return {"rows": rows, "kv_gib": kv_gib, "trainer_gib": trainer_gib,
-          "device_gib": device_gib}
+          "sampler_weights_gib": sampler_weights_gib, "device_gib": device_gib}
 
 
 def device_gib() -> float | None:
@@ -109,6 +124,7 @@ def per_device_gib(tree) -> float:
 
 
 def check_run_split(config, model_cfg, train_state, *, rollouts: int, max_len: int,
+                    eval_rollouts: int = 0, pipelined_params=None,
                     device_memory_gib: float | None = None) -> dict | None:
   """The check a run makes before its first update, on one accelerator shared by
   the trainer and the in-process sampler.
@@ -116,17 +132,25 @@ def check_run_split(config, model_cfg, train_state, *, rollouts: int, max_len: i
   The trainer's share is its initialised state on this device (parameters,
   optimizer moments, reference parameters); the update step's activations come
   on top (`python -m isojax.main --dry_run` reports the compiled step). The
-  sampler's share is `config.sampler.kv_budget_gib` / `max_rows` (else every
-  rollout of a batch at once). Returns the split, or None where it does not
-  apply (another backend, or device memory unknown, as on CPU).
+  sampler's share is the KV cache of its largest generate call, a training
+  batch's `rollouts` or an evaluation's `eval_rollouts`, capped by
+  `config.sampler.kv_budget_gib` / `max_rows`. With PipelineRL
+  (`pipelined_params`: the parameters) the sampler holds its own copy of them
+  (the update donates the trainer's while it decodes), and an evaluation
+  decodes while the producer samples: both caches count. Returns the split, or
+  None where it does not apply (another backend, or device memory unknown, as
+  on CPU).
   """
   if config.sampler.backend != "jax":
     return None
   device_memory_gib = device_memory_gib or device_gib()
   if device_memory_gib is None:
     return None
+  pipelined = pipelined_params is not None
   return check_memory_split(
       model_cfg, max_len=max_len, device_gib=device_memory_gib,
       trainer_gib=per_device_gib(train_state),
       kv_budget_gib=float(config.sampler.get("kv_budget_gib", 0.0)),
-      max_rows=int(config.sampler.get("max_rows", 0)), rollouts=rollouts)
+      max_rows=int(config.sampler.get("max_rows", 0)),
+      rollouts=(rollouts, eval_rollouts) if pipelined else max(rollouts, eval_rollouts),
+      sampler_weights_gib=per_device_gib(pipelined_params) if pipelined else 0.0)

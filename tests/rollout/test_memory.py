@@ -69,6 +69,37 @@ def test_run_split_counts_the_train_state_on_the_device():
                                 device_memory_gib=1.0) is None
 
 
+def test_run_split_counts_evaluation_and_pipelinerl():
+  """The largest generate call sets the cache (an evaluation may be larger than a
+  training batch); with PipelineRL the sampler's weight copy and two caches at
+  once (the producer's and an evaluation's) count, each capped by max_rows."""
+  config = ml_collections.ConfigDict(
+      {"sampler": {"backend": "jax", "max_rows": 0, "kv_budget_gib": 0.0}})
+  params = {"w": jnp.zeros((1024, 1024), jnp.float32)}  # 4 MiB
+  state = {"params": params, "opt": [jnp.zeros((1024, 1024), jnp.float32)] * 2}  # 12 MiB
+  cfg = _cfg()
+  per_row = memory.kv_bytes_per_row(cfg, 64) / memory.GIB
+  sync = memory.check_run_split(config, cfg, state, rollouts=64, eval_rollouts=200,
+                                max_len=64, device_memory_gib=1.0)
+  assert sync["rows"] == 200 and sync["sampler_weights_gib"] == 0
+  piped = memory.check_run_split(config, cfg, state, rollouts=64, eval_rollouts=200,
+                                 max_len=64, pipelined_params=params, device_memory_gib=1.0)
+  assert piped["rows"] == 264 and piped["kv_gib"] == pytest.approx(264 * per_row)
+  assert piped["sampler_weights_gib"] == pytest.approx(4 / 1024)
+  config.sampler.max_rows = 100
+  capped = memory.check_run_split(config, cfg, state, rollouts=64, eval_rollouts=200,
+                                  max_len=64, pipelined_params=params, device_memory_gib=1.0)
+  assert capped["rows"] == 64 + 100
+  # 12 MiB of state + a 4 MiB copy + 164 rows x 32 KiB (5.1 MiB) > 20 MiB: the
+  # advice splits what is left (4 MiB, 127 rows) between the two calls.
+  with pytest.raises(ValueError, match=r"trainer \(0\.01 GiB\) \+ sampler's weight copy "
+                     r"\(0\.00 GiB\) \+ sampler KV cache \(0\.01 GiB = 164 rows x 64 "
+                     r"positions x 0\.03 MiB per row, 2 generate calls at once\).*"
+                     r"sampler.max_rows <= 63\)"):
+    memory.check_run_split(config, cfg, state, rollouts=64, eval_rollouts=200, max_len=64,
+                           pipelined_params=params, device_memory_gib=20 / 1024)
+
+
 def test_compiled_sampler_holds_the_budgeted_cache_once():
   """Compiled from shapes with a KV budget (as bench/sampler.py --memory_check does
   for Qwen2.5-1.5B x 512 x 8192): the arguments are the parameters plus the
