@@ -179,19 +179,28 @@ def bench_vllm(path, prompts, n, max_tokens, repeats):
     return time_runs(run, repeats)
 
 
-def _decode_bound_s(cfg, rows, prompt_len, max_tokens, hbm_gbps, waves=1):
+def _decode_bound_s(cfg, rows, prompt_len, max_tokens, hbm_gbps, waves=1, prompts=None):
   """Seconds the HBM bandwidth allows: every decode step reads all weights and the
-  filled cache blocks of every row (KVCache.attend reads whole blocks)."""
+  filled cache blocks of every row (KVCache.attend reads whole blocks). With
+  `prompts` (every rollout has its row: lockstep), each prompt's cache is read
+  once for its rows, and the rows' own cache holds their completions only."""
   from isojax.models.kv_cache import block_size  # pylint: disable=g-import-not-at-top
   from isojax.rollout.memory import kv_bytes_per_row  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   d, f, v, l = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
   qkvo = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * d
   weights = (l * (qkvo + 3 * d * f) + v * d) * jnp.dtype(cfg.param_dtype).itemsize
-  blk = block_size(prompt_len + max_tokens)
-  per_slot = kv_bytes_per_row(cfg, blk) / blk
-  kv = sum(-(-(prompt_len + i) // blk) * blk for i in range(max_tokens)) * per_slot * rows
-  return waves * (max_tokens * weights + kv) / (hbm_gbps * 1e9)
+  filled = lambda n, blk: -(-n // blk) * blk  # slots of the blocks holding n
+  if prompts:
+    own, blk_p = block_size(max_tokens), block_size(prompt_len)
+    per_slot = kv_bytes_per_row(cfg, own) / own
+    slots = sum(prompts * filled(prompt_len, blk_p) + rows * filled(i + 1, own)
+                for i in range(max_tokens))
+  else:
+    blk = block_size(prompt_len + max_tokens)
+    per_slot = kv_bytes_per_row(cfg, blk) / blk
+    slots = sum(filled(prompt_len + i, blk) for i in range(max_tokens)) * rows
+  return waves * (max_tokens * weights + slots * per_slot) / (hbm_gbps * 1e9)
 
 
 def torch_device() -> str:
@@ -227,7 +236,8 @@ def bench_gpu(args):
                                         seed=seed).num_generated_tokens
     best, _, tokens = time_runs(run, 1 if max_tokens > 1024 else args.repeats)
     waves = -(-prompts_n * n // rows)
-    bound = _decode_bound_s(cfg, rows, 128, max_tokens, args.hbm_gbps, waves)
+    bound = _decode_bound_s(cfg, rows, 128, max_tokens, args.hbm_gbps, waves,
+                            prompts=prompts_n if rows == prompts_n * n else None)
     peak = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / GIB
     print(f"{size:<7}{prompts_n * n:>9}{max_tokens:>6}{rows:>6}{best:>9.2f}"
           f"{tokens / best:>10.0f}{1e3 * best / (waves * max_tokens):>9.2f}{bound:>9.2f}"
