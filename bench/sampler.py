@@ -231,7 +231,7 @@ def bench_gpu(args):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, 128).tolist() for _ in range(prompts_n)]
     sampler = JaxSampler(model, kv_budget_gib=budget)
-    rows = sampler.num_rows(prompts_n * n, 128 + max_tokens)
+    rows = sampler.num_rows(prompts_n * n, 128 + max_tokens, n=n, prompt_len=128)
     run = lambda seed: sampler.generate(prompts, n=n, max_tokens=max_tokens, temperature=1.0,
                                         seed=seed).num_generated_tokens
     best, _, tokens = time_runs(run, 1 if max_tokens > 1024 else args.repeats)

@@ -53,7 +53,7 @@ from isojax import sharding
 from isojax.rollout import decode
 from isojax.rollout.base import (FINISH_LENGTH, FINISH_STOP, Rollouts, next_version,
                                  validate_request)
-from isojax.rollout.memory import rows_for_budget
+from isojax.rollout.memory import GIB, lockstep_cache_bytes, rows_for_budget
 
 PAD_ID = decode.PAD_ID
 _REFILL_FRACTION = 8  # with pairs waiting, decoding pauses to refill once R/8 rows are free
@@ -132,9 +132,11 @@ class JaxSampler:
       short prompts, at little cost).
     max_rows: decode at most this many rollouts at once (None: all of a
       request's); finished rows are refilled with waiting ones.
-    kv_budget_gib: cap the KV cache at this many GiB: the rows of a request's
-      cache length that fit (`isojax.rollout.memory.rows_for_budget`), together
-      with max_rows the smaller.
+    kv_budget_gib: cap the KV cache at this many GiB: every rollout of a
+      request at once when their lockstep cache fits (each prompt held once,
+      `isojax.rollout.memory.lockstep_cache_bytes`), else the rows of the
+      request's cache length that fit (`rows_for_budget`); together with
+      max_rows the smaller.
     cache_block: slots per KV-cache block. Attention reads a power-of-two number
       of blocks covering the fullest row, widened between chunks of decode
       steps as rows grow (one compilation per extent).
@@ -215,12 +217,18 @@ class JaxSampler:
     self._jit = jax.jit(functools.partial(decode.admit_and_decode, self._graphdef),
                         static_argnums=0, donate_argnums=(2, 3))
 
-  def num_rows(self, num_rollouts: int, cache_len: int) -> int:
-    """Rows decoded at once for `num_rollouts` pairs with `cache_len` positions each."""
+  def num_rows(self, num_rollouts: int, cache_len: int, *, n: int = 1,
+               prompt_len: int = 0) -> int:
+    """Rows decoded at once for `num_rollouts` pairs (n per prompt) with
+    `cache_len` positions each, `prompt_len` of them the prompt's. All pairs
+    decode at once when their lockstep cache (each prompt's positions held once)
+    fits the KV budget, else as many rows of `cache_len` as it holds."""
     caps = [num_rollouts]
     if self._max_rows is not None:
       caps.append(self._max_rows)
-    if self._kv_budget_gib is not None:
+    lockstep_bytes = lockstep_cache_bytes(self._cfg, num_rollouts, n, prompt_len,
+                                          cache_len - prompt_len)
+    if self._kv_budget_gib is not None and lockstep_bytes > self._kv_budget_gib * GIB:
       caps.append(rows_for_budget(self._cfg, self._kv_budget_gib, cache_len))
     rows = min(caps)
     if rows < num_rollouts:  # every device decodes the same number of rows
@@ -288,7 +296,7 @@ class JaxSampler:
 
     b = len(prompt_ids) * n
     num_pairs = _bucket_prompts(len(prompt_ids), n, self._row_multiple) * n
-    num_rows = self.num_rows(num_pairs, cache_len)
+    num_rows = self.num_rows(num_pairs, cache_len, n=n, prompt_len=l_bucket)
     prompt_QxL, mask_QxL = _left_pad(prompt_ids, l_bucket)
     stop_V = np.zeros((self._vocab_size,), bool)
     stop_V[list(self._eos_ids) + [int(t) for t in stop_token_ids]] = True

@@ -35,6 +35,15 @@ def kv_bytes_per_row(cfg, max_len: int) -> int:
   return slots * (per_slot + jnp.dtype(bool).itemsize)
 
 
+def lockstep_cache_bytes(cfg, rollouts: int, n: int, prompt_len: int,
+                         completion_len: int) -> int:
+  """Bytes of the cache of `rollouts` decoding at once (in lockstep): each of
+  their rollouts / n prompts' `prompt_len` positions held once, and every
+  rollout's own `completion_len`."""
+  return (-(-rollouts // n) * kv_bytes_per_row(cfg, prompt_len)
+          + rollouts * kv_bytes_per_row(cfg, completion_len))
+
+
 def rows_for_budget(cfg, kv_budget_gib: float, max_len: int) -> int:
   """The most cache rows of `max_len` positions that fit in `kv_budget_gib`.
 

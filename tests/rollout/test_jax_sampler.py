@@ -373,6 +373,25 @@ def test_kv_budget_sets_the_rows(model):
     JaxSampler(model, max_rows=0)
 
 
+def test_kv_budget_holding_the_lockstep_cache_decodes_every_rollout_at_once(model, sampler):
+  """8 rollouts of 2 prompts (n=4), a 16-position prompt bucket and 8 new tokens:
+  in lockstep each prompt's positions are held once (2 x 16 + 8 x 8 positions), a
+  third less than 8 rows of 24. A budget of exactly that decodes all 8 at once
+  (the rows of 24 it holds would be 4), with the same rollouts."""
+  from isojax.rollout import memory
+  lockstep = memory.lockstep_cache_bytes(model.cfg, 8, 4, 16, 8)
+  assert lockstep == 2 * memory.kv_bytes_per_row(model.cfg, 16) + 8 * memory.kv_bytes_per_row(
+      model.cfg, 8)
+  budgeted = JaxSampler(model, kv_budget_gib=lockstep / memory.GIB)
+  assert budgeted.num_rows(8, 24, n=4, prompt_len=16) == 8
+  assert budgeted.num_rows(8, 24) == 4 and budgeted.num_rows(8, 24, n=4, prompt_len=8) == 4
+  kw = dict(n=4, max_tokens=8, temperature=1.0, seed=3)
+  ref = sampler.generate(PROMPTS[:2], **kw)
+  got = budgeted.generate(PROMPTS[:2], **kw)
+  np.testing.assert_array_equal(got.tokens_BxT, ref.tokens_BxT)
+  np.testing.assert_array_equal(got.logprobs_BxT, ref.logprobs_BxT)
+
+
 def test_read_extent_grows_between_chunks(model, sampler):
   """With 4-slot cache blocks, attention reads 32 slots (8 blocks) while every live
   row fits, then the whole 48-slot cache: decoding pauses, the extent is widened and
