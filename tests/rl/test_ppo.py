@@ -220,5 +220,8 @@ def test_one_step_regression(models):
   print("regression numbers:", repr(got))
   assert int(new.step) == 1 and metrics["skipped"] == 0
   assert set(got) == set(PPO_REGRESSION)
+  # The numbers were pinned on one CPU; XLA's kernels sum in another order on
+  # another (a few float32 ulps, which the loss, a difference of terms, turns
+  # into ~2e-6). A change to the step's arithmetic moves them far more than 1e-5.
   for k, v in PPO_REGRESSION.items():
-    np.testing.assert_allclose(got[k], v, rtol=1e-6, err_msg=k)
+    np.testing.assert_allclose(got[k], v, rtol=1e-5, err_msg=k)
