@@ -39,8 +39,9 @@ DEFAULT_VENV = os.path.join(_REPO_ROOT, ".venv-vllm")
 
 
 def resolve_venv(venv: str | None = None) -> str:
-  """The vLLM virtualenv: `venv`, else $VLLM_VENV, else <repo>/.venv-vllm."""
-  venv = venv or os.environ.get(VENV_ENV_VAR) or DEFAULT_VENV
+  """The vLLM virtualenv: `venv`, else $VLLM_VENV, else <repo>/.venv-vllm; an
+  absolute path (the server runs in its workdir, where a relative one fails)."""
+  venv = os.path.abspath(venv or os.environ.get(VENV_ENV_VAR) or DEFAULT_VENV)
   python = os.path.join(venv, "bin", "python")
   if not os.path.exists(python):
     raise FileNotFoundError(

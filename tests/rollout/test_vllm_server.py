@@ -354,6 +354,18 @@ def test_server_that_dies_reports_its_log_tail(tmp_path):
   assert server.process is None and not os.path.exists(server.pid_file)
 
 
+def test_relative_venv_and_model_paths_still_start_the_server(tmp_path, monkeypatch):
+  """`VLLM_VENV=.venv-vllm`: the server process runs in its workdir, so the paths
+  are made absolute first (else: no such file '.venv-vllm/bin/python')."""
+  _fake_venv(tmp_path, 'echo "ValueError: the relative venv ran" >&2; exit 3')
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("VLLM_VENV", "venv")
+  server = VLLMServer("model", workdir=str(tmp_path / "w"), startup_timeout_s=30)
+  assert os.path.isabs(server.venv) and os.path.isabs(server.model_dir)
+  with pytest.raises(RuntimeError, match=r"(?s)exited with code 3 .*the relative venv ran"):
+    server.start()
+
+
 def test_server_that_never_gets_healthy_times_out_and_is_killed(tmp_path):
   # `exec sleep`: the pid is the sleeper itself; its process group must be gone.
   venv = _fake_venv(tmp_path, "echo starting; exec sleep 600")
