@@ -23,7 +23,6 @@ import re
 from typing import Any
 
 import numpy as np
-from tensorboardX import SummaryWriter
 
 from isojax import files, rundir
 
@@ -89,6 +88,9 @@ class MetricsWriter:
     truncate_metrics(self.path, resume_step)
     self._file = files.open_append(self.path)
     if tensorboard:
+      # Imported where events are written: --dry_run and the step's benches reach
+      # this module through run_setup and must not need TensorBoard installed.
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       # purge_step hides events a killed run wrote after its last checkpoint.
       purge = None if resume_step is None else resume_step + 1
       files.make_dir(pathlib.Path(workdir) / rundir.TENSORBOARD_DIR)

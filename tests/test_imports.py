@@ -137,3 +137,17 @@ def test_module_imports_without_jax(module):
                        text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == "[]", f"importing {module} loaded {out.stdout.strip()}"
+
+
+def test_step_memory_report_imports_without_tensorboard():
+  """--dry_run and bench/gpu_step.py build the step through run_setup; only a run
+  that writes events needs tensorboardX (a bench machine may not have it)."""
+  code = textwrap.dedent("""
+      import sys
+      sys.modules["tensorboardX"] = None  # any import of it fails
+      import isojax.memory, isojax.main
+      print("ok")
+  """)
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
