@@ -41,6 +41,9 @@ class StepMemory:
     temporaries: XLA's temporary buffers (activations, gradients, logits, ...).
     output_not_aliased: outputs that do not reuse a donated input (metrics).
     code: the compiled program itself.
+    backend: the platform that compiled it ("cpu", "gpu", "tpu"; "" unknown):
+      temporaries are that compiler's (a CPU compile takes the XLA attention
+      kernel where a GPU takes cuDNN's, and fuses differently).
   """
 
   state: int
@@ -48,6 +51,7 @@ class StepMemory:
   temporaries: int
   output_not_aliased: int
   code: int
+  backend: str = ""
 
   @property
   def total(self) -> int:
@@ -62,7 +66,8 @@ class StepMemory:
             ("temporaries", self.temporaries), ("outputs (not aliased)",
                                                 self.output_not_aliased),
             ("code", self.code), ("total", self.total)]
-    lines = ["compiled update step, bytes per device:"]
+    on = f" on {self.backend}" if self.backend else ""
+    lines = [f"compiled update step{on}, bytes per device:"]
     lines += [f"  {name:<28s}{b / GIB:10.3f} GiB" for name, b in rows]
     if device_memory_gib is not None:
       verdict = "fits" if self.fits(device_memory_gib) else "does NOT fit"
@@ -100,7 +105,8 @@ def step_memory(train_step, state, batch) -> StepMemory:
                     temporaries=int(ma.temp_size_in_bytes),
                     output_not_aliased=max(0, int(ma.output_size_in_bytes)
                                            - int(ma.alias_size_in_bytes)),
-                    code=int(ma.generated_code_size_in_bytes))
+                    code=int(ma.generated_code_size_in_bytes),
+                    backend=jax.default_backend())
 
 
 def abstract_decoder(cfg):
@@ -217,5 +223,6 @@ def extrapolated_step_memory(cfg, loss_cfg, optim_cfg, *, batch_size: int, seq_l
   def line(x, y):
     return int(round(x + (y - x) * (n - lo) / (hi - lo)))
 
-  return StepMemory(**{f.name: line(getattr(a, f.name), getattr(b, f.name))
-                       for f in dataclasses.fields(StepMemory)})
+  return StepMemory(backend=a.backend,
+                    **{f.name: line(getattr(a, f.name), getattr(b, f.name))
+                       for f in dataclasses.fields(StepMemory) if f.name != "backend"})

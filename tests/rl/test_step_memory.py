@@ -73,6 +73,9 @@ def test_lower_from_shapes_equals_lower_from_arrays():
   from_arrays = memory.step_memory(step, real_state, real_batch)
   assert from_shapes == from_arrays
   assert from_shapes.temporaries > 0 and from_shapes.state > 0
+  # The report says which compiler's figure it is (a CPU compile is a GPU's guide).
+  assert from_shapes.backend == "cpu"
+  assert from_shapes.report().startswith("compiled update step on cpu, bytes per device:")
   # the abstract-model step runs on real arrays (the model's values are never used)
   new, metrics = step.jitted(real_state, real_batch)
   assert int(new.step) == 1 and float(metrics["tokens"]) == 0
@@ -101,7 +104,7 @@ def test_extrapolation_matches_a_full_compile(remat):
   kw = dict(batch_size=8, seq_len=64, group_size=N, micro_batch_size=4)
   est = memory.extrapolated_step_memory(cfg, LOSS, OptimConfig(), **kw)
   full = memory.extrapolated_step_memory(cfg, LOSS, OptimConfig(), probe_layers=(3, 5), **kw)
-  assert est.state == full.state and est.batch == full.batch
+  assert est.state == full.state and est.batch == full.batch and est.backend == "cpu"
   np.testing.assert_allclose(est.temporaries, full.temporaries, rtol=0.1)
 
 
