@@ -275,7 +275,8 @@ def _probe_update(tx, grads, opt_state, params):
 def _guarded_joint_update(tx, critic_tx, warmup: int, state: PPOTrainState, grads,
                           critic_grads, metrics):
   """Both AdamW updates, or ``state`` unchanged if a loss, a gradient or an updated
-  parameter of either is not finite. While ``step < warmup`` only the critic moves.
+  parameter of either is not finite. While ``step < warmup`` only the critic moves,
+  and only the critic's numbers must be finite (the frozen policy's are unused).
 
   Returns (new state, ok, norms: grad_norm, critic_grad_norm, update_norm,
   critic_update_norm; an update norm is 0 when that update did not apply).
@@ -284,10 +285,11 @@ def _guarded_joint_update(tx, critic_tx, warmup: int, state: PPOTrainState, grad
   update_norm, policy_finite = _probe_update(tx, grads, state.opt_state, state.params)
   critic_update_norm, critic_finite = _probe_update(
       critic_tx, critic_grads, state.critic_opt_state, state.critic_params)
-  ok = (jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["value_loss"])
-        & jnp.isfinite(grad_norm) & jnp.isfinite(critic_grad_norm) & policy_finite
-        & critic_finite)
   policy_on = state.step >= warmup
+  policy_ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & policy_finite
+  critic_ok = (jnp.isfinite(metrics["value_loss"]) & jnp.isfinite(critic_grad_norm)
+               & critic_finite)
+  ok = critic_ok & (policy_ok | ~policy_on)
 
   def update_policy(s: PPOTrainState) -> PPOTrainState:
     updates, opt_state = tx.update(grads, s.opt_state, s.params)

@@ -134,6 +134,27 @@ def test_warmup_freezes_the_policy_and_policy_loss_stays_out_of_the_critic(model
   assert int(new.step) == 1
 
 
+def test_warmup_updates_the_critic_whatever_the_frozen_policy_computes(models, base_run):
+  # A NaN weight makes the policy's loss and gradient NaN; the critic's are finite.
+  # During warm-up the policy's numbers are unused: the critic moves as without it.
+  _, d_critic, _, _ = base_run
+  policy, critic = models
+  state = init_ppo_train_state(policy, critic, LOSS, SGD_LIKE, SGD_LIKE, batch_size=B)
+  first_down = lambda path: jax.tree_util.keystr(path).startswith(
+      "['layers'][0]['mlp']['down_kernel']")
+  state = state.replace(params=jax.tree_util.tree_map_with_path(
+      lambda path, x: x.at[0, 0].set(np.nan) if first_down(path) else x, state.params))
+  before = jax.tree.map(np.asarray, (state.params, state.critic_params))
+  step = build(models, value=dataclasses.replace(VALUE, critic_warmup=1))
+  new, metrics = step(state, make_batch(rewards=REWARDS))
+  assert np.isnan(float(metrics["loss"])) and metrics["skipped"] == 0
+  assert metrics["policy_frozen"] == 1 and int(new.step) == 1
+  assert_trees_close(jax.tree.map(lambda a, b: np.asarray(a) - b, new.critic_params, before[1]),
+                     d_critic, atol=1e-6 * scale_of(d_critic), rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), new.params,
+               before[0])  # NaN included
+
+
 def test_non_finite_update_is_skipped(models, base_step):
   # Finite rewards whose squared error overflows float32: the value loss is inf.
   p, c, metrics, new = run(models, base_step, rewards=(3e38,) * 4 + (0,) * 4)
