@@ -226,10 +226,10 @@ class JaxSampler:
     caps = [num_rollouts]
     if self._max_rows is not None:
       caps.append(self._max_rows)
-    lockstep_bytes = lockstep_cache_bytes(self._cfg, num_rollouts, n, prompt_len,
-                                          cache_len - prompt_len)
-    if self._kv_budget_gib is not None and lockstep_bytes > self._kv_budget_gib * GIB:
-      caps.append(rows_for_budget(self._cfg, self._kv_budget_gib, cache_len))
+    budget = self._kv_budget_gib
+    if budget is not None and lockstep_cache_bytes(
+        self._cfg, num_rollouts, n, prompt_len, cache_len - prompt_len) > budget * GIB:
+      caps.append(rows_for_budget(self._cfg, budget, cache_len))
     rows = min(caps)
     if rows < num_rollouts:  # every device decodes the same number of rows
       rows = max(rows // self._row_multiple, 1) * self._row_multiple
