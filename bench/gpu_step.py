@@ -190,6 +190,7 @@ def main():
   ap.add_argument("--micro", type=int, default=4, help="rows per micro-batch")
   ap.add_argument("--chunk", type=int, default=512, help="lm-head positions per chunk")
   ap.add_argument("--remat", default="full", help="ModelConfig.remat")
+  ap.add_argument("--attention", default="auto", help="ModelConfig.attention")
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--cpu-smoke", action="store_true",
@@ -209,13 +210,14 @@ def main():
         f"({matmul / H100_BF16_TFLOPS:.1%} of the {H100_BF16_TFLOPS:g} TFLOP/s H100 spec)")
   for name, shape in models:
     cfg = shape.replace(dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=remat,
-                        max_position_embeddings=max(lengths))
+                        attention=args.attention, max_position_embeddings=max(lengths))
     for T in lengths:
       B = args.batch
       batch = full_batch(B, T, cfg.vocab_size)
       flops = model_flops(cfg, B, T)
       print(f"\n{name}: {cfg.num_layers} layers, d={cfg.hidden_size}; batch {B} x {T}, "
-            f"micro-batch {args.micro}, remat {args.remat}, head chunk {args.chunk}")
+            f"micro-batch {args.micro}, remat {args.remat}, head chunk {args.chunk}, "
+            f"attention {args.attention}")
       try:
         model, j = run_isojax(cfg, batch, args)
       except Exception as e:  # e.g. out of memory: report it and go on
