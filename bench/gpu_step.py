@@ -16,6 +16,7 @@ per-layer remat, the fp32 lm head in chunks. For every (model, length) it prints
   * peak device memory (``memory_stats``: the process's peak so far, so the
     first shape of a run is the clean figure for that shape; the compiled
     figure where the backend keeps none);
+  * with --profile N, the N device ops that took most of one traced step;
   * transformers on the same weights and batch: the same GRPO clipped
     token-mean loss, autocast bf16, SDPA attention, gradient checkpointing,
     AdamW (fused on CUDA), the same micro-batches; its time, peak memory and
@@ -45,6 +46,7 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import device_profile  # noqa: E402  (bench/, the script's directory)
 from isojax import memory  # noqa: E402
 from isojax.models import Decoder, ModelConfig, save_pretrained  # noqa: E402
 from isojax.rl import Batch, LossConfig, OptimConfig, init_train_state  # noqa: E402
@@ -118,6 +120,9 @@ def run_isojax(cfg, batch, args):
   compile_s = time.perf_counter() - t
   seconds, _ = best_of(once, args.repeats)
   peak = peak_bytes()
+  if args.profile:
+    with tempfile.TemporaryDirectory() as tmp:
+      print(device_profile.profile_call(once, tmp).table(args.profile), flush=True)
   return model, dict(seconds=seconds, entropy=entropy, compile_s=compile_s,
                      peak=compiled.total if peak is None else peak,
                      peak_kind="compiled" if peak is None else "measured")
@@ -193,6 +198,8 @@ def main():
   ap.add_argument("--attention", default="auto", help="ModelConfig.attention")
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--no-torch", action="store_true")
+  ap.add_argument("--profile", type=int, default=0, metavar="N",
+                  help="after timing, trace one step and print its N costliest device ops")
   ap.add_argument("--cpu-smoke", action="store_true",
                   help="tiny shapes (2 layers, d=64), batch 8 x 64, on CPU: seconds")
   args = ap.parse_args()

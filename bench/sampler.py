@@ -248,6 +248,10 @@ def bench_gpu(args):
     print(f"{size:<7}{prompts_n * n:>9}{max_tokens:>6}{rows:>6}{best:>9.2f}"
           f"{tokens / best:>10.0f}{1e3 * best / (waves * max_tokens):>9.2f}{bound:>9.2f}"
           f"{bound / best:>9.2f}{peak:>10.1f}{'  (one run, compile included)' if long else ''}")
+    if args.profile and not long:
+      import device_profile  # pylint: disable=g-import-not-at-top  (bench/, beside this file)
+      with tempfile.TemporaryDirectory() as tmp:
+        print(device_profile.profile_call(lambda: run(0), tmp).table(args.profile))
     if size == "0.5b" and not args.skip_transformers:
       with tempfile.TemporaryDirectory(prefix="isojax_bench_") as tmp:
         save_pretrained(model, cfg, tmp)
@@ -325,6 +329,8 @@ def main(argv=None):
   ap.add_argument("--memory_check", action="store_true",
                   help="compile 1.5B x 512 x 8192 with the KV budget, print its memory")
   ap.add_argument("--kv_budget_gib", type=float, default=40.0)
+  ap.add_argument("--profile", type=int, default=0, metavar="N",
+                  help="--gpu: trace one 0.5B request, print its N costliest device ops")
   ap.add_argument("--long_prompts", type=int, default=64,
                   help="--gpu: prompts (x n=8) of the 1.5B x 8192-token request")
   ap.add_argument("--device_gib", type=float, default=80.0)
