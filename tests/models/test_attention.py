@@ -27,13 +27,14 @@ def np_attention(q, k, v, valid):
   return np.einsum("bnts,bsnh->btnh", p, v)
 
 
-def valid_rows(T_=T):
-  """Row 0 unpadded, 1 left-padded, 2 right-padded, 3 both (prompt ++ completion)."""
+def valid_rows(T_=T, pads=(5, 4, 3, 2)):
+  """Row 0 unpadded, 1 left-padded, 2 right-padded, 3 both (prompt ++ completion);
+  pads: row 1's left, row 2's right, row 3's left and right pad lengths."""
   valid = np.ones((B, T_), bool)
-  valid[1, :5] = False
-  valid[2, T_ - 4:] = False
-  valid[3, :3] = False
-  valid[3, T_ - 2:] = False
+  valid[1, :pads[0]] = False
+  valid[2, T_ - pads[1]:] = False
+  valid[3, :pads[2]] = False
+  valid[3, T_ - pads[3]:] = False
   return valid
 
 

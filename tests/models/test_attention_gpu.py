@@ -13,22 +13,13 @@ from flax import nnx
 
 from isojax.models import Decoder, ModelConfig
 from isojax.models import attention as attn_lib
-from tests.models.test_attention import np_attention
+from tests.models.test_attention import np_attention, valid_rows
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="cuDNN attention needs an NVIDIA GPU")
 
-B, T, N, K = 4, 384, 8, 2
-
-
-def padded_rows(T_=T):
-  """Row 0 unpadded, 1 left-padded, 2 right-padded, 3 both (prompt ++ completion)."""
-  valid = np.ones((B, T_), bool)
-  valid[1, :37] = False
-  valid[2, T_ - 101:] = False
-  valid[3, :64] = False
-  valid[3, T_ - 5:] = False
-  return valid
+B, T, N, K = 4, 384, 8, 2  # B as test_attention's: its valid_rows pads rows 1-3
+PADS = (37, 101, 64, 5)  # long pads, mostly not multiples of a kernel tile
 
 
 def qkv(seed, H):
@@ -45,7 +36,7 @@ def rel_err(a, b):
 @pytest.mark.parametrize("H", [64, 128])  # Qwen2.5-0.5B, Qwen2.5-1.5B / Qwen3
 def test_cudnn_matches_numpy_on_padded_rows(H):
   q, k, v = qkv(0, H)
-  valid = padded_rows()
+  valid = valid_rows(T, PADS)
   out = jax.jit(lambda *a: attn_lib.attention(*a, implementation="cudnn"))(
       q, k, v, jnp.asarray(valid))
   out = np.asarray(out, np.float32)
@@ -58,7 +49,7 @@ def test_cudnn_matches_numpy_on_padded_rows(H):
 @pytest.mark.parametrize("H", [64, 128])
 def test_cudnn_gradients_match_float32_xla(H):
   q, k, v = qkv(1, H)
-  valid = jnp.asarray(padded_rows())
+  valid = jnp.asarray(valid_rows(T, PADS))
   w = jnp.asarray(np.random.default_rng(2).normal(size=(B, T, N, H)), jnp.float32)
   w = w * valid[:, :, None, None]  # the loss reads real query rows only
 
@@ -82,7 +73,7 @@ def test_decoder_logprob_gradients_cudnn_vs_xla():
                      head_dim=64, tie_word_embeddings=True, attention_bias=True,
                      dtype=jnp.bfloat16, param_dtype=jnp.float32, remat="full",
                      max_position_embeddings=T)
-  valid = jnp.asarray(padded_rows())
+  valid = jnp.asarray(valid_rows(T, PADS))
   ids = jnp.asarray(np.random.default_rng(3).integers(0, 1024, (B, T)), jnp.int32)
   target_on = valid[:, 1:] & valid[:, :-1]
 
