@@ -38,7 +38,6 @@ hold, against the dense cache that would not fit.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import tempfile
@@ -277,36 +276,26 @@ def memory_check(args):
   cache_len = prompt_len + max_tokens
   abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # no parameters made
   rows = min(rollouts, memory.rows_for_budget(cfg, args.kv_budget_gib, cache_len))
-  # Compiled as JaxSampler compiles it (decode state donated).
-  jitted = jax.jit(functools.partial(decode.admit_and_decode, nnx.graphdef(abstract)),
-                   static_argnums=0, donate_argnums=(2, 3))
   dense = rollouts * memory.kv_bytes_per_row(cfg, cache_len) / GIB
   print(f"Qwen2.5-1.5B shape, {rollouts} rollouts x {max_tokens} new tokens (prompt "
         f"bucket {prompt_len}): dense cache {dense:.1f} GiB; kv_budget_gib="
         f"{args.kv_budget_gib:g} -> {rows} rows")
   s = decode.Static(max_tokens=max_tokens, greedy=False, top_k=0, use_top_p=False)
-  state = nnx.state(abstract)
-  rows_out, out = jax.eval_shape(lambda: decode.empty(cfg, s, rows, cache_len, rollouts))
-  # The widest read extent (the whole cache), as the last chunks of a request run.
-  rows_out = (rows_out._replace(cache=rows_out.cache.with_read_len(rows_out.cache.max_len)),
-              out)
-  a, q = rows, rows // 8
-  sds = jax.ShapeDtypeStruct
-  i32 = lambda *shape: sds(shape, jnp.int32)
-  f32 = sds((), jnp.float32)
   t0 = time.perf_counter()
-  compiled = jitted.lower(
-      s, state, *rows_out, i32(q, prompt_len), i32(q, prompt_len), i32(a), i32(a), i32(a),
-      sds((a,), bool), sds((cfg.vocab_size,), bool), jax.eval_shape(lambda: jax.random.key(0)),
-      f32, f32, i32(), i32(), i32()).compile()
-  mem = compiled.memory_analysis()
-  params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / GIB
-  total = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
-           - mem.alias_size_in_bytes) / GIB
-  print(f"  compiled in {time.perf_counter() - t0:.0f}s; arguments "
-        f"{mem.argument_size_in_bytes / GIB:.2f} GiB (params {params:.2f}, cache + outputs), "
-        f"temporaries {mem.temp_size_in_bytes / GIB:.2f} GiB, outputs not aliased "
-        f"{(mem.output_size_in_bytes - mem.alias_size_in_bytes) / GIB:.2f} GiB")
+  programs = memory.compiled_sampler_memory(abstract, s, rows=rows, cache_len=cache_len,
+                                            pairs=rollouts, prompts=rows // 8,
+                                            prompt_len=prompt_len)
+  print(f"  both programs compiled in {time.perf_counter() - t0:.0f}s")
+  params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(abstract))) / GIB
+  total = 0.0
+  for name, mem in programs.items():
+    holds = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+             - mem.alias_size_in_bytes) / GIB
+    total = max(total, holds)
+    unaliased = (mem.output_size_in_bytes - mem.alias_size_in_bytes) / GIB
+    print(f"  {name:<7} arguments {mem.argument_size_in_bytes / GIB:.2f} GiB (params "
+          f"{params:.2f}, cache + outputs), temporaries {mem.temp_size_in_bytes / GIB:.2f} "
+          f"GiB, outputs not aliased {unaliased:.2f} GiB: {holds:.1f} GiB")
   print(f"  one device holds {total:.1f} GiB ({'fits' if total <= args.device_gib else 'does NOT fit'}"
         f" in {args.device_gib:g} GiB; the dense cache alone would need {dense:.1f} GiB)")
   return total

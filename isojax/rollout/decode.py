@@ -11,6 +11,11 @@ lax.while_loop until every row is done or, when more pairs wait, until
 Each pair's outputs go to its own row of the output arrays, wherever it was
 decoded.
 
+Admission and decoding are compiled apart: decoding is specialised on the
+cache's read extent, admission on the number of distinct prompts, so a long
+request compiles each extent's decode loop once and each prompt count's prefill
+once (together, every (extent, prompt count) pair met would compile both).
+
 Randomness is keyed by pair, not by row: pair p draws its uniforms from
 fold_in(key, p), one per token, so a rollout is the same whatever row, chunk or
 batch size decoded it (and the decode loop runs no random-number generator).
@@ -151,10 +156,11 @@ def _emit(out: Out, live_R, pair_R, step_R, tok_R, logp_R, hit_R) -> Out:
              stopped_P=out.stopped_P.at[at_R].set(hit_R, mode="drop"))
 
 
-def admit_and_decode(graphdef, s: Static, state, rows: Rows, out: Out, prompt_QxL, mask_QxL,
-                     src_A, dest_A, pair_A, active_A, stop_V, key, temperature, top_p,
-                     max_tokens, min_free, max_steps) -> tuple[Rows, Out]:
-  """Admits A pairs, then decodes.
+def admit(graphdef, s: Static, state, rows: Rows, out: Out, prompt_QxL, mask_QxL, src_A,
+          dest_A, pair_A, active_A, stop_V, key, temperature, top_p, max_tokens
+          ) -> tuple[Rows, Out]:
+  """Admits A pairs into free rows: one prefill per distinct prompt, copied to its
+  pairs' rows (or made their shared prefix), and each pair's first token.
 
   Args:
     prompt_QxL, mask_QxL: the distinct prompts of the admitted pairs, left-padded.
@@ -162,51 +168,58 @@ def admit_and_decode(graphdef, s: Static, state, rows: Rows, out: Out, prompt_Qx
     dest_A: the free cache row each pair goes to.
     pair_A: the pair's index (selects its outputs and its random stream).
     active_A: False for padding entries (ignored).
-    min_free: decode stops once this many rows are done (R + 1: run until all are).
-      It also stops before a live row would write past the cache's read extent.
-    max_steps: decode stops after this many steps (a bound on the tokens a row
-      emits before the host may swap weights); a dynamic int32, so changing it
-      does not recompile.
+
+  Nothing here reads the rows' cache, so its read extent is not compiled in: the
+  caller passes the cache with `read_len` None, and a wider extent recompiles
+  `decode_steps` only.
   """
   model = nnx.merge(graphdef, state)
   num_rows = rows.prev_R.shape[0]
   t_max = s.max_tokens
   dest_A = jnp.where(active_A, dest_A, num_rows)  # padding entries write nothing
+  q, l = prompt_QxL.shape
+  cfg = model.cfg
+  pre = KVCache.zeros(cfg.num_layers, q, l, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
+                      block=s.cache_block)
+  logits_QxV, pre = model.prefill(prompt_QxL, mask_QxL, pre, last_only=True)
+  if rows.cache.shared_prefix:  # prompt q is the prefix of rows [q n, (q + 1) n)
+    c = rows.cache.with_prefix(pre)
+  else:  # pre's slots fit: l <= l + max_tokens
+    c = rows.cache.insert(dest_A, pre, src_A)
+  u_AxT = 1.0 - jax.vmap(
+      lambda p: jax.random.uniform(jax.random.fold_in(key, p), (t_max,)))(pair_A)
+  tok_A, logp_A = sample_token(logits_QxV[src_A], u_AxT[:, 0], temperature, top_p, s)
+  hit_A = stop_V[tok_A]
+  zero_A = jnp.zeros_like(pair_A)
+  out = _emit(out, active_A, pair_A, zero_A, tok_A, logp_A, hit_A)
+  put = lambda x_R, x_A: x_R.at[dest_A].set(x_A, mode="drop")
+  rows = Rows(cache=c, prev_R=put(rows.prev_R, tok_A), pair_R=put(rows.pair_R, pair_A),
+              step_R=put(rows.step_R, zero_A + 1),
+              done_R=put(rows.done_R, hit_A | (max_tokens <= 1)),
+              u_RxT=put(rows.u_RxT, u_AxT))
+  return _constrain(s, rows, out)
 
-  def admit(rows: Rows, out: Out) -> tuple[Rows, Out]:
-    """One prefill per distinct prompt, copied to its pairs' rows."""
-    q, l = prompt_QxL.shape
-    cfg = model.cfg
-    pre = KVCache.zeros(cfg.num_layers, q, l, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
-                        block=s.cache_block)
-    logits_QxV, pre = model.prefill(prompt_QxL, mask_QxL, pre, last_only=True)
-    if rows.cache.shared_prefix:  # prompt q is the prefix of rows [q n, (q + 1) n)
-      c = rows.cache.with_prefix(pre)
-    else:  # pre's slots fit: l <= l + max_tokens
-      c = rows.cache.insert(dest_A, pre, src_A)
-    u_AxT = 1.0 - jax.vmap(
-        lambda p: jax.random.uniform(jax.random.fold_in(key, p), (t_max,)))(pair_A)
-    tok_A, logp_A = sample_token(logits_QxV[src_A], u_AxT[:, 0], temperature, top_p, s)
-    hit_A = stop_V[tok_A]
-    zero_A = jnp.zeros_like(pair_A)
-    out = _emit(out, active_A, pair_A, zero_A, tok_A, logp_A, hit_A)
-    put = lambda x_R, x_A: x_R.at[dest_A].set(x_A, mode="drop")
-    rows = Rows(cache=c, prev_R=put(rows.prev_R, tok_A), pair_R=put(rows.pair_R, pair_A),
-                step_R=put(rows.step_R, zero_A + 1),
-                done_R=put(rows.done_R, hit_A | (max_tokens <= 1)),
-                u_RxT=put(rows.u_RxT, u_AxT))
-    return _constrain(s, rows, out)
 
-  # A call that admits nothing (it only resumes decoding) skips the prefill.
-  rows, out = jax.lax.cond(jnp.any(active_A), admit, lambda rows, out: (rows, out), rows,
-                           out)
+def decode_steps(graphdef, s: Static, state, rows: Rows, out: Out, stop_V, temperature,
+                 top_p, max_tokens, min_free, max_steps) -> tuple[Rows, Out]:
+  """Decodes every live row until all are done, or until enough are free.
 
+  Args:
+    min_free: decoding stops once this many rows are done (R + 1: run until all
+      are). It also stops before a live row would write past the cache's read
+      extent (the host widens it and calls again).
+    max_steps: decoding stops after this many steps (a bound on the tokens a row
+      emits before the host may swap weights); a dynamic int32, so changing it
+      does not recompile.
+  """
+  model = nnx.merge(graphdef, state)
+  t_max = s.max_tokens
   read_len = rows.cache.read_len or rows.cache.max_len
 
   def cond(carry):
     rows, _, steps = carry
     # A step writes slot lengths_R of every live row and attends up to it: it
-    # must be inside the read extent (the host widens it and calls again).
+    # must be inside the read extent.
     fill = jnp.max(jnp.where(rows.done_R, 0, rows.cache.lengths_B))
     return (~jnp.all(rows.done_R) & (jnp.sum(rows.done_R, dtype=jnp.int32) < min_free)
             & (fill < read_len) & (steps < max_steps))

@@ -18,9 +18,9 @@ shapes. The model's graph definition is static and its parameters are an
 argument, so `update_weights` never recompiles.
 
 Weights may change while `generate` runs (`update_weights` from another
-thread): each jitted call (an admission and a chunk of decode steps) reads the
-current (version label, parameters) once and samples with them, and the tokens
-it emitted carry that label in `Rollouts.version_BxT`. `decode_chunk` bounds
+thread): each admission and the chunk of decode steps after it (or a chunk
+alone) read the current (version label, parameters) once and sample with them,
+and the tokens they emitted carry that label in `Rollouts.version_BxT`. `decode_chunk` bounds
 the decode steps of a call, so new weights are picked up within that many
 tokens. The KV cache of the tokens before a swap is kept as the old weights
 computed it (not recomputed, unlike `VLLMSampler(in_flight=True)`).
@@ -139,13 +139,13 @@ class JaxSampler:
       max_rows the smaller.
     cache_block: slots per KV-cache block. Attention reads a power-of-two number
       of blocks covering the fullest row, widened between chunks of decode
-      steps as rows grow (one compilation per extent).
+      steps as rows grow (one compilation of the decode loop per extent).
     decode_chunk: a jitted call decodes at most this many steps before the host
       calls again (with the same rows and extent, and the weights published by
       then); None: a call decodes until rows must be refilled or the extent
       widened. Tokens do not depend on it while the weights stay the same.
-      A call that only resumes decoding admits nothing and skips the prefill;
-      each costs a host round trip (a small transfer).
+      A chunk that only resumes decoding admits nothing (no prefill); each
+      costs a host round trip (a small transfer).
   """
 
   def __init__(self, model, *, mesh=None, rules=None, max_len: int | None = None,
@@ -214,8 +214,12 @@ class JaxSampler:
           mesh, P(batch_axes, P.UNCONSTRAINED, None, None))
       self._rep = jax.sharding.NamedSharding(mesh, P())
     self._jit_empty = jax.jit(decode.empty, static_argnums=(0, 1, 2, 3, 4, 5, 6))
-    self._jit = jax.jit(functools.partial(decode.admit_and_decode, self._graphdef),
-                        static_argnums=0, donate_argnums=(2, 3))
+    # Two programs (see `isojax.rollout.decode`): a wider read extent recompiles
+    # the decode loop only, a different prompt count the admission only.
+    self._jit_admit = jax.jit(functools.partial(decode.admit, self._graphdef),
+                              static_argnums=0, donate_argnums=(2, 3))
+    self._jit_decode = jax.jit(functools.partial(decode.decode_steps, self._graphdef),
+                               static_argnums=0, donate_argnums=(2, 3))
 
   def num_rows(self, num_rollouts: int, cache_len: int, *, n: int = 1,
                prompt_len: int = 0) -> int:
@@ -300,8 +304,9 @@ class JaxSampler:
     prompt_QxL, mask_QxL = _left_pad(prompt_ids, l_bucket)
     stop_V = np.zeros((self._vocab_size,), bool)
     stop_V[list(self._eos_ids) + [int(t) for t in stop_token_ids]] = True
-    consts = self._put(jax.random.key(seed), np.float32(temperature if not greedy else 1.0),
-                       np.float32(top_p), np.int32(max_tokens))
+    key, *consts = self._put(jax.random.key(seed),
+                             np.float32(temperature if not greedy else 1.0),
+                             np.float32(top_p), np.int32(max_tokens))
     stop_V = self._put(stop_V)[0]
 
     # Every pair has a row: one admission, the rows decode in lockstep after
@@ -319,28 +324,33 @@ class JaxSampler:
     unit = n if num_rows >= n else 1
     # A row's own slots start after its prompt (lockstep: in the shared prefix).
     first_slot = 0 if lockstep else l_bucket
-    free_R, start, q, need = np.arange(num_rows), 0, 1, first_slot + 1
+    free_R, start, need = np.arange(num_rows), 0, first_slot + 1
     while True:
       take = min(b - start, len(free_R) // unit * unit)
       pair_A = np.arange(start, start + take)
       start += take
-      prompts_Q, src_A = np.unique(pair_A // n, return_inverse=True)
-      if take:  # else only the read extent grows: nothing is admitted
-        q = num_pairs // n if lockstep else _next_pow2(len(prompts_Q))
-      prompts_Q = np.concatenate([prompts_Q, np.full(q - len(prompts_Q), 0)]).astype(int)
-      a = _next_pow2(num_rows)  # one admission shape per request: fewer compilations
-      pad = lambda x, v: np.concatenate([x, np.full(a - take, v, x.dtype)]).astype(np.int32)
       left = b - start
       min_free = (min(left, max(unit, num_rows // _REFILL_FRACTION)) if left
                   else num_rows + 1)
-      prompts = self._put(prompt_QxL[prompts_Q], mask_QxL[prompts_Q], prompts=True)
-      admit = self._put(pad(src_A, 0), pad(free_R[:take], num_rows), pad(pair_A, 0),
-                        np.arange(a) < take)
+      # Once per admission and the decode chunk after it: the weights their tokens
+      # come from.
+      label, state = self._weights
+      if take:  # else only the read extent grows, or a chunk resumes
+        prompts_Q, src_A = np.unique(pair_A // n, return_inverse=True)
+        q = num_pairs // n if lockstep else _next_pow2(len(prompts_Q))
+        prompts_Q = np.concatenate([prompts_Q, np.full(q - len(prompts_Q), 0)]).astype(int)
+        a = _next_pow2(num_rows)  # one admission shape per request: fewer compilations
+        pad = lambda x, v: np.concatenate([x, np.full(a - take, v, x.dtype)]).astype(np.int32)
+        prompts = self._put(prompt_QxL[prompts_Q], mask_QxL[prompts_Q], prompts=True)
+        admit = self._put(pad(src_A, 0), pad(free_R[:take], num_rows), pad(pair_A, 0),
+                          np.arange(a) < take)
+        rows = rows._replace(cache=rows.cache.with_read_len(None))  # not compiled in
+        rows, out = self._jit_admit(s, state, rows, out, *prompts, *admit, stop_V, key,
+                                    *consts)
       read_len = _read_len(rows.cache, need)
       rows = rows._replace(cache=rows.cache.with_read_len(read_len))
-      label, state = self._weights  # once per call: the weights its tokens come from
-      rows, out = self._jit(s, state, rows, out, *prompts, *admit, stop_V, *consts,
-                            np.int32(min_free), max_steps)
+      rows, out = self._jit_decode(s, state, rows, out, stop_V, *consts, np.int32(min_free),
+                                   max_steps)
       done_R, lengths_R, emitted_P = _to_host((rows.done_R, rows.cache.lengths_B,
                                                out.lengths_P))
       labels.add(emitted_P, label)

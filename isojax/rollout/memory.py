@@ -10,12 +10,15 @@ is the check a run makes before its first update.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from isojax.models.kv_cache import KVCache, block_size
+from isojax.rollout import decode
 
 GIB = 1 << 30
 
@@ -58,6 +61,47 @@ def rows_for_budget(cfg, kv_budget_gib: float, max_len: int) -> int:
         f"heads x head_dim {cfg.head_dim}, {jnp.dtype(cfg.dtype).name}); raise the budget "
         f"or lower sampler.max_tokens")
   return rows
+
+
+def compiled_sampler_memory(model, s: decode.Static, *, rows: int, cache_len: int,
+                            pairs: int, prompts: int, prompt_len: int) -> dict:
+  """XLA's memory analysis of the sampler's two programs for a request whose
+  `pairs` rollouts are decoded `rows` at a time (continuous batching), compiled
+  from shapes only (`model` may come from `nnx.eval_shape`: no weights needed),
+  as `JaxSampler` compiles them: decode state donated, the decode loop at the
+  widest read extent (the whole cache, as a long request's last chunks run).
+
+  Args:
+    model: the Decoder (its graph and parameter shapes are used).
+    s: the sampler's static settings (max_tokens bucket, sampling mode).
+    rows, cache_len: cache rows and positions per row (prompt + completion).
+    pairs, prompts, prompt_len: rollouts of the request, distinct prompts of an
+      admission, and the prompt bucket.
+
+  Returns:
+    {"admit": stats, "decode": stats}: each program's `memory_analysis()`. One
+    device holds the larger of their arguments + temporaries.
+  """
+  cfg = model.cfg
+  graphdef, state = nnx.split(model)
+
+  def analysis(program, *args):
+    jitted = jax.jit(functools.partial(program, graphdef), static_argnums=0,
+                     donate_argnums=(2, 3))
+    return jitted.lower(s, state, *args).compile().memory_analysis()
+
+  sds = jax.ShapeDtypeStruct
+  ints = lambda *shape: sds(shape, jnp.int32)
+  rows_in, out = jax.eval_shape(lambda: decode.empty(cfg, s, rows, cache_len, pairs))
+  stop_V = sds((cfg.vocab_size,), bool)
+  sampling = (sds((), jnp.float32), sds((), jnp.float32), ints())  # temperature, top_p, max_tokens
+  a = 1 << max(rows - 1, 0).bit_length()  # admission entries: rows, to a power of two
+  admit = analysis(decode.admit, rows_in, out, ints(prompts, prompt_len),
+                   ints(prompts, prompt_len), ints(a), ints(a), ints(a), sds((a,), bool),
+                   stop_V, jax.eval_shape(lambda: jax.random.key(0)), *sampling)
+  widest = rows_in._replace(cache=rows_in.cache.with_read_len(rows_in.cache.max_len))
+  steps = analysis(decode.decode_steps, widest, out, stop_V, *sampling, ints(), ints())
+  return {"admit": admit, "decode": steps}
 
 
 def check_memory_split(cfg, *, max_len: int, device_gib: float, trainer_gib: float,

@@ -228,18 +228,24 @@ def test_stop_tokens_and_eos_end_sequences(model, sampler):
   expect(JaxSampler(with_eos).generate(PROMPTS[:2], **kw))
 
 
+def _compiled(sampler) -> int:
+  """Programs the sampler has compiled (admissions and decode loops)."""
+  return sampler._jit_admit._cache_size() + sampler._jit_decode._cache_size()
+
+
 def test_prompt_too_long_fails_before_any_work(model, sampler):
   def boom(*a, **k):
     raise AssertionError("compiled/ran despite a bad request")
 
-  real, sampler._jit = sampler._jit, boom
+  real = sampler._jit_admit, sampler._jit_decode
+  sampler._jit_admit = sampler._jit_decode = boom
   try:
     with pytest.raises(ValueError, match=r"prompt_ids\[1\] has 60 tokens.*context of 64"):
       sampler.generate([[1, 2], [3] * 60], n=1, max_tokens=8, temperature=1.0)
     with pytest.raises(ValueError, match=r"prompt_ids\[0\] has token ids outside \[0, 32\)"):
       sampler.generate([[1, 99]], n=1, max_tokens=8, temperature=1.0)
   finally:
-    sampler._jit = real
+    sampler._jit_admit, sampler._jit_decode = real
   capped = JaxSampler(model, max_len=16)
   with pytest.raises(ValueError, match="context of 16"):
     capped.generate([[1] * 10], n=1, max_tokens=8, temperature=0.0)
@@ -249,11 +255,11 @@ def test_update_weights_swaps_params_without_recompiling(model, sampler):
   new = _model(seed=2)
   kw = dict(n=2, max_tokens=6, temperature=0.0)
   a = sampler.generate(PROMPTS, **kw)
-  compiled = sampler._jit._cache_size()
+  compiled = _compiled(sampler)
   try:
     sampler.update_weights(new)
     b = sampler.generate(PROMPTS, **kw)
-    assert sampler._jit._cache_size() == compiled
+    assert _compiled(sampler) == compiled
   finally:
     sampler.update_weights(model)
   for i, prompt in enumerate(PROMPTS):
@@ -279,10 +285,10 @@ def test_update_weights_swaps_params_without_recompiling(model, sampler):
 def test_batch_prompt_and_length_buckets_share_one_compilation(sampler):
   # 3 or 4 prompts -> 4 rows, longest prompt 17..32 -> 32, max_tokens 5..8 -> 8.
   sampler.generate([[1] * 17] * 3, n=2, max_tokens=5, temperature=0.0)
-  compiled = sampler._jit._cache_size()
+  compiled = _compiled(sampler)
   sampler.generate([[4] * 32] * 4, n=2, max_tokens=8, temperature=0.0)
   r = sampler.generate([[4] * 25, [5] * 2, [6]], n=2, max_tokens=7, temperature=0.0)
-  assert sampler._jit._cache_size() == compiled
+  assert _compiled(sampler) == compiled
   assert r.tokens_BxT.shape == (6, 7) and r.num_rollouts == 6
 
 
@@ -322,14 +328,14 @@ def test_refilled_rows_equal_a_row_per_rollout(model, sampler, max_rows):
 
   bounded = JaxSampler(model, max_rows=max_rows)
   admitted = []  # (rows, pairs) of every admission
-  real = bounded._jit
+  real = bounded._jit_admit
 
   def spy(s, state, rows, out, prompt, mask, src, dest, pair, active, *rest):
     live = np.asarray(active)
     admitted.append((np.asarray(dest)[live], np.asarray(pair)[live]))
     return real(s, state, rows, out, prompt, mask, src, dest, pair, active, *rest)
 
-  bounded._jit = spy
+  bounded._jit_admit = spy
   got = bounded.generate(PROMPTS[:2], stop_token_ids=(stop,), **kw)
   np.testing.assert_array_equal(got.tokens_BxT, ref.tokens_BxT)
   np.testing.assert_allclose(got.logprobs_BxT, ref.logprobs_BxT, atol=1e-5)
@@ -402,4 +408,7 @@ def test_read_extent_grows_between_chunks(model, sampler):
   got = small.generate(PROMPTS[:2], **kw)
   np.testing.assert_array_equal(got.tokens_BxT, ref.tokens_BxT)
   np.testing.assert_allclose(got.logprobs_BxT, ref.logprobs_BxT, atol=1e-5)
-  assert small._jit._cache_size() == 2  # two read extents: 32 and 48 slots
+  # Two read extents (32 and 48 slots) compile the decode loop twice; every
+  # admission has one prompt (a whole prompt's 2 rows), and compiles once.
+  assert small._jit_decode._cache_size() == 2
+  assert small._jit_admit._cache_size() == 1

@@ -21,19 +21,25 @@ def other():
 
 
 def _spy_calls(sampler, after_call=None):
-  """Records the (rows, pairs) each jitted call of the sampler admits; runs
-  `after_call(k)` after the k-th call."""
-  calls, real = [], sampler._jit
+  """Records the (rows, pairs) admitted before each decode call of the sampler
+  (none: the call only resumed decoding or widened the extent); runs
+  `after_call(k)` after the k-th decode call."""
+  calls, admitted = [], []
+  real_admit, real_decode = sampler._jit_admit, sampler._jit_decode
 
-  def spy(*args):
+  def spy_admit(*args):
     dest, pair, active = (np.asarray(a) for a in args[7:10])
-    result = real(*args)
-    calls.append((dest[active].tolist(), pair[active].tolist()))
+    admitted.append((dest[active].tolist(), pair[active].tolist()))
+    return real_admit(*args)
+
+  def spy_decode(*args):
+    result = real_decode(*args)
+    calls.append(admitted.pop() if admitted else ([], []))
     if after_call is not None:
       after_call(len(calls))
     return result
 
-  sampler._jit = spy
+  sampler._jit_admit, sampler._jit_decode = spy_admit, spy_decode
   return calls
 
 
@@ -58,7 +64,7 @@ def test_decode_chunks_give_the_same_rollouts_labelled_0(model, prompts, n, max_
   ref = whole.generate(prompts, **kw)
   assert (ref.lengths_B < 10).any() and (ref.lengths_B == 10).any()
   chunked = JaxSampler(model, max_rows=max_rows, decode_chunk=1)
-  jitted = chunked._jit
+  jitted = chunked._jit_admit, chunked._jit_decode
   calls = _spy_calls(chunked)
   real_BxT = np.arange(10)[None, :] < ref.lengths_B[:, None]
   np.testing.assert_array_equal(ref.version_BxT, np.where(real_BxT, 0, -1))
@@ -76,8 +82,8 @@ def test_decode_chunks_give_the_same_rollouts_labelled_0(model, prompts, n, max_
     assert len(calls) > len(whole_calls)
     assert [c for c in calls if c[0]] == [c for c in whole_calls if c[0]]
     if chunk == 1:
-      compiled = jitted._cache_size()
-  assert jitted._cache_size() == compiled
+      compiled = [j._cache_size() for j in jitted]
+  assert [j._cache_size() for j in jitted] == compiled
 
 
 def test_weights_swapped_between_chunks_label_the_tokens_after_the_swap(model, other):

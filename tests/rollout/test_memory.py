@@ -102,11 +102,10 @@ def test_run_split_counts_evaluation_and_pipelinerl():
 
 def test_compiled_sampler_holds_the_budgeted_cache_once():
   """Compiled from shapes with a KV budget (as bench/sampler.py --memory_check does
-  for Qwen2.5-1.5B x 512 x 8192): the arguments are the parameters plus the
-  budget's rows of cache, and the decode loop updates the cache in place (no
-  cache-sized temporary, e.g. a float32 widening of a bf16 cache)."""
-  import functools
-
+  for Qwen2.5-1.5B x 512 x 8192): each program's arguments are the parameters plus
+  the budget's rows of cache, and both update the cache in place (no cache-sized
+  temporary, e.g. a float32 widening of a bf16 cache, or a copy for the
+  admission's scatter of prompts into rows)."""
   import jax
   from flax import nnx
 
@@ -121,25 +120,14 @@ def test_compiled_sampler_holds_the_budgeted_cache_once():
   assert rows == int(0.125 * memory.GIB // per_row) < pairs
   abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
   s = decode.Static(max_tokens=max_tokens, greedy=False, top_k=0, use_top_p=False)
-  state = nnx.state(abstract)
-  rows_out, out = jax.eval_shape(lambda: decode.empty(cfg, s, rows, cache_len, pairs))
-  # The widest read extent (the whole cache), as the last chunks of a request run.
-  rows_out = (rows_out._replace(cache=rows_out.cache.with_read_len(rows_out.cache.max_len)),
-              out)
-  sds = jax.ShapeDtypeStruct
-  i32 = lambda *shape: sds(shape, jnp.int32)
-  f32 = sds((), jnp.float32)
-  jitted = jax.jit(functools.partial(decode.admit_and_decode, nnx.graphdef(abstract)),
-                   static_argnums=0, donate_argnums=(2, 3))
-  mem = jitted.lower(
-      s, state, *rows_out, i32(8, prompt_len), i32(8, prompt_len), i32(rows), i32(rows),
-      i32(rows), sds((rows,), bool), sds((cfg.vocab_size,), bool),
-      jax.eval_shape(lambda: jax.random.key(0)), f32, f32, i32(), i32(), i32()
-  ).compile().memory_analysis()
+  programs = memory.compiled_sampler_memory(abstract, s, rows=rows, cache_len=cache_len,
+                                            pairs=pairs, prompts=8, prompt_len=prompt_len)
   cache = rows * per_row
-  params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(abstract)))
   outputs = pairs * max_tokens * 8 + rows * max_tokens * 4  # tokens + logps, uniforms
-  assert cache < mem.argument_size_in_bytes < cache + params + outputs + (1 << 20)
-  # At most one layer's keys + values as attention reads them (a slice of the
-  # cache), never a cache-sized temporary.
-  assert mem.temp_size_in_bytes < cache * (2 / cfg.num_layers + 0.1)
+  prompts = 2 * 8 * prompt_len * 4 + (1 << 20)  # an admission's prompts and masks, ...
+  for name, mem in programs.items():
+    assert cache < mem.argument_size_in_bytes < cache + params + outputs + prompts, name
+    # At most one layer's keys + values as attention reads them (a slice of the
+    # cache), never a cache-sized temporary.
+    assert mem.temp_size_in_bytes < cache * (2 / cfg.num_layers + 0.1), name
