@@ -177,9 +177,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.sampler.server_devices = 0
 
   # Field names are those of isojax.rl LossConfig / OptimConfig. clip_dual,
-  # tis_cap and max_grad_norm are float fields that may hold None (off):
-  # --config.rl.clip_dual=3 sets one, a config file may set None. A clip at inf
-  # is no clip: --config.rl.max_grad_norm=inf turns clipping off from the flags.
+  # tis_cap and max_grad_norm are float fields that may hold None (off), declared
+  # with their type so that flags can set both: --config.rl.clip_dual=3 turns one
+  # on, --config.rl.tis_cap=None turns one off.
   c.rl = ml_collections.ConfigDict()
   c.rl.adv_estimator = "grpo"      # grpo | drgrpo | batch | rloo | gae (PPO: the critic below)
   c.rl.adv_std_eps = 1e-6

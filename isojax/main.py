@@ -19,7 +19,28 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from isojax import errors
+from isojax import errors, run_config
+
+
+class _NoneOr(flags.ArgumentParser):
+  """A number field's command-line parser that also reads None: the off value of
+  optional settings (`--config.rl.tis_cap=None` turns truncated IS off)."""
+
+  def __init__(self, parser: flags.ArgumentParser):
+    super().__init__()
+    self._parser = parser
+
+  def parse(self, argument):
+    if isinstance(argument, str) and argument.strip().lower() == "none":
+      return None
+    return self._parser.parse(argument)
+
+  def flag_type(self):
+    return self._parser.flag_type()
+
+
+config_flags.register_flag_parser_for_type(float, _NoneOr(flags.FloatParser()))
+config_flags.register_flag_parser_for_type(int, _NoneOr(flags.IntegerParser()))
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment file and its argument, e.g. experiments/tiny.py:bp=8",
@@ -37,6 +58,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.INFO)
+  for path, value in config_flags.get_override_values(flags.FLAGS["config"]).items():
+    if value is None:
+      run_config.check_none_override(_CONFIG.value, path)
   if _DRY_RUN.value:
     from isojax import memory  # after flag parsing: keeps `--help` fast
     mem, what = memory.dry_run(_CONFIG.value)

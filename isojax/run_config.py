@@ -111,3 +111,19 @@ def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
 def _flag_text(value) -> str:
   """`value` as a shell command line writes it after `--config.FIELD=`."""
   return shlex.quote(value) if isinstance(value, str) else repr(value)
+
+
+def check_none_override(config, path: str) -> None:
+  """After `--config.PATH=None` set it: raises ValueError unless the field may be
+  None. Optional fields are declared in the experiment file with a type
+  (`ml_collections.config_dict.placeholder(float)`, `FieldReference(2.0,
+  field_type=float)`: rl.clip_dual, rl.tis_cap, rl.max_grad_norm,
+  rl.logits_chunk), which None keeps; a plain number's type becomes NoneType."""
+  *parents, leaf = path.split(".")
+  node = config
+  for part in parents:
+    node = node[part]
+  if node.get_type(leaf) is type(None):
+    raise ValueError(f"--config.{path}=None: {path} is not an optional field (only "
+                     f"fields the experiment file declares with a type, such as "
+                     f"rl.tis_cap or rl.clip_dual, may be None)")

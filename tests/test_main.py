@@ -68,3 +68,41 @@ def test_readme_dry_run_prints_memory_and_writes_nothing(readme, tmp_path):
     assert row in out, out
   assert "does NOT fit in 0.001 GiB per device" in out, out
   assert not workdir.exists()
+
+
+def test_optional_fields_take_none_from_the_command_line():
+  """`--config.rl.tis_cap=None` turns truncated IS off (a float field declared with
+  its type), as `=none` does an int one; a plain number field refuses None."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  import isojax.main  # noqa: F401  (registers the number parsers that read None)
+  from isojax import run_config
+
+  argv = ["isojax.main", "--config=experiments/tiny.py", "--config.rl.tis_cap=None",
+          "--config.rl.logits_chunk=none", "--config.rl.clip_dual=3",
+          "--config.rl.lr_base=None"]
+  values = flags.FlagValues()
+  # The overrides are read from sys_argv (sys.argv by default).
+  config_flag = config_flags.DEFINE_config_file("config", None, "", flag_values=values,
+                                                sys_argv=argv)
+  values(argv)
+  config = config_flag.value
+  assert config.rl.tis_cap is None and config.rl.logits_chunk is None
+  assert config.rl.clip_dual == 3.0
+  for path in ("rl.tis_cap", "rl.logits_chunk"):
+    run_config.check_none_override(config, path)  # optional: accepted
+  try:
+    run_config.check_none_override(config, "rl.lr_base")
+  except ValueError as e:
+    assert "--config.rl.lr_base=None: rl.lr_base is not an optional field" in str(e)
+  else:
+    raise AssertionError("rl.lr_base=None was accepted")
+
+
+def test_none_for_a_plain_number_field_exits_with_one_line(tmp_path):
+  proc = _main("--config=experiments/tiny.py", f"--workdir={tmp_path}/run",
+               "--config.rl.lr_base=None", timeout=120)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert "rl.lr_base is not an optional field" in proc.stderr
+  assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

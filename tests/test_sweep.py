@@ -394,6 +394,12 @@ def test_run_arguments_take_their_fields_declared_type():
   assert config.data.chat_template is True and config.data.train == "synthetic:hard"
   with pytest.raises(ValueError, match=r"run argument '--config.rl.clip_dual=x'"):
     sweep.apply_overrides(sweep.load_experiment(TINY, ""), ["--config.rl.clip_dual=x"])
+  # Optional fields take None (off), as the run's own flags do; others refuse it.
+  config = sweep.apply_overrides(sweep.load_experiment(TINY, ""),
+                                 ["--config.rl.tis_cap=None", "--config.rl.logits_chunk=none"])
+  assert config.rl.tis_cap is None and config.rl.logits_chunk is None
+  with pytest.raises(ValueError, match=r"rl.lr_base is not an optional field"):
+    sweep.apply_overrides(sweep.load_experiment(TINY, ""), ["--config.rl.lr_base=None"])
 
 
 # ------------------------------------------------------------- end to end, real trainer

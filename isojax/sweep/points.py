@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterable, Sequence
 
 from isojax import budget as budget_lib
+from isojax import run_config
 from isojax.assets import BASE_MODEL_DIR
 
 DEFAULT_RUNNER = ("-m", "isojax.main")  # what follows the interpreter in a run command
@@ -134,7 +135,9 @@ def apply_overrides(config, args: Sequence[str]):
                        "experiment file (expected --config.FIELD=VALUE)")
     # The field's declared type, which a None placeholder (rl.clip_dual) has too.
     kind = node.get_type(leaf) if hasattr(node, "get_type") else type(node[leaf])
-    node[leaf] = _parse_as(kind, raw, arg)
+    node[leaf] = value = _parse_as(kind, raw, arg)
+    if value is None:
+      run_config.check_none_override(config, path)
   return config
 
 
@@ -144,6 +147,8 @@ def _parse_as(kind: type, raw: str, arg: str):
       if raw.lower() not in ("true", "false", "1", "0"):
         raise ValueError(f"not a bool: {raw!r}")
       return raw.lower() in ("true", "1")
+    if issubclass(kind, (int, float)) and raw.strip().lower() == "none":
+      return None  # an optional field turned off (checked by the caller)
     if issubclass(kind, int):
       return int(raw)
     if issubclass(kind, float):
