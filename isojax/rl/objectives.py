@@ -1,0 +1,85 @@
+"""The token terms of the GRPO-family objectives, each a small pure function in a
+table keyed by name: ``PG_LOSSES`` (ppo_clip / cispo / cispo_two_sided / gspo,
+see ``isojax.rl.losses.LossConfig.kind``) and ``KL_ESTIMATORS`` (k1 / k2 / k3).
+``isojax.rl.losses`` aggregates them into the loss.
+
+A PG loss takes (logp, old_logp, adv_Bx1, mask, cfg), ``cfg`` any object with
+the clip fields of ``LossConfig``, and returns the per-token loss and its clip
+flags ({name: bool [B, T]}, named as ``losses.RATIO_FIELDS``).
+"""
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["KL_ESTIMATORS", "PG_LOSSES"]
+
+
+def _clipped_surrogate(ratio_BxT, adv_Bx1, cfg):
+  """-min(r A, clip(r) A), optionally dual-clipped at -c A for A < 0."""
+  lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+  unclipped = -adv_Bx1 * ratio_BxT
+  clipped = -adv_Bx1 * jnp.clip(ratio_BxT, lo, hi)
+  loss_BxT = jnp.maximum(unclipped, clipped)
+  neg = adv_Bx1 < 0
+  flags = {"clip_low": (neg & (ratio_BxT < lo)),
+           "clip_high": ((adv_Bx1 > 0) & (ratio_BxT > hi))}
+  if cfg.clip_dual is not None:
+    cap_BxT = -adv_Bx1 * cfg.clip_dual
+    flags["clip_dual"] = neg & (loss_BxT > cap_BxT)
+    loss_BxT = jnp.where(neg, jnp.minimum(loss_BxT, cap_BxT), loss_BxT)
+  return loss_BxT, flags
+
+
+def _ppo_clip(logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg):
+  return _clipped_surrogate(jnp.exp(logp_BxT - old_logp_BxT), adv_Bx1, cfg)
+
+
+def _gspo(logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg):
+  # s_i = exp(mean_t log(pi/pi_old)): one ratio per sequence, given to its tokens.
+  len_Bx1 = jnp.maximum(mask_BxT.sum(axis=1, keepdims=True), 1.0)
+  log_s_Bx1 = ((logp_BxT - old_logp_BxT) * mask_BxT).sum(axis=1, keepdims=True) / len_Bx1
+  ratio_BxT = jnp.broadcast_to(jnp.exp(log_s_Bx1), logp_BxT.shape)
+  return _clipped_surrogate(ratio_BxT, adv_Bx1, cfg)
+
+
+def _cispo(logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg, *, two_sided=False):
+  """-sg(w) A log pi with w = min(r, 1 + clip_high) (or clipped on both sides)."""
+  del mask_BxT
+  hi = 1.0 + cfg.clip_high
+  ratio_BxT = jax.lax.stop_gradient(jnp.exp(logp_BxT - old_logp_BxT))
+  weight_BxT = jnp.minimum(ratio_BxT, hi)
+  flags = {"clip_high": ratio_BxT > hi}
+  if two_sided:
+    lo = 1.0 - cfg.clip_low
+    weight_BxT = jnp.maximum(weight_BxT, lo)
+    flags["clip_low"] = ratio_BxT < lo
+  return -weight_BxT * adv_Bx1 * logp_BxT, flags
+
+
+# name -> fn(logp, old_logp, adv_Bx1, mask, cfg) -> (token loss_BxT, {flag: bool_BxT})
+PG_LOSSES: dict[str, Callable] = {
+    "ppo_clip": _ppo_clip,
+    "cispo": _cispo,
+    "cispo_two_sided": functools.partial(_cispo, two_sided=True),
+    "gspo": _gspo,
+}
+
+
+def _k1(logp_BxT, ref_logp_BxT):
+  return logp_BxT - ref_logp_BxT
+
+
+def _k2(logp_BxT, ref_logp_BxT):
+  return 0.5 * jnp.square(logp_BxT - ref_logp_BxT)
+
+
+def _k3(logp_BxT, ref_logp_BxT):
+  d = ref_logp_BxT - logp_BxT
+  return jnp.exp(d) - d - 1.0
+
+
+# Schulman's estimators of KL(pi || pi_ref) from tokens sampled from pi.
+KL_ESTIMATORS: dict[str, Callable] = {"k1": _k1, "k2": _k2, "k3": _k3}
