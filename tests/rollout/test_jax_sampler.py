@@ -412,3 +412,31 @@ def test_read_extent_grows_between_chunks(model, sampler):
   # admission has one prompt (a whole prompt's 2 rows), and compiles once.
   assert small._jit_decode._cache_size() == 2
   assert small._jit_admit._cache_size() == 1
+
+
+def test_admissions_and_read_extents_compile_apart(model):
+  """A request whose admissions hold different numbers of prompts while the read
+  extent widens compiles one decode loop per extent and one admission per prompt
+  count, never one program per (extent, prompt count) met; the rollouts are
+  those of a row per rollout."""
+  prompts = [[1 + i, 2 + i, 3] for i in range(10)]
+  kw = dict(n=1, max_tokens=30, temperature=1.0, seed=2, top_p=0.95)
+  ref = JaxSampler(model).generate(prompts, **kw)
+  bounded = JaxSampler(model, cache_block=4, max_rows=4)
+  counts, extents = set(), set()
+  admit, decode_steps = bounded._jit_admit, bounded._jit_decode
+
+  def spy_admit(s, state, rows, out, prompt_QxL, *rest):
+    counts.add(prompt_QxL.shape[0])
+    return admit(s, state, rows, out, prompt_QxL, *rest)
+
+  def spy_decode(s, state, rows, *rest):
+    extents.add(rows.cache.read_len)
+    return decode_steps(s, state, rows, *rest)
+
+  bounded._jit_admit, bounded._jit_decode = spy_admit, spy_decode
+  got = bounded.generate(prompts, **kw)
+  np.testing.assert_array_equal(got.tokens_BxT, ref.tokens_BxT)
+  np.testing.assert_allclose(got.logprobs_BxT, ref.logprobs_BxT, atol=1e-5)
+  assert len(counts) >= 2 and len(extents) >= 2, (counts, extents)
+  assert admit._cache_size() == len(counts) and decode_steps._cache_size() == len(extents)
