@@ -14,7 +14,8 @@ decoded.
 Admission and decoding are compiled apart: decoding is specialised on the
 cache's read extent, admission on the number of distinct prompts, so a long
 request compiles each extent's decode loop once and each prompt count's prefill
-once (together, every (extent, prompt count) pair met would compile both).
+once (one program for both would compile once per (extent, prompt count) pair
+met).
 
 Randomness is keyed by pair, not by row: pair p draws its uniforms from
 fold_in(key, p), one per token, so a rollout is the same whatever row, chunk or
@@ -169,9 +170,9 @@ def admit(graphdef, s: Static, state, rows: Rows, out: Out, prompt_QxL, mask_QxL
     pair_A: the pair's index (selects its outputs and its random stream).
     active_A: False for padding entries (ignored).
 
-  Nothing here reads the rows' cache, so its read extent is not compiled in: the
-  caller passes the cache with `read_len` None, and a wider extent recompiles
-  `decode_steps` only.
+  Admission writes the rows' cache but never attends over it, so the cache's
+  read extent is not compiled in: the caller passes it with `read_len` None, and
+  a wider extent recompiles `decode_steps` only.
   """
   model = nnx.merge(graphdef, state)
   num_rows = rows.prev_R.shape[0]

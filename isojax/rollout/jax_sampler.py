@@ -20,10 +20,10 @@ argument, so `update_weights` never recompiles.
 Weights may change while `generate` runs (`update_weights` from another
 thread): each admission and the chunk of decode steps after it (or a chunk
 alone) read the current (version label, parameters) once and sample with them,
-and the tokens they emitted carry that label in `Rollouts.version_BxT`. `decode_chunk` bounds
-the decode steps of a call, so new weights are picked up within that many
-tokens. The KV cache of the tokens before a swap is kept as the old weights
-computed it (not recomputed, unlike `VLLMSampler(in_flight=True)`).
+and the tokens they emitted carry that label in `Rollouts.version_BxT`.
+`decode_chunk` bounds the decode steps of a call, so new weights are picked up
+within that many tokens. The KV cache of the tokens before a swap is kept as the
+old weights computed it (not recomputed, unlike `VLLMSampler(in_flight=True)`).
 
 Sampling semantics (match vLLM's and `transformers`' order of processing):
 logits / temperature -> top-k -> top-p (smallest set of tokens whose
