@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import textwrap
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -73,31 +74,34 @@ def test_readme_dry_run_prints_memory_and_writes_nothing(readme, tmp_path):
 def test_optional_fields_take_none_from_the_command_line():
   """`--config.rl.tis_cap=None` turns truncated IS off (a float field declared with
   its type), as `=none` does an int one; a plain number field refuses None."""
-  from absl import flags
-  from ml_collections import config_flags
-
-  import isojax.main  # noqa: F401  (registers the number parsers that read None)
-  from isojax import run_config
-
-  argv = ["isojax.main", "--config=experiments/tiny.py", "--config.rl.tis_cap=None",
-          "--config.rl.logits_chunk=none", "--config.rl.clip_dual=3",
-          "--config.rl.lr_base=None"]
-  values = flags.FlagValues()
-  # The overrides are read from sys_argv (sys.argv by default).
-  config_flag = config_flags.DEFINE_config_file("config", None, "", flag_values=values,
-                                                sys_argv=argv)
-  values(argv)
-  config = config_flag.value
-  assert config.rl.tis_cap is None and config.rl.logits_chunk is None
-  assert config.rl.clip_dual == 3.0
-  for path in ("rl.tis_cap", "rl.logits_chunk"):
-    run_config.check_none_override(config, path)  # optional: accepted
-  try:
-    run_config.check_none_override(config, "rl.lr_base")
-  except ValueError as e:
-    assert "--config.rl.lr_base=None: rl.lr_base is not an optional field" in str(e)
-  else:
-    raise AssertionError("rl.lr_base=None was accepted")
+  # isojax.main's flags, parsed in a fresh interpreter (its absl flags would clash
+  # with other modules' in this one).
+  script = textwrap.dedent("""
+      import json, sys
+      from absl import flags
+      import isojax.main
+      from isojax import run_config
+      flags.FLAGS(sys.argv)
+      rl = isojax.main._CONFIG.value.rl
+      try:
+        run_config.check_none_override(isojax.main._CONFIG.value, "rl.lr_base")
+        refused = ""
+      except ValueError as e:
+        refused = str(e)
+      print(json.dumps([rl.tis_cap, rl.logits_chunk, rl.clip_dual, rl.max_grad_norm,
+                        refused]))
+  """)
+  proc = subprocess.run(
+      [sys.executable, "-c", script, "--config=experiments/tiny.py",
+       "--config.rl.tis_cap=None", "--config.rl.logits_chunk=none",
+       "--config.rl.clip_dual=3", "--config.rl.max_grad_norm=None",
+       "--config.rl.lr_base=None"],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  tis_cap, chunk, clip_dual, max_grad_norm, refused = json.loads(
+      proc.stdout.strip().splitlines()[-1])
+  assert (tis_cap, chunk, clip_dual, max_grad_norm) == (None, None, 3.0, None)
+  assert "--config.rl.lr_base=None: rl.lr_base is not an optional field" in refused
 
 
 def test_none_for_a_plain_number_field_exits_with_one_line(tmp_path):
