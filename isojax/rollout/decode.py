@@ -157,6 +157,12 @@ def _emit(out: Out, live_R, pair_R, step_R, tok_R, logp_R, hit_R) -> Out:
              stopped_P=out.stopped_P.at[at_R].set(hit_R, mode="drop"))
 
 
+def admission_size(num_rows: int) -> int:
+  """Entries of every admission into `num_rows` rows: the rows, to a power of two
+  (padding entries admit nothing), so a request compiles one admission shape."""
+  return 1 << max(0, int(num_rows) - 1).bit_length()
+
+
 def admit(graphdef, s: Static, state, rows: Rows, out: Out, prompt_QxL, mask_QxL, src_A,
           dest_A, pair_A, active_A, stop_V, key, temperature, top_p, max_tokens
           ) -> tuple[Rows, Out]:

@@ -339,7 +339,7 @@ class JaxSampler:
         prompts_Q, src_A = np.unique(pair_A // n, return_inverse=True)
         q = num_pairs // n if lockstep else _next_pow2(len(prompts_Q))
         prompts_Q = np.concatenate([prompts_Q, np.full(q - len(prompts_Q), 0)]).astype(int)
-        a = _next_pow2(num_rows)  # one admission shape per request: fewer compilations
+        a = decode.admission_size(num_rows)
         pad = lambda x, v: np.concatenate([x, np.full(a - take, v, x.dtype)]).astype(np.int32)
         prompts = self._put(prompt_QxL[prompts_Q], mask_QxL[prompts_Q], prompts=True)
         admit = self._put(pad(src_A, 0), pad(free_R[:take], num_rows), pad(pair_A, 0),

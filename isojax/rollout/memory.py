@@ -95,7 +95,7 @@ def compiled_sampler_memory(model, s: decode.Static, *, rows: int, cache_len: in
   rows_in, out = jax.eval_shape(lambda: decode.empty(cfg, s, rows, cache_len, pairs))
   stop_V = sds((cfg.vocab_size,), bool)
   sampling = (sds((), jnp.float32), sds((), jnp.float32), ints())  # temperature, top_p, max_tokens
-  a = 1 << max(rows - 1, 0).bit_length()  # admission entries: rows, to a power of two
+  a = decode.admission_size(rows)
   admit = analysis(decode.admit, rows_in, out, ints(prompts, prompt_len),
                    ints(prompts, prompt_len), ints(a), ints(a), ints(a), sds((a,), bool),
                    stop_V, jax.eval_shape(lambda: jax.random.key(0)), *sampling)
