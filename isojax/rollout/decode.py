@@ -68,6 +68,49 @@ class Out(NamedTuple):
   stopped_P: jax.Array  # a stop / EOS token ended the pair
 
 
+# Vocabulary entries per block of the two-level inverse CDF (see `_inverse_cdf`).
+CDF_BLOCK = 256
+
+
+def _first_eligible(cdf_BxK, x_B, prob_BxK):
+  """Per row, the first index whose cdf reaches x among the positive-probability
+  ones, else the last positive one (x past the cdf's end by rounding). A
+  zero-probability index is never returned: a float32 cumsum need not repeat
+  its value exactly across one, so `cdf < x` alone could land on it."""
+  K = cdf_BxK.shape[-1]
+  positive_BxK = prob_BxK > 0
+  hit_BxK = (cdf_BxK >= x_B[:, None]) & positive_BxK
+  last_B = K - 1 - jnp.argmax(positive_BxK[:, ::-1], axis=-1)
+  return jnp.where(jnp.any(hit_BxK, axis=-1), jnp.argmax(hit_BxK, axis=-1), last_B)
+
+
+def _inverse_cdf(cand_BxK, u_B):
+  """The index where u_B in (0, 1] meets each row's CDF of softmax(cand_BxK),
+  and the rows' logsumexp; returns (idx_B, lse_B).
+
+  Two levels, so only two passes read the whole row (its max; exp summed per
+  block of CDF_BLOCK entries): a cumsum over the block sums picks the block, a
+  cumsum over that block's entries picks the index. A flat cumsum over all K
+  entries (152k for Qwen) would write and read a second [B, K] array; this is
+  the same draw up to float32 rounding at a boundary between two tokens.
+  """
+  B, K = cand_BxK.shape
+  c = min(CDF_BLOCK, K)
+  m_B = jnp.max(cand_BxK, axis=-1)
+  e_BxK = jnp.exp(cand_BxK - m_B[:, None])  # 0 where cand is -inf (filtered)
+  e_BxJxC = jnp.pad(e_BxK, ((0, 0), (0, -K % c))).reshape(B, -1, c)
+  mass_BxJ = jnp.sum(e_BxJxC, axis=-1)
+  upto_BxJ = jnp.cumsum(mass_BxJ, axis=-1)
+  total_B = upto_BxJ[:, -1]
+  x_B = u_B * total_B
+  j_B = _first_eligible(upto_BxJ, x_B, mass_BxJ)
+  take = lambda a, i: jnp.take_along_axis(a, i[:, None], axis=1)[:, 0]
+  e_BxC = jnp.take_along_axis(e_BxJxC, j_B[:, None, None], axis=1)[:, 0]
+  rest_B = x_B - (take(upto_BxJ, j_B) - take(mass_BxJ, j_B))
+  k_B = _first_eligible(jnp.cumsum(e_BxC, axis=-1), rest_B, e_BxC)
+  return j_B * c + k_B, m_B + jnp.log(total_B)
+
+
 def sample_token(logits_BxV, u_B, temperature, top_p, s: Static):
   """Draws one token per row; returns (token_B int32, logprob_B float32).
 
@@ -97,13 +140,7 @@ def sample_token(logits_BxV, u_B, temperature, top_p, s: Static):
     # Keep the smallest prefix whose mass reaches top_p (the first token always).
     cand_BxK = jnp.where(mass_before_BxK < top_p, cand_BxK, -jnp.inf)
 
-  lse_B = jax.nn.logsumexp(cand_BxK, axis=-1)
-  probs_BxK = jnp.exp(cand_BxK - lse_B[:, None])
-  cdf_BxK = jnp.cumsum(probs_BxK, axis=-1)
-  # u > 0, so a zero-probability (filtered) token is never chosen.
-  x_B = u_B * cdf_BxK[:, -1]
-  idx_B = jnp.sum(cdf_BxK < x_B[:, None], axis=-1)
-  idx_B = jnp.minimum(idx_B, cdf_BxK.shape[-1] - 1)
+  idx_B, lse_B = _inverse_cdf(cand_BxK, u_B)
   logp_B = jnp.take_along_axis(cand_BxK, idx_B[:, None], axis=-1)[:, 0] - lse_B
   tok_B = idx_B if ids_BxK is None else jnp.take_along_axis(ids_BxK, idx_B[:, None], axis=-1)[:, 0]
   return tok_B.astype(jnp.int32), logp_B

@@ -1,0 +1,77 @@
+"""sample_token's inverse CDF against a float64 NumPy reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from isojax.rollout import decode
+
+SAMPLED = decode.Static(max_tokens=8, greedy=False, top_k=0, use_top_p=False)
+
+
+def reference_draw(logits_BxV, u_B):
+  """Inverse CDF in float64: the first token whose cumulative probability reaches u."""
+  z = logits_BxV.astype(np.float64)
+  p = np.exp(z - z.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  cdf = np.cumsum(p, -1)
+  tok = np.minimum((cdf < u_B[:, None]).sum(-1), z.shape[-1] - 1)
+  return tok, cdf
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 4099])
+def test_draws_equal_the_float64_inverse_cdf(vocab):
+  rng = np.random.default_rng(vocab)
+  logits = (rng.standard_normal((512, vocab)) * 3).astype(np.float32)
+  u = (1.0 - rng.random(512)).astype(np.float32)
+  tok, logp = decode.sample_token(jnp.asarray(logits), jnp.asarray(u), 1.0, 1.0, SAMPLED)
+  ref, cdf = reference_draw(logits, u.astype(np.float64))
+  tok = np.asarray(tok)
+  # float32 sums may put u on the other side of a boundary it nearly touches.
+  off = tok != ref
+  gap = np.abs(cdf[np.arange(512), np.minimum(tok, ref)] - u)
+  assert off.sum() <= 2 and np.all(gap[off] < 1e-5), (off.sum(), gap[off])
+  z = logits.astype(np.float64)
+  lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+  np.testing.assert_allclose(np.asarray(logp), z[np.arange(512), tok] - lse, atol=1e-5)
+
+
+def test_filtered_tokens_are_never_drawn_even_at_the_ends_of_u():
+  vocab = 1000
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((6, vocab)).astype(np.float32)
+  allowed = np.zeros((6, vocab), bool)
+  allowed[0, [3, 700]] = True  # two tokens, in different blocks
+  allowed[1, 999] = True  # only the last token, in a partial block
+  allowed[2, 0] = True  # only the first
+  allowed[3, 250:260] = True  # across a block boundary
+  allowed[4] = rng.random(vocab) < 0.5
+  allowed[5, ::256] = True  # one per block
+  masked = jnp.asarray(np.where(allowed, logits, -np.inf))
+  for u in (1e-30, 1e-7, 0.5, 1.0 - 1e-7, 1.0):
+    tok, logp = decode.sample_token(masked, jnp.full((6,), u, jnp.float32), 1.0, 1.0, SAMPLED)
+    tok = np.asarray(tok)
+    assert allowed[np.arange(6), tok].all(), (u, tok)
+    assert np.isfinite(np.asarray(logp)).all()
+  # u = 1 reaches the end of the CDF: the last allowed token.
+  tok, _ = decode.sample_token(masked, jnp.ones((6,), jnp.float32), 1.0, 1.0, SAMPLED)
+  last = vocab - 1 - np.argmax(allowed[:, ::-1], axis=-1)
+  np.testing.assert_array_equal(np.asarray(tok), last)
+
+
+def test_empirical_distribution_matches_softmax_over_blocks():
+  vocab = 600  # three blocks, the last one partial
+  logits = jnp.asarray(np.random.default_rng(1).standard_normal(vocab) * 2, jnp.float32)
+  u = 1.0 - jax.random.uniform(jax.random.key(0), (20000,))
+  tok, _ = jax.jit(lambda u: decode.sample_token(
+      jnp.broadcast_to(logits, (u.shape[0], vocab)), u, 0.7, 1.0, SAMPLED))(u)
+  counts = np.bincount(np.asarray(tok), minlength=vocab)
+  p = np.asarray(jax.nn.softmax(logits / 0.7))
+  # Mass per block and for the 20 likeliest tokens, within 5 standard errors.
+  groups = [slice(0, 256), slice(256, 512), slice(512, vocab)]
+  groups += [slice(int(i), int(i) + 1) for i in np.argsort(-p)[:20]]
+  for g in groups:
+    q = p[g].sum()
+    se = np.sqrt(q * (1 - q) / u.shape[0])
+    assert abs(counts[g].sum() / u.shape[0] - q) < 5 * se + 1e-4, (g, counts[g].sum(), q)
