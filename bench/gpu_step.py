@@ -12,7 +12,9 @@ per-layer remat, the fp32 lm head in chunks. For every (model, length) it prints
     positions of a batch whose rows are all real tokens;
   * model TFLOP/s: 6 x (dense matmul FLOPs + causal attention, half of T x T)
     per token, nothing for recomputation; MFU against the H100's 989 TFLOP/s
-    dense bf16 spec and against a bf16 matmul measured in this run;
+    dense bf16 spec and against a bf16 matmul measured in this run; beside it
+    the MFU of PaLM's formula (Chowdhery et al. 2022, App. B: attention over
+    all T x T), the convention most published MFU figures use;
   * peak device memory (``memory_stats``: the process's peak so far, so the
     first shape of a run is the clean figure for that shape; the compiled
     figure where the backend keeps none);
@@ -76,12 +78,13 @@ def bf16_matmul_tflops(n, repeats=5):
   return 2 * n ** 3 / best_of(lambda: f(a, b).block_until_ready(), repeats)[0] / 1e12
 
 
-def model_flops(cfg: ModelConfig, B, T):
-  """Training FLOPs of one step: 3 x forward; attention counted causally (T^2 / 2)."""
+def model_flops(cfg: ModelConfig, B, T, causal=True):
+  """Training FLOPs of one step: 3 x forward. Attention scores are counted
+  causally (T^2 / 2 per head), or over all T^2 with causal=False (PaLM's MFU)."""
   D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
   NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
   dense = cfg.num_layers * (D * NH + 2 * D * KH + NH * D + 3 * D * F) + D * V
-  attn = cfg.num_layers * 2 * NH * T / 2
+  attn = cfg.num_layers * 2 * NH * (T / 2 if causal else T)
   return 3 * 2 * B * T * (dense + attn)
 
 
@@ -222,6 +225,7 @@ def main():
       B = args.batch
       batch = full_batch(B, T, cfg.vocab_size)
       flops = model_flops(cfg, B, T)
+      palm_mfu = model_flops(cfg, B, T, causal=False) / H100_BF16_TFLOPS / 1e12
       print(f"\n{name}: {cfg.num_layers} layers, d={cfg.hidden_size}; batch {B} x {T}, "
             f"micro-batch {args.micro}, remat {args.remat}, head chunk {args.chunk}, "
             f"attention {args.attention}")
@@ -233,6 +237,7 @@ def main():
       tflops = flops / j["seconds"] / 1e12
       print(f"  isojax:       {j['seconds']:.3f} s/step  {B * T / j['seconds']:,.0f} tokens/s  "
             f"{tflops:.3g} TFLOP/s = {tflops / H100_BF16_TFLOPS:.2%} MFU (spec), "
+            f"{palm_mfu / j['seconds']:.2%} by PaLM's formula, "
             f"{tflops / matmul:.1%} of matmul; peak {j['peak'] / 2**30:.1f} GiB "
             f"({j['peak_kind']}); first call {j['compile_s']:.1f} s; entropy {j['entropy']:.6f}")
       if args.no_torch:
