@@ -88,14 +88,20 @@ def _inverse_cdf(cand_BxK, u_B):
   """The index where u_B in (0, 1] meets each row's CDF of softmax(cand_BxK),
   and the rows' logsumexp; returns (idx_B, lse_B).
 
-  Two levels, so only two passes read the whole row (its max; exp summed per
-  block of CDF_BLOCK entries): a cumsum over the block sums picks the block, a
-  cumsum over that block's entries picks the index. A flat cumsum over all K
-  entries (152k for Qwen) would write and read a second [B, K] array; this is
-  the same draw up to float32 rounding at a boundary between two tokens.
+  Above CDF_BLOCK entries, two levels, so only two passes read the whole row
+  (its max; exp summed per block of CDF_BLOCK entries): a cumsum over the block
+  sums picks the block, a cumsum over that block's entries picks the index. A
+  flat cumsum over all K entries (152k for Qwen) would write and read a second
+  [B, K] array; this is the same draw up to float32 rounding at a boundary
+  between two tokens.
   """
   B, K = cand_BxK.shape
-  c = min(CDF_BLOCK, K)
+  if K <= CDF_BLOCK:  # one block: the flat CDF
+    lse_B = jax.nn.logsumexp(cand_BxK, axis=-1)
+    probs_BxK = jnp.exp(cand_BxK - lse_B[:, None])
+    cdf_BxK = jnp.cumsum(probs_BxK, axis=-1)
+    return _first_eligible(cdf_BxK, u_B * cdf_BxK[:, -1], probs_BxK), lse_B
+  c = CDF_BLOCK
   m_B = jnp.max(cand_BxK, axis=-1)
   e_BxK = jnp.exp(cand_BxK - m_B[:, None])  # 0 where cand is -inf (filtered)
   e_BxJxC = jnp.pad(e_BxK, ((0, 0), (0, -K % c))).reshape(B, -1, c)

@@ -37,17 +37,17 @@ def test_draws_equal_the_float64_inverse_cdf(vocab):
   np.testing.assert_allclose(np.asarray(logp), z[np.arange(512), tok] - lse, atol=1e-5)
 
 
-def test_filtered_tokens_are_never_drawn_even_at_the_ends_of_u():
-  vocab = 1000
+@pytest.mark.parametrize("vocab", [100, 1000])  # one block; several, the last partial
+def test_filtered_tokens_are_never_drawn_even_at_the_ends_of_u(vocab):
   rng = np.random.default_rng(0)
   logits = rng.standard_normal((6, vocab)).astype(np.float32)
   allowed = np.zeros((6, vocab), bool)
-  allowed[0, [3, 700]] = True  # two tokens, in different blocks
-  allowed[1, 999] = True  # only the last token, in a partial block
+  allowed[0, [3, vocab * 7 // 10]] = True  # two tokens, in different blocks
+  allowed[1, vocab - 1] = True  # only the last token
   allowed[2, 0] = True  # only the first
-  allowed[3, 250:260] = True  # across a block boundary
+  allowed[3, vocab // 4 - 5:vocab // 4 + 5] = True  # across a block boundary (1000)
   allowed[4] = rng.random(vocab) < 0.5
-  allowed[5, ::256] = True  # one per block
+  allowed[5, ::37] = True
   masked = jnp.asarray(np.where(allowed, logits, -np.inf))
   for u in (1e-30, 1e-7, 0.5, 1.0 - 1e-7, 1.0):
     tok, logp = decode.sample_token(masked, jnp.full((6,), u, jnp.float32), 1.0, 1.0, SAMPLED)
