@@ -68,8 +68,15 @@ class Out(NamedTuple):
   stopped_P: jax.Array  # a stop / EOS token ended the pair
 
 
-# Vocabulary entries per block of the two-level inverse CDF (see `_inverse_cdf`).
+# Most vocabulary entries per block of the two-level inverse CDF (`_inverse_cdf`).
 CDF_BLOCK = 256
+
+
+def _cdf_block(K: int) -> int | None:
+  """The largest divisor of K in [CDF_BLOCK / 4, CDF_BLOCK] (128 for Qwen's
+  151,936 entries, 256 for Llama 3's 128,256), or None: blocks that tile the
+  row exactly are a reshape, not a padded copy of it."""
+  return next((c for c in range(CDF_BLOCK, CDF_BLOCK // 4 - 1, -1) if K % c == 0), None)
 
 
 def _first_eligible(cdf_BxK, x_B, prob_BxK):
@@ -89,29 +96,30 @@ def _inverse_cdf(cand_BxK, u_B):
   and the rows' logsumexp; returns (idx_B, lse_B).
 
   Above CDF_BLOCK entries, two levels, so only two passes read the whole row
-  (its max; exp summed per block of CDF_BLOCK entries): a cumsum over the block
-  sums picks the block, a cumsum over that block's entries picks the index. A
-  flat cumsum over all K entries (152k for Qwen) would write and read a second
-  [B, K] array; this is the same draw up to float32 rounding at a boundary
-  between two tokens.
+  (its max; exp summed per block of `_cdf_block(K)` entries): a cumsum over the
+  block sums picks the block, a cumsum over that block's entries picks the
+  index. A flat cumsum over all K entries (152k for Qwen) writes and reads a
+  second [B, K] array and, on XLA:CPU, runs 14x slower at 512 rows; this is the
+  same draw up to float32 rounding at a boundary between two tokens.
   """
   B, K = cand_BxK.shape
-  if K <= CDF_BLOCK:  # one block: the flat CDF
+  c = _cdf_block(K)
+  if K <= CDF_BLOCK or c is None:  # one block, or no block tiles the row: flat
     lse_B = jax.nn.logsumexp(cand_BxK, axis=-1)
     probs_BxK = jnp.exp(cand_BxK - lse_B[:, None])
     cdf_BxK = jnp.cumsum(probs_BxK, axis=-1)
     return _first_eligible(cdf_BxK, u_B * cdf_BxK[:, -1], probs_BxK), lse_B
-  c = CDF_BLOCK
   m_B = jnp.max(cand_BxK, axis=-1)
-  e_BxK = jnp.exp(cand_BxK - m_B[:, None])  # 0 where cand is -inf (filtered)
-  e_BxJxC = jnp.pad(e_BxK, ((0, 0), (0, -K % c))).reshape(B, -1, c)
-  mass_BxJ = jnp.sum(e_BxJxC, axis=-1)
+  mass_BxJ = jnp.sum(jnp.exp(cand_BxK.reshape(B, -1, c) - m_B[:, None, None]), axis=-1)
   upto_BxJ = jnp.cumsum(mass_BxJ, axis=-1)
   total_B = upto_BxJ[:, -1]
   x_B = u_B * total_B
   j_B = _first_eligible(upto_BxJ, x_B, mass_BxJ)
   take = lambda a, i: jnp.take_along_axis(a, i[:, None], axis=1)[:, 0]
-  e_BxC = jnp.take_along_axis(e_BxJxC, j_B[:, None, None], axis=1)[:, 0]
+  # The chosen block's exps are recomputed from its logits: no [B, K] array of
+  # exps with two readers, which XLA would write out.
+  e_BxC = jnp.exp(jnp.take_along_axis(cand_BxK, j_B[:, None] * c + jnp.arange(c), axis=1)
+                  - m_B[:, None])
   rest_B = x_B - (take(upto_BxJ, j_B) - take(mass_BxJ, j_B))
   k_B = _first_eligible(jnp.cumsum(e_BxC, axis=-1), rest_B, e_BxC)
   return j_B * c + k_B, m_B + jnp.log(total_B)

@@ -20,24 +20,27 @@ def reference_draw(logits_BxV, u_B):
   return tok, cdf
 
 
-@pytest.mark.parametrize("vocab", [7, 256, 1000, 4099])
-def test_draws_equal_the_float64_inverse_cdf(vocab):
+# Flat CDF: one block (7, 256), no block tiles the row (4099 is prime). Two
+# levels: blocks of 250 (1000) and of 128 (Qwen's 151,936).
+@pytest.mark.parametrize("vocab,rows", [(7, 512), (256, 512), (4099, 512), (1000, 512),
+                                        (151936, 32)])
+def test_draws_equal_the_float64_inverse_cdf(vocab, rows):
   rng = np.random.default_rng(vocab)
-  logits = (rng.standard_normal((512, vocab)) * 3).astype(np.float32)
-  u = (1.0 - rng.random(512)).astype(np.float32)
+  logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+  u = (1.0 - rng.random(rows)).astype(np.float32)
   tok, logp = decode.sample_token(jnp.asarray(logits), jnp.asarray(u), 1.0, 1.0, SAMPLED)
   ref, cdf = reference_draw(logits, u.astype(np.float64))
-  tok = np.asarray(tok)
+  tok, r = np.asarray(tok), np.arange(rows)
   # float32 sums may put u on the other side of a boundary it nearly touches.
   off = tok != ref
-  gap = np.abs(cdf[np.arange(512), np.minimum(tok, ref)] - u)
+  gap = np.abs(cdf[r, np.minimum(tok, ref)] - u)
   assert off.sum() <= 2 and np.all(gap[off] < 1e-5), (off.sum(), gap[off])
   z = logits.astype(np.float64)
   lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
-  np.testing.assert_allclose(np.asarray(logp), z[np.arange(512), tok] - lse, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(logp), z[r, tok] - lse, atol=1e-5)
 
 
-@pytest.mark.parametrize("vocab", [100, 1000])  # one block; several, the last partial
+@pytest.mark.parametrize("vocab", [100, 1000])  # one block; four of 250
 def test_filtered_tokens_are_never_drawn_even_at_the_ends_of_u(vocab):
   rng = np.random.default_rng(0)
   logits = rng.standard_normal((6, vocab)).astype(np.float32)
@@ -61,7 +64,7 @@ def test_filtered_tokens_are_never_drawn_even_at_the_ends_of_u(vocab):
 
 
 def test_empirical_distribution_matches_softmax_over_blocks():
-  vocab = 600  # three blocks, the last one partial
+  vocab = 600  # three blocks of 200
   logits = jnp.asarray(np.random.default_rng(1).standard_normal(vocab) * 2, jnp.float32)
   u = 1.0 - jax.random.uniform(jax.random.key(0), (20000,))
   tok, _ = jax.jit(lambda u: decode.sample_token(
@@ -69,7 +72,7 @@ def test_empirical_distribution_matches_softmax_over_blocks():
   counts = np.bincount(np.asarray(tok), minlength=vocab)
   p = np.asarray(jax.nn.softmax(logits / 0.7))
   # Mass per block and for the 20 likeliest tokens, within 5 standard errors.
-  groups = [slice(0, 256), slice(256, 512), slice(512, vocab)]
+  groups = [slice(b, b + 200) for b in range(0, vocab, 200)]
   groups += [slice(int(i), int(i) + 1) for i in np.argsort(-p)[:20]]
   for g in groups:
     q = p[g].sum()
