@@ -26,7 +26,7 @@ can be several times slower than with one, which would flatter the JAX ratio. Th
 new tokens, prompt length 128, temperature 1) beside `transformers` generate, then
 the Qwen2.5-1.5B shape with 512 rollouts x 8192 new tokens inside a KV budget
 (`--kv_budget_gib`, continuous batching; `--long_prompts` x 8 rollouts; run
-once, its compilation included). Each line prints tokens/s, ms per decode
+once, its compilation included); `--shapes 1.5b` runs only the latter. Each line prints tokens/s, ms per decode
 step, the HBM-bandwidth bound from the bytes a step reads (weights + the filled
 cache blocks, `--hbm_gbps`) and the peak device memory.
 
@@ -244,6 +244,7 @@ def bench_gpu(args):
   if args.small:  # the same code path at toy sizes (e.g. on CPU)
     shapes = [("0.5b", 4, 2, 16, None), ("1.5b", 4, 2, 64, 0.0005)]
     shrink = dict(num_hidden_layers=2, vocab_size=512)
+  shapes = [shape for shape in shapes if shape[0] in args.shapes.split(",")]
   print(f"{'shape':<7}{'rollouts':>9}{'new':>6}{'rows':>6}{'s':>9}{'tok/s':>10}"
         f"{'ms/step':>9}{'bound s':>9}{'roofline':>9}{'peak GiB':>10}")
   for size, prompts_n, n, max_tokens, budget in shapes:
@@ -344,6 +345,8 @@ def main(argv=None):
   ap.add_argument("--kv_budget_gib", type=float, default=40.0)
   ap.add_argument("--profile", type=int, default=0, metavar="N",
                   help="--gpu: trace one 0.5B request, print its N costliest device ops")
+  ap.add_argument("--shapes", default="0.5b,1.5b",
+                  help="--gpu: which requests to run (0.5b: 512 x 512; 1.5b: x 8192 tokens)")
   ap.add_argument("--long_prompts", type=int, default=64,
                   help="--gpu: prompts (x n=8) of the 1.5B x 8192-token request")
   ap.add_argument("--device_gib", type=float, default=80.0)
