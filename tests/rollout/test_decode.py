@@ -78,3 +78,24 @@ def test_empirical_distribution_matches_softmax_over_blocks():
     q = p[g].sum()
     se = np.sqrt(q * (1 - q) / u.shape[0])
     assert abs(counts[g].sum() / u.shape[0] - q) < 5 * se + 1e-4, (g, counts[g].sum(), q)
+
+
+def test_top_p_over_blocks_draws_the_nucleus_with_its_logprobs():
+  vocab, top_p, num = 1000, 0.95, 8192  # a nucleus over two of the 250-blocks
+  z = np.random.default_rng(2).standard_normal(vocab).astype(np.float32) * 2
+  order = np.argsort(-z, kind="stable")
+  p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+  nucleus = order[(np.cumsum(p[order]) - p[order]) < top_p]
+  q = np.zeros(vocab)
+  q[nucleus] = p[nucleus] / p[nucleus].sum()
+  s = decode.Static(max_tokens=8, greedy=False, top_k=0, use_top_p=True)
+  u = 1.0 - jax.random.uniform(jax.random.key(1), (num,))
+  tok, logp = jax.jit(lambda u: decode.sample_token(
+      jnp.broadcast_to(jnp.asarray(z), (num, vocab)), u, 1.0, top_p, s))(u)
+  tok = np.asarray(tok)
+  assert q[tok].min() > 0, "drew a token outside the nucleus"
+  np.testing.assert_allclose(np.asarray(logp), np.log(q[tok]), atol=1e-4)
+  counts = np.bincount(tok, minlength=vocab)
+  for i in nucleus[:10]:
+    se = np.sqrt(q[i] * (1 - q[i]) / num)
+    assert abs(counts[i] / num - q[i]) < 5 * se, (i, counts[i], q[i])
