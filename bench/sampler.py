@@ -26,9 +26,10 @@ can be several times slower than with one, which would flatter the JAX ratio. Th
 new tokens, prompt length 128, temperature 1) beside `transformers` generate, then
 the Qwen2.5-1.5B shape with 512 rollouts x 8192 new tokens inside a KV budget
 (`--kv_budget_gib`, continuous batching; `--long_prompts` x 8 rollouts; run
-once, its compilation included); `--shapes 1.5b` runs only the latter. Each line prints tokens/s, ms per decode
-step, the HBM-bandwidth bound from the bytes a step reads (weights + the filled
-cache blocks, `--hbm_gbps`) and the peak device memory.
+once, its compilation included); `--shapes 1.5b` runs only the latter. Each
+line prints tokens/s, ms per decode step, the HBM-bandwidth bound from the
+bytes a step reads (weights + the filled cache blocks, `--hbm_gbps`) and the
+peak device memory.
 
 `--memory_check` compiles the 1.5B x 512 x 8192 sampler from shapes only (no
 weights) with the KV budget and prints XLA's memory analysis: what one device must
