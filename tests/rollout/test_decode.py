@@ -40,6 +40,14 @@ def test_draws_equal_the_float64_inverse_cdf(vocab, rows):
   np.testing.assert_allclose(np.asarray(logp), z[r, tok] - lse, atol=1e-5)
 
 
+def test_the_search_skips_zero_probability_entries_and_never_runs_off_the_end():
+  prob = jnp.asarray([[0.1, 0.2, 0.0, 0.3, 0.0]] * 3, jnp.float32)
+  # A float32 cumsum may rise across a zero entry (index 2) by rounding.
+  cdf = jnp.asarray([[0.1, 0.3, 0.3001, 0.6, 0.6]] * 3, jnp.float32)
+  x = jnp.asarray([0.3, 0.30005, 0.7], jnp.float32)  # reached at 1; at 2 (p = 0); never
+  np.testing.assert_array_equal(np.asarray(decode._first_eligible(cdf, x, prob)), [1, 3, 3])
+
+
 @pytest.mark.parametrize("vocab", [100, 1000])  # one block; four of 250
 def test_filtered_tokens_are_never_drawn_even_at_the_ends_of_u(vocab):
   rng = np.random.default_rng(0)
