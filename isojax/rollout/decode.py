@@ -208,10 +208,16 @@ def _emit(out: Out, live_R, pair_R, step_R, tok_R, logp_R, hit_R) -> Out:
              stopped_P=out.stopped_P.at[at_R].set(hit_R, mode="drop"))
 
 
+def next_pow2(x: int) -> int:
+  """The smallest power of two >= x (1 for x <= 1): the buckets shapes are
+  rounded to, so nearby sizes share a compilation."""
+  return 1 << max(0, int(x) - 1).bit_length()
+
+
 def admission_size(num_rows: int) -> int:
   """Entries of every admission into `num_rows` rows: the rows, to a power of two
   (padding entries admit nothing), so a request compiles one admission shape."""
-  return 1 << max(0, int(num_rows) - 1).bit_length()
+  return next_pow2(num_rows)
 
 
 def admit(graphdef, s: Static, state, rows: Rows, out: Out, prompt_QxL, mask_QxL, src_A,

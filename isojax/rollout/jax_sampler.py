@@ -60,14 +60,10 @@ _REFILL_FRACTION = 8  # with pairs waiting, decoding pauses to refill once R/8 r
 _NO_STEP_LIMIT = np.iinfo(np.int32).max  # decode_chunk None: a call decodes until it must stop
 
 
-def _next_pow2(x: int) -> int:
-  return 1 << max(0, int(x) - 1).bit_length()
-
-
 def _bucket_prompts(num_prompts: int, n: int, row_multiple: int) -> int:
   """Power-of-two prompt count, raised so that prompts * n splits evenly over
   `row_multiple` devices."""
-  q = _next_pow2(num_prompts)
+  q = decode.next_pow2(num_prompts)
   m = row_multiple // math.gcd(n, row_multiple)
   return -(-q // m) * m
 
@@ -76,7 +72,7 @@ def _read_len(cache, need: int) -> int:
   """Slots attention reads in the next chunk: a power-of-two number of blocks
   holding `need` (capped at the cache), so a long generation compiles a few
   extents and reads under twice what it must."""
-  blocks = _next_pow2(-(-need // cache.block))
+  blocks = decode.next_pow2(-(-need // cache.block))
   return min(blocks * cache.block, cache.max_len)
 
 
@@ -291,9 +287,9 @@ class JaxSampler:
                      vocab_size=self._vocab_size, max_model_len=self._max_len)
     greedy = temperature == 0
     k = 0 if (greedy or not top_k or top_k >= self._vocab_size) else int(top_k)
-    l_bucket = max(_next_pow2(max(len(p) for p in prompt_ids)), self._min_prompt_bucket)
-    cache_len = l_bucket + _next_pow2(max_tokens)
-    s = decode.Static(max_tokens=_next_pow2(max_tokens), greedy=greedy, top_k=k,
+    l_bucket = max(decode.next_pow2(max(len(p) for p in prompt_ids)), self._min_prompt_bucket)
+    cache_len = l_bucket + decode.next_pow2(max_tokens)
+    s = decode.Static(max_tokens=decode.next_pow2(max_tokens), greedy=greedy, top_k=k,
                       use_top_p=(not greedy) and top_p < 1.0,
                       cache_block=self._cache_block, rows=self._rows,
                       cache_rows=self._cache_rows)
@@ -313,7 +309,7 @@ class JaxSampler:
     # their prompt's cache, shared by its n rows. Else rows are refilled.
     lockstep = num_rows == num_pairs
     if lockstep:
-      rows, out = self._jit_empty(self._cfg, s, num_rows, _next_pow2(max_tokens), num_pairs,
+      rows, out = self._jit_empty(self._cfg, s, num_rows, decode.next_pow2(max_tokens), num_pairs,
                                   num_pairs // n, l_bucket)
     else:
       rows, out = self._jit_empty(self._cfg, s, num_rows, cache_len, num_pairs)
@@ -337,7 +333,7 @@ class JaxSampler:
       label, state = self._weights
       if take:  # else only the read extent grows, or a chunk resumes
         prompts_Q, src_A = np.unique(pair_A // n, return_inverse=True)
-        q = num_pairs // n if lockstep else _next_pow2(len(prompts_Q))
+        q = num_pairs // n if lockstep else decode.next_pow2(len(prompts_Q))
         prompts_Q = np.concatenate([prompts_Q, np.full(q - len(prompts_Q), 0)]).astype(int)
         a = decode.admission_size(num_rows)
         pad = lambda x, v: np.concatenate([x, np.full(a - take, v, x.dtype)]).astype(np.int32)
