@@ -161,6 +161,8 @@ class JaxSampler:
     if kv_budget_gib is not None and not kv_budget_gib > 0:
       raise ValueError(f"JaxSampler: kv_budget_gib={kv_budget_gib}; expected > 0 "
                        f"(or None: no budget)")
+    if int(cache_block) < 1:
+      raise ValueError(f"JaxSampler: cache_block={cache_block}; expected >= 1 slots per block")
     if decode_chunk is not None and int(decode_chunk) < 1:
       raise ValueError(f"JaxSampler: decode_chunk={decode_chunk}; expected >= 1 (or None: "
                        f"no bound)")

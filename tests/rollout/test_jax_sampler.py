@@ -377,6 +377,8 @@ def test_kv_budget_sets_the_rows(model):
                                                    temperature=0.0)
   with pytest.raises(ValueError, match="max_rows=0"):
     JaxSampler(model, max_rows=0)
+  with pytest.raises(ValueError, match="cache_block=0"):
+    JaxSampler(model, cache_block=0)
 
 
 def test_kv_budget_holding_the_lockstep_cache_decodes_every_rollout_at_once(model, sampler):
