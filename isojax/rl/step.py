@@ -180,6 +180,9 @@ def _micro_batches(rows: TrainRows, lengths: Sequence[int], n_micro: int,
 def _micro_loss_fn(graphdef, rest, loss_cfg: LossConfig, *, logits_chunk, temperature,
                    old_logp: str):
   """``(params, ref_params, rows [R, L]) -> (loss, metrics)`` of one micro-batch."""
+  if logits_chunk is not None and logits_chunk < 1:
+    raise ValueError(f"logits_chunk={logits_chunk}: expected lm-head positions per chunk "
+                     f">= 1, or None (all positions at once)")
   old_is_current = old_logp == "current"
   with_ref = loss_cfg.kl_coef > 0
   need_entropy_grad = loss_cfg.entropy_coef > 0

@@ -280,6 +280,8 @@ def test_bad_sizes():
     make_train_step(model, LOSS, SGD_LIKE, batch_size=8, group_size=3)
   with pytest.raises(ValueError, match="micro_batch_size=3 does not divide"):
     make_train_step(model, LOSS, SGD_LIKE, batch_size=8, group_size=4, micro_batch_size=3)
+  with pytest.raises(ValueError, match="logits_chunk=0"):
+    make_train_step(model, LOSS, SGD_LIKE, batch_size=8, group_size=4, logits_chunk=0)
   mesh = shd.make_mesh(data=2, fsdp=2, tensor=2)
   with pytest.raises(ValueError, match="batch shards"):
     make_train_step(model, LOSS, SGD_LIKE, batch_size=8, group_size=4, micro_batch_size=2,
