@@ -245,6 +245,12 @@ def attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, *, implementation="
     raise ValueError(f"attention implementation {implementation!r}: expected 'auto', "
                      "'xla' or 'cudnn'")
   if impl == "cudnn":
+    if jax.default_backend() != "gpu" or jnp.dtype(q_BxTxNxH.dtype).itemsize != 2:
+      # jax.nn.dot_product_attention would fail deep in its lowering instead.
+      raise ValueError(f"attention implementation 'cudnn' needs a GPU and 16-bit compute; "
+                       f"here the backend is {jax.default_backend()!r} and the compute dtype "
+                       f"{jnp.dtype(q_BxTxNxH.dtype).name}: use 'auto' (cudnn where it "
+                       f"applies) or 'xla'")
     return _fused_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, scale, "cudnn")
   if q_BxTxNxH.shape[1] > block:
     return blocked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, scale=scale,

@@ -100,6 +100,10 @@ def test_auto_picks_xla_off_gpu_and_bad_names_raise():
   q, k, v = qkv(0)
   with pytest.raises(ValueError, match="'flash'"):
     attn_lib.attention(q, k, v, jnp.ones((B, T), bool), implementation="flash")
+  # float32 is never cuDNN's (and off a GPU nothing is): a named error, not a
+  # failure deep inside jax.nn.dot_product_attention.
+  with pytest.raises(ValueError, match="'cudnn' needs a GPU and 16-bit compute"):
+    attn_lib.attention(q, k, v, jnp.ones((B, T), bool), implementation="cudnn")
 
 
 def test_decoder_on_the_blocked_path_matches_transformers(hf_dir, torch_logits, monkeypatch):
