@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax.numpy as jnp
+
 from isojax import assets, run_setup
 from isojax import budget as budget_lib
 from isojax.data.loader import check_retire_threshold
@@ -91,6 +93,7 @@ def plan_run(config) -> RunPlan:
   if config.sampler.backend not in ("jax", "vllm"):
     raise ValueError(f"config.sampler.backend={config.sampler.backend!r}; expected "
                      f"'jax' or 'vllm'")
+  _check_dtypes_and_sampler_caps(config)
   max_tokens = budget_lib.study_max_tokens(config.sampler.max_tokens, config.model.path)
   interruption_from_config(config.sampler, max_tokens=max_tokens, encode=lambda text: (
       Tokenizer.from_pretrained(run_setup.model_path(config)).encode(text)))
@@ -130,6 +133,25 @@ def plan_run(config) -> RunPlan:
                  lr=learning_rate(optim, point.batch), micro_batch=micro,
                  max_tokens=max_tokens, val_sets=tuple(val_sets), value=value,
                  critic_optim=critic_optim, off_policy_k=off_policy_k, max_lag=max_lag)
+
+
+def _check_dtypes_and_sampler_caps(config) -> None:
+  """config.model's dtypes and the in-process sampler's caps (0 = off), each by name:
+  otherwise they fail later as a bare numpy TypeError, or only once the sampler
+  is built (after a `--dry_run` said the run was fine)."""
+  for field in ("dtype", "param_dtype"):
+    name = config.model[field]
+    try:
+      floating = jnp.issubdtype(jnp.dtype(name), jnp.floating)
+    except TypeError:
+      floating = False
+    if not floating:
+      raise ValueError(f"config.model.{field}={name!r} is not a floating-point dtype name "
+                       f"(e.g. 'float32', 'bfloat16')")
+  for field in ("max_rows", "decode_chunk", "kv_budget_gib"):
+    value = config.sampler.get(field, 0)
+    if value is not None and value < 0:
+      raise ValueError(f"config.sampler.{field}={value} must be >= 0 (0: no cap)")
 
 
 def check_off_policy_k(rl) -> int:

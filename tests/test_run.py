@@ -195,6 +195,18 @@ def test_logits_chunk_reaches_the_step(monkeypatch):
     assert built["logits_chunk"] == chunk
 
 
+@pytest.mark.parametrize("field, value, match", [
+    ("model.dtype", "bf16", r"config\.model\.dtype='bf16' is not a floating-point dtype"),
+    ("model.param_dtype", "int32", r"config\.model\.param_dtype='int32' is not a floating"),
+    ("sampler.max_rows", -1, r"config\.sampler\.max_rows=-1 must be >= 0"),
+    ("sampler.decode_chunk", -2, r"config\.sampler\.decode_chunk=-2 must be >= 0"),
+    ("sampler.kv_budget_gib", -1.0, r"config\.sampler\.kv_budget_gib=-1\.0 must be >= 0"),
+])
+def test_bad_dtypes_and_sampler_caps_fail_in_the_plan(field, value, match):
+  with pytest.raises(ValueError, match=match):
+    run.plan_run(tiny_config(**{field: value}))
+
+
 def test_run_directory_layout(trained):
   workdir, last, elapsed_s = trained
   config = json.loads((workdir / "config.json").read_text())
