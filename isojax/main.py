@@ -51,6 +51,8 @@ _DRY_RUN = flags.DEFINE_bool(
     "device; trains nothing and writes no run directory.")
 _DEVICE_MEMORY_GIB = flags.DEFINE_float(
     "device_memory_gib", 80.0, "Memory of one accelerator, for --dry_run's verdict.")
+flags.register_validator("device_memory_gib", lambda gib: gib > 0,
+                         message="--device_memory_gib must be > 0 (GiB of one accelerator)")
 flags.mark_flags_as_required(["config"])
 
 

@@ -208,6 +208,9 @@ def test_drop_too_long_leaves_problems_out_with_a_count_in_the_log(caplog):
     (["--config=experiments/tiny.py:bp=abc"],
      "isojax.main: error: flag --config=experiments/tiny.py:bp=abc: Error whilst parsing "
      "config file: ValueError: config argument bp='abc': expected int, got str"),
+    (["--config=experiments/tiny.py", "--dry_run", "--device_memory_gib=0"],
+     "isojax.main: error: flag --device_memory_gib=0.0: --device_memory_gib must be > 0 "
+     "(GiB of one accelerator)"),
 ])
 def test_main_config_typos_are_one_line(tmp_path, args, expect):
   repo = pathlib.Path(__file__).resolve().parents[1]
