@@ -96,7 +96,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.path = ""       # HF directory; "" = the committed tiny base model
   c.model.dtype = "float32"        # activations
   c.model.param_dtype = "float32"  # master weights
-  c.model.remat = "none"   # per-layer remat: "none" | "full" | "dots" (True/False too)
+  c.model.remat = "none"   # per-layer remat: none | full | dots | attention (True/False too)
   c.model.attention = "auto"  # "auto" (cudnn on GPU, else xla) | "xla" | "cudnn"
   # The lm head (logits, log-probs, entropies) in float32 whatever model.dtype:
   # ScaleRL's precision fix, which matters once the trunk computes in bfloat16.

@@ -27,15 +27,17 @@ _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp
 
 # Per-layer rematerialisation: "none" keeps every activation for the backward
 # pass; "full" keeps only each layer's input and recomputes the rest; "dots" also
-# keeps the outputs of the dense (weight) matmuls, recomputing only cheap ops.
-REMAT_POLICIES = ("none", "full", "dots")
+# keeps the outputs of the dense (weight) matmuls, recomputing only cheap ops;
+# "attention" keeps what the attention kernel's backward needs (its inputs,
+# output and softmax statistics) and recomputes the rest, never attention.
+REMAT_POLICIES = ("none", "full", "dots", "attention")
 # "xla": portable (blocked above a length, see isojax.models.attention);
 # "cudnn": cuDNN's fused flash attention (GPU); "auto": cudnn on GPU, else xla.
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
 
 def as_remat(remat: Any) -> str:
-  """"none" | "full" | "dots"; True/False (and "true"/"false" from flags) = full/none."""
+  """A `REMAT_POLICIES` name; True/False (and "true"/"false" from flags) = full/none."""
   if isinstance(remat, (bool, np.bool_)):
     return "full" if remat else "none"
   if isinstance(remat, str):

@@ -80,9 +80,8 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(H, cfg)
       self.k_norm = RMSNorm(H, cfg)
 
-  def __call__(self, x_BxTxD, cos_BxTxH, sin_BxTxH, kv_valid_BxS, cache=None, layer=0,
-               index=None):
-    """Self-attention; with a cache, keys are its slots and queries start at `index`."""
+  def project(self, x_BxTxD, cos_BxTxH, sin_BxTxH):
+    """Queries [B, T, N, H] and keys, values [B, T, K, H], RoPE applied."""
     cfg, dt = self.cfg, self.cfg.dtype
     B, T, D = x_BxTxD.shape
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -96,14 +95,24 @@ class Attention(nnx.Module):
       v = v + self.v_bias[...].astype(dt)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    q, k = _rotate(q, cos_BxTxH, sin_BxTxH), _rotate(k, cos_BxTxH, sin_BxTxH)
+    return _rotate(q, cos_BxTxH, sin_BxTxH), _rotate(k, cos_BxTxH, sin_BxTxH), v
+
+  def output(self, o_BxTxNxH):
+    """The output projection of the attention result [B, T, N, H] -> [B, T, D]."""
+    B, T, N, H = o_BxTxNxH.shape
+    out = _dense(o_BxTxNxH.reshape(B * T, N * H), self.o_kernel, 2, self.cfg.dtype)
+    return out.reshape(B, T, -1)
+
+  def __call__(self, x_BxTxD, cos_BxTxH, sin_BxTxH, kv_valid_BxS, cache=None, layer=0,
+               index=None):
+    """Self-attention; with a cache, keys are its slots and queries start at `index`."""
+    q, k, v = self.project(x_BxTxD, cos_BxTxH, sin_BxTxH)
     if cache is not None:  # attends over the cache's filled blocks only
-      cache, o_NxNH = cache.attend(layer, q, k, v, index, H ** -0.5)
+      cache, o_NxNH = cache.attend(layer, q, k, v, index, self.cfg.head_dim ** -0.5)
+      o_BxTxNxH = o_NxNH.reshape(q.shape)
     else:
-      o_NxNH = attention(q, k, v, kv_valid_BxS, implementation=cfg.attention
-                         ).reshape(B * T, N * H)
-    out = _dense(o_NxNH, self.o_kernel, 2, dt)
-    return out.reshape(B, T, D), cache
+      o_BxTxNxH = attention(q, k, v, kv_valid_BxS, implementation=self.cfg.attention)
+    return self.output(o_BxTxNxH), cache
 
 
 class MLP(nnx.Module):
@@ -135,8 +144,12 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, cache=None, layer=0, index=None):
     a, cache = self.attn(self.input_norm(x_BxTxD), cos, sin, kv_valid_BxS, cache, layer,
                          index)
-    h = x_BxTxD + a
-    return h + self.mlp(self.post_attn_norm(h)), cache
+    return self.after_attention(x_BxTxD, a), cache
+
+  def after_attention(self, x_BxTxD, a_BxTxD):
+    """The layer's output from its input and its attention's (projected) output."""
+    h = x_BxTxD + a_BxTxD
+    return h + self.mlp(self.post_attn_norm(h))
 
 
 # What a rematerialised layer keeps for the backward pass besides its input.
@@ -146,16 +159,38 @@ _REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def _rematted_layer(graphdef: nnx.GraphDef, policy: str):
+def _rematted_layer(graphdef: nnx.GraphDef, policy: str, attention_impl: str):
   """A layer as a pure function of (its state, activations) under jax.checkpoint.
 
   The module is rebuilt from its state inside the checkpointed function, so no
   Variable crosses a trace level (nnx.remat over a module captured from the
   outside fails inside a jitted, scanned value_and_grad).
+
+  "attention" checkpoints the layer in two parts, before and after the
+  attention kernel, which runs outside both: its backward keeps what the
+  kernel's own VJP saves (a fused kernel's queries, keys, values, output and
+  softmax statistics; the einsum path's [T, T] probabilities), so the backward
+  pass reruns the projections and the MLP but never the attention forward.
   """
-  def forward(state, x, cos, sin, kv_valid):
-    return nnx.merge(graphdef, state)(x, cos, sin, kv_valid)[0]
-  return jax.checkpoint(forward, policy=_REMAT_POLICIES[policy])
+  if policy != "attention":
+    def forward(state, x, cos, sin, kv_valid):
+      return nnx.merge(graphdef, state)(x, cos, sin, kv_valid)[0]
+    return jax.checkpoint(forward, policy=_REMAT_POLICIES[policy])
+
+  @jax.checkpoint
+  def project(state, x, cos, sin):
+    layer = nnx.merge(graphdef, state)
+    return layer.attn.project(layer.input_norm(x), cos, sin)
+
+  @jax.checkpoint
+  def finish(state, x, o):
+    layer = nnx.merge(graphdef, state)
+    return layer.after_attention(x, layer.attn.output(o))
+
+  def split_forward(state, x, cos, sin, kv_valid):
+    q, k, v = project(state, x, cos, sin)
+    return finish(state, x, attention(q, k, v, kv_valid, implementation=attention_impl))
+  return split_forward
 
 
 def _scan_rematted_layers(layers, policy, dtype, x, cos, sin, kv_valid):
@@ -173,7 +208,7 @@ def _scan_rematted_layers(layers, policy, dtype, x, cos, sin, kv_valid):
   graphdef = nnx.graphdef(layers[0])
   states = [nnx.state(layer) for layer in layers]
   stacked = jax.tree.map(lambda *ps: jnp.stack([p.astype(dtype) for p in ps]), *states)
-  layer = _rematted_layer(graphdef, policy)
+  layer = _rematted_layer(graphdef, policy, layers[0].attn.cfg.attention)
 
   def body(x, state):
     return constrain_batch(layer(state, x, cos, sin, kv_valid)), None

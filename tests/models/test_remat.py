@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend import core as jex_core
 
 from isojax.models import Decoder, ModelConfig
 from isojax.rl import Batch, LossConfig, OptimConfig, init_train_state, make_train_step
@@ -22,7 +23,7 @@ def config(**kw):
 
 @pytest.mark.parametrize("given, expected", [
     (True, "full"), (False, "none"), ("true", "full"), ("False", "none"), ("none", "none"),
-    ("full", "full"), ("dots", "dots"), ("DOTS", "dots")])
+    ("full", "full"), ("dots", "dots"), ("DOTS", "dots"), ("attention", "attention")])
 def test_remat_values_normalise(given, expected):
   assert config(remat=given).remat == expected
   hf = config().to_hf_dict()
@@ -73,11 +74,45 @@ def test_policies_give_the_same_update():
   loss0, delta0 = one_update("none")
   scale = max(np.abs(d).max() for d in delta0)
   assert scale > 1e-3  # the update is not a no-op, so equality below means something
-  for remat in ("full", "dots"):
+  for remat in ("full", "dots", "attention"):
     loss, delta = one_update(remat)
     np.testing.assert_allclose(loss, loss0, rtol=1e-6)
     for a, b in zip(delta, delta0):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
+
+
+def batched_dots(jaxpr) -> int:
+  """dot_generals with batch dimensions in a jaxpr and its sub-jaxprs: attention's
+  (the dense projections and the lm head have none)."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == "dot_general" and bool(eqn.params["dimension_numbers"][1][0])
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, jex_core.ClosedJaxpr):
+          count += batched_dots(sub.jaxpr)
+        elif isinstance(sub, jex_core.Jaxpr):
+          count += batched_dots(sub)
+  return count
+
+
+@pytest.mark.parametrize("length", [10, 1024])  # the einsum and the blocked path
+def test_attention_policy_never_reruns_the_attention_forward(length):
+  """The gradient's attention matmuls: "full" reruns each layer's attention
+  forward in the backward pass (two more than without remat, per layer);
+  "attention" runs exactly the un-rematerialised layer's."""
+  ids = jnp.ones((2, length), jnp.int32)
+
+  def count(remat):
+    graphdef, state = nnx.split(Decoder(config(remat=remat, num_layers=2,
+                                               max_position_embeddings=length),
+                                        rngs=nnx.Rngs(0)))
+    loss = lambda state: nnx.merge(graphdef, state)(ids).sum()
+    return batched_dots(jax.make_jaxpr(jax.grad(loss))(state).jaxpr)
+
+  per_layer = count("none") // 2  # an unrolled loop of 2 layers; remat scans one body
+  assert count("attention") == per_layer
+  assert count("full") == per_layer + 2  # scores and output, recomputed
 
 
 def test_bf16_compute_scanned_layers_are_as_accurate_as_the_loop():
