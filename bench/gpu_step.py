@@ -2,6 +2,7 @@
 
     python bench/gpu_step.py                         # 0.5B, 1.5B, Qwen3-4B x 32 x {2048, 4096, 8192}
     python bench/gpu_step.py --models qwen2.5-1.5b --lengths 4096
+    python bench/gpu_step.py --models qwen2.5-1.5b --lengths 4096 --remat full,attention --no-torch
     python bench/gpu_step.py --cpu-smoke             # tiny shapes on CPU, seconds
 
 Random weights of the Qwen2.5-0.5B / 1.5B and Qwen3-4B shapes
@@ -16,8 +17,8 @@ per-layer remat, the fp32 lm head in chunks. For every (model, length) it prints
     the MFU of PaLM's formula (Chowdhery et al. 2022, App. B: attention over
     all T x T), the convention most published MFU figures use;
   * peak device memory (``memory_stats``: the process's peak so far, so the
-    first shape of a run is the clean figure for that shape; the compiled
-    figure where the backend keeps none);
+    first shape of a run is the clean figure for that shape) and XLA's
+    compiled figure for the step;
   * with --profile N, the N device ops that took most of one traced step;
   * transformers on the same weights and batch: the same GRPO clipped
     token-mean loss, autocast bf16, SDPA attention, gradient checkpointing,
@@ -32,6 +33,7 @@ runs after the compiling first call.
 """
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -100,6 +102,10 @@ def full_batch(B, T, V, seed=0):
                rewards_B=jnp.asarray(rng.integers(0, 2, B), jnp.float32))
 
 
+def peak_text(peak):
+  return "n/a" if peak is None else f"{peak / 2**30:.1f} GiB"
+
+
 def peak_bytes():
   stats = jax.local_devices()[0].memory_stats() or {}
   return stats.get("peak_bytes_in_use")
@@ -126,9 +132,8 @@ def run_isojax(cfg, batch, args):
   if args.profile:
     with tempfile.TemporaryDirectory() as tmp:
       print(device_profile.profile_call(once, tmp).table(args.profile), flush=True)
-  return model, dict(seconds=seconds, entropy=entropy, compile_s=compile_s,
-                     peak=compiled.total if peak is None else peak,
-                     peak_kind="compiled" if peak is None else "measured")
+  return model, dict(seconds=seconds, entropy=entropy, compile_s=compile_s, peak=peak,
+                     compiled=compiled.total)
 
 
 def run_transformers(path, batch, args):
@@ -197,7 +202,8 @@ def main():
   ap.add_argument("--batch", type=int, default=32)
   ap.add_argument("--micro", type=int, default=4, help="rows per micro-batch")
   ap.add_argument("--chunk", type=int, default=512, help="lm-head positions per chunk")
-  ap.add_argument("--remat", default="full", help="ModelConfig.remat")
+  ap.add_argument("--remat", default="full",
+                  help="ModelConfig.remat; comma-separated runs each (transformers once)")
   ap.add_argument("--attention", default="auto", help="ModelConfig.attention")
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--no-torch", action="store_true")
@@ -212,48 +218,48 @@ def main():
   else:
     lengths = [int(x) for x in args.lengths.split(",")]
     models = [(m, memory.model_shape(m)) for m in args.models.split(",")]
-  remat = True if args.remat in ("full", "True", "true") else args.remat
   matmul_n = 512 if args.cpu_smoke else 8192
   print(f"devices: {jax.devices()}  backend: {jax.default_backend()}")
   matmul = bf16_matmul_tflops(matmul_n)
   print(f"bf16 matmul {matmul_n}^3: {matmul:.3g} TFLOP/s "
         f"({matmul / H100_BF16_TFLOPS:.1%} of the {H100_BF16_TFLOPS:g} TFLOP/s H100 spec)")
-  for name, shape in models:
+  remats = args.remat.split(",")
+  for (name, shape), T, remat in itertools.product(models, lengths, remats):
     cfg = shape.replace(dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=remat,
                         attention=args.attention, max_position_embeddings=max(lengths))
-    for T in lengths:
-      B = args.batch
-      batch = full_batch(B, T, cfg.vocab_size)
-      flops = model_flops(cfg, B, T)
-      palm_mfu = model_flops(cfg, B, T, causal=False) / H100_BF16_TFLOPS / 1e12
-      print(f"\n{name}: {cfg.num_layers} layers, d={cfg.hidden_size}; batch {B} x {T}, "
-            f"micro-batch {args.micro}, remat {args.remat}, head chunk {args.chunk}, "
-            f"attention {args.attention}")
+    B = args.batch
+    batch = full_batch(B, T, cfg.vocab_size)
+    flops = model_flops(cfg, B, T)
+    palm_mfu = model_flops(cfg, B, T, causal=False) / H100_BF16_TFLOPS / 1e12
+    print(f"\n{name}: {cfg.num_layers} layers, d={cfg.hidden_size}; batch {B} x {T}, "
+          f"micro-batch {args.micro}, remat {cfg.remat}, head chunk {args.chunk}, "
+          f"attention {args.attention}")
+    try:
+      model, j = run_isojax(cfg, batch, args)
+    except Exception as e:  # e.g. out of memory: report it and go on
+      print(f"  isojax: failed: {type(e).__name__}: {str(e)[:300]}")
+      continue
+    tflops = flops / j["seconds"] / 1e12
+    print(f"  isojax:       {j['seconds']:.3f} s/step  {B * T / j['seconds']:,.0f} tokens/s  "
+          f"{tflops:.3g} TFLOP/s = {tflops / H100_BF16_TFLOPS:.2%} MFU (spec), "
+          f"{palm_mfu / j['seconds']:.2%} by PaLM's formula, "
+          f"{tflops / matmul:.1%} of matmul; peak {peak_text(j['peak'])} (compiled "
+          f"{j['compiled'] / 2**30:.1f} GiB); first call {j['compile_s']:.1f} s; "
+          f"entropy {j['entropy']:.6f}")
+    if args.no_torch or remat != remats[0]:  # transformers once per shape
+      continue
+    with tempfile.TemporaryDirectory() as tmp:
+      save_pretrained(model, cfg, tmp)
+      del model
       try:
-        model, j = run_isojax(cfg, batch, args)
-      except Exception as e:  # e.g. out of memory: report it and go on
-        print(f"  isojax: failed: {type(e).__name__}: {str(e)[:300]}")
+        t = run_transformers(tmp, batch, args)
+      except Exception as e:
+        print(f"  transformers: failed: {type(e).__name__}: {str(e)[:300]}")
         continue
-      tflops = flops / j["seconds"] / 1e12
-      print(f"  isojax:       {j['seconds']:.3f} s/step  {B * T / j['seconds']:,.0f} tokens/s  "
-            f"{tflops:.3g} TFLOP/s = {tflops / H100_BF16_TFLOPS:.2%} MFU (spec), "
-            f"{palm_mfu / j['seconds']:.2%} by PaLM's formula, "
-            f"{tflops / matmul:.1%} of matmul; peak {j['peak'] / 2**30:.1f} GiB "
-            f"({j['peak_kind']}); first call {j['compile_s']:.1f} s; entropy {j['entropy']:.6f}")
-      if args.no_torch:
-        continue
-      with tempfile.TemporaryDirectory() as tmp:
-        save_pretrained(model, cfg, tmp)
-        del model
-        try:
-          t = run_transformers(tmp, batch, args)
-        except Exception as e:
-          print(f"  transformers: failed: {type(e).__name__}: {str(e)[:300]}")
-          continue
-      peak = "n/a" if t["peak"] is None else f"{t['peak'] / 2**30:.1f} GiB"
-      print(f"  transformers: {t['seconds']:.3f} s/step  {B * T / t['seconds']:,.0f} tokens/s  "
-            f"{flops / t['seconds'] / 1e12:.3g} TFLOP/s; peak {peak}; entropy {t['entropy']:.6f}")
-      print(f"  isojax / transformers speed: {t['seconds'] / j['seconds']:.2f}x")
+    print(f"  transformers: {t['seconds']:.3f} s/step  {B * T / t['seconds']:,.0f} tokens/s  "
+          f"{flops / t['seconds'] / 1e12:.3g} TFLOP/s; peak {peak_text(t['peak'])}; "
+          f"entropy {t['entropy']:.6f}")
+    print(f"  isojax / transformers speed: {t['seconds'] / j['seconds']:.2f}x")
 
 
 if __name__ == "__main__":
