@@ -98,7 +98,7 @@ def test_memory_report_total_and_verdict():
 BIG = dict(dtype="bfloat16", param_dtype="float32", remat=True)
 BIG_LOSS = LossConfig(kl_coef=0.0, entropy_coef=0.0)
 
-@pytest.mark.parametrize("remat", ["none", "full"])  # a loop of layers; a scan of them
+@pytest.mark.parametrize("remat", ["none", "full", "attention"])  # a loop; scans
 def test_extrapolation_matches_a_full_compile(remat):
   cfg = tiny_config(num_layers=5, hidden_size=64, intermediate_size=128, remat=remat)
   kw = dict(batch_size=8, seq_len=64, group_size=N, micro_batch_size=4)
