@@ -2,6 +2,7 @@
 
     python bench/train_step.py            # 4 layers, d=256, 256 seqs x 256 tokens (~3 min)
     python bench/train_step.py --small    # 2 layers, d=128, 64 x 64 (under a minute)
+    python bench/train_step.py --layers 2 --seqs 8 --tokens 2048 --micro 8 --remat attention
 
 Prints
   * tokens/s of the jitted step (``isojax.rl.step``; forward, backward,
@@ -133,6 +134,7 @@ def main():
   ap.add_argument("--repeats", type=int, default=3, help="timed rounds")
   ap.add_argument("--logits-chunk", type=int, default=None,
                   help="lm-head positions per chunk (make_train_step's logits_chunk)")
+  ap.add_argument("--remat", default="none", help="ModelConfig.remat")
   ap.add_argument("--no-torch", action="store_true")
   args = ap.parse_args()
   if args.small:
@@ -142,12 +144,14 @@ def main():
   D = args.hidden
   cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=args.vocab, hidden_size=D,
                     intermediate_size=4 * D, num_layers=args.layers, num_heads=D // 64,
-                    num_kv_heads=D // 64, head_dim=64, max_position_embeddings=4 * args.tokens)
+                    num_kv_heads=D // 64, head_dim=64, max_position_embeddings=4 * args.tokens,
+                    remat=args.remat)
   B, T = args.seqs, args.tokens
   print(f"devices: {jax.devices()}  cpu cores: {os.cpu_count()}  load avg: "
         f"{os.getloadavg()[0]:.1f}")
   print(f"model: {cfg.num_layers} layers, d={D}, ff={4 * D}, heads={cfg.num_heads}, "
-        f"vocab={cfg.vocab_size}; batch {B} x {T} tokens, micro-batch {args.micro}")
+        f"vocab={cfg.vocab_size}; batch {B} x {T} tokens, micro-batch {args.micro}, "
+        f"remat {cfg.remat}")
 
   model = Decoder(cfg, rngs=nnx.Rngs(0))
   loss_cfg, optim_cfg = LossConfig(), OptimConfig()
