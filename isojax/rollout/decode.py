@@ -125,6 +125,52 @@ def _inverse_cdf(cand_BxK, u_B):
   return j_B * c + k_B, m_B + jnp.log(total_B)
 
 
+def _order_keys(x_BxV):
+  """uint32 keys ordered as the float32 values are (-0.0 and 0.0 equal)."""
+  bits = jax.lax.bitcast_convert_type(jnp.where(x_BxV == 0, 0.0, x_BxV), jnp.uint32)
+  # Negative values: every bit flipped (a larger magnitude, a smaller key); the
+  # others above all of them, by their sign bit.
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _nucleus(scaled_BxV, top_p):
+  """Per row, where the top-p nucleus of softmax(scaled_BxV) is, without a sort.
+
+  The nucleus is the shortest prefix of the tokens in descending order (ties by
+  index) whose mass reaches top_p: the tokens above a value z*, then those at
+  z* by index while the mass before each is below top_p. z* is the smallest
+  value whose mass above it is below top_p, found one bit of its order key at
+  a time: 32 masked sums over the row in place of a sort of it, 9x faster on
+  XLA:CPU at 512 x 151,936 (`bench/sample_token.py`).
+  """
+  lse_Bx1 = jax.nn.logsumexp(scaled_BxV, axis=-1, keepdims=True)
+  key_BxV = _order_keys(scaled_BxV)
+
+  def mass_above(t_B):
+    above_BxV = key_BxV > t_B[:, None]
+    return jnp.sum(jnp.where(above_BxV, jnp.exp(scaled_BxV - lse_Bx1), 0.0), axis=-1)
+
+  # The largest key whose mass above reaches top_p (a sum of more terms is never
+  # smaller, even rounded); 0 if none does (a row whose mass rounds below top_p
+  # keeps every token).
+  below_B = jnp.zeros(scaled_BxV.shape[:1], jnp.uint32)
+  for bit in reversed(range(32)):
+    trial_B = below_B | jnp.uint32(1 << bit)
+    below_B = jnp.where(mass_above(trial_B) >= top_p, trial_B, below_B)
+  z_B = below_B + 1
+  at_BxV = key_BxV == z_B[:, None]
+  count_B = jnp.sum(at_BxV, axis=-1, dtype=jnp.int32)
+  p_at_B = jnp.exp(jnp.max(jnp.where(at_BxV, scaled_BxV, -jnp.inf), axis=-1) - lse_Bx1[:, 0])
+  # Tokens at z* all have p_at: the first `take` are kept, while above + r p_at < top_p.
+  take_B = jnp.clip(jnp.ceil((top_p - mass_above(z_B)) / p_at_B), 1, count_B)
+
+  def first_ties():
+    return at_BxV & (jnp.cumsum(at_BxV, axis=-1, dtype=jnp.int32) <= take_B[:, None])
+
+  ties_BxV = jax.lax.cond(jnp.any(count_B > take_B), first_ties, lambda: at_BxV)
+  return (key_BxV > z_B[:, None]) | ties_BxV
+
+
 def sample_token(logits_BxV, u_B, temperature, top_p, s: Static):
   """Draws one token per row; returns (token_B int32, logprob_B float32).
 
@@ -140,19 +186,17 @@ def sample_token(logits_BxV, u_B, temperature, top_p, s: Static):
 
   scaled_BxV = logits_BxV / temperature
   if s.top_k:
-    # Work in the (sorted, descending) top-k space from here on: top-p then
-    # needs no full-vocabulary sort.
+    # The top-k space is sorted (descending): top-p keeps a prefix of it, the
+    # shortest whose mass reaches top_p (the first token always).
     cand_BxK, ids_BxK = jax.lax.top_k(scaled_BxV, s.top_k)
+    if s.use_top_p:
+      probs_BxK = jax.nn.softmax(cand_BxK, axis=-1)
+      mass_before_BxK = jnp.cumsum(probs_BxK, axis=-1) - probs_BxK
+      cand_BxK = jnp.where(mass_before_BxK < top_p, cand_BxK, -jnp.inf)
   elif s.use_top_p:
-    ids_BxK = jnp.argsort(-scaled_BxV, axis=-1)
-    cand_BxK = jnp.take_along_axis(scaled_BxV, ids_BxK, axis=-1)
+    cand_BxK, ids_BxK = jnp.where(_nucleus(scaled_BxV, top_p), scaled_BxV, -jnp.inf), None
   else:
     cand_BxK, ids_BxK = scaled_BxV, None
-  if s.use_top_p:
-    probs_BxK = jax.nn.softmax(cand_BxK, axis=-1)
-    mass_before_BxK = jnp.cumsum(probs_BxK, axis=-1) - probs_BxK
-    # Keep the smallest prefix whose mass reaches top_p (the first token always).
-    cand_BxK = jnp.where(mass_before_BxK < top_p, cand_BxK, -jnp.inf)
 
   idx_B, lse_B = _inverse_cdf(cand_BxK, u_B)
   logp_B = jnp.take_along_axis(cand_BxK, idx_B[:, None], axis=-1)[:, 0] - lse_B

@@ -107,3 +107,61 @@ def test_top_p_over_blocks_draws_the_nucleus_with_its_logprobs():
   for i in nucleus[:10]:
     se = np.sqrt(q[i] * (1 - q[i]) / num)
     assert abs(counts[i] / num - q[i]) < 5 * se, (i, counts[i], q[i])
+
+
+def reference_nucleus(z_BxV, top_p):
+  """Sort-based top-p in float64: descending, ties by index; keep while the mass
+  before a token is below top_p."""
+  keep = np.zeros(z_BxV.shape, bool)
+  for b, z in enumerate(z_BxV.astype(np.float64)):
+    order = np.argsort(-z, kind="stable")
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    mass_before = np.cumsum(p[order]) - p[order]
+    keep[b, order[mass_before < top_p]] = True
+  return keep
+
+
+def test_order_keys_sort_as_the_floats_do():
+  x = np.array([np.inf, 3.5, 1.0, 1e-30, 0.0, -0.0, -1e-30, -1.0, -3.5, -1e30, -np.inf],
+               np.float32)
+  keys = np.asarray(decode._order_keys(jnp.asarray(x[None])))[0]
+  assert np.all(np.diff(keys[:4].astype(np.int64)) < 0)  # descending as x is
+  assert keys[4] == keys[5]  # 0.0 and -0.0 are one value
+  assert np.all(np.diff(keys[5:].astype(np.int64)) < 0)
+
+
+@pytest.mark.parametrize("vocab,top_p", [(1000, 0.95), (1000, 0.5), (151936, 0.9),
+                                         (64, 0.999999)])
+def test_nucleus_is_the_sorted_prefix(vocab, top_p):
+  rng = np.random.default_rng(vocab)
+  z = (rng.standard_normal((16, vocab)) * rng.uniform(0.5, 6, (16, 1))).astype(np.float32)
+  z[0] = -20.0
+  z[0, 7] = 5.0  # one token holds almost all the mass: the nucleus is it alone
+  got = np.asarray(decode._nucleus(jnp.asarray(z), jnp.float32(top_p)))
+  want = reference_nucleus(z, top_p)
+  assert got[0].sum() == 1 and got[0, 7]
+  # float32 sums may move the cut by one token whose mass before nearly equals top_p.
+  for b in np.nonzero((got != want).any(-1))[0]:
+    zb = z[b].astype(np.float64)
+    p = np.exp(zb - zb.max()) / np.exp(zb - zb.max()).sum()
+    order = np.argsort(-zb, kind="stable")
+    before = dict(zip(order, np.cumsum(p[order]) - p[order]))
+    for i in np.nonzero(got[b] != want[b])[0]:
+      assert abs(before[i] - top_p) < 1e-5, (b, i, before[i])
+
+
+def test_nucleus_cuts_ties_by_index():
+  # 12 tokens tied at the top (p = 1/16 each) then 8 tied below (1/32 each): top-p
+  # 0.3 keeps the first 5 of the top tie (the mass before the 5th is 0.25, before
+  # the 6th 0.3125); 0.8 all 12 (0.75) and the first 2 of the lower tie.
+  z = np.full((3, 20), np.log(0.5), np.float32)
+  z[:, :12] = 0.0
+  z[1] = z[1, ::-1]  # the same values, so the ties' index order is reversed
+  got = np.asarray(decode._nucleus(jnp.asarray(z), jnp.float32(0.3)))
+  np.testing.assert_array_equal(got, reference_nucleus(z, 0.3))
+  assert list(np.nonzero(got[0])[0]) == [0, 1, 2, 3, 4]
+  assert list(np.nonzero(got[1])[0]) == [8, 9, 10, 11, 12]
+  got = np.asarray(decode._nucleus(jnp.asarray(z), jnp.float32(0.8)))
+  np.testing.assert_array_equal(got, reference_nucleus(z, 0.8))
+  assert list(np.nonzero(got[0])[0]) == list(range(14))
