@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import jax.numpy as jnp
-
 from isojax import assets, run_setup
 from isojax import budget as budget_lib
 from isojax.data.loader import check_retire_threshold
 from isojax.data.problem_sets import check_data_config
+from isojax.models.config import as_dtype
 from isojax.models.tokenizer import Tokenizer
 from isojax.rl import LossConfig, OptimConfig, learning_rate
 from isojax.rl.advantages import ESTIMATORS, min_group_size
@@ -140,14 +139,10 @@ def _check_dtypes_and_sampler_caps(config) -> None:
   otherwise they fail later as a bare numpy TypeError, or only once the sampler
   is built (after a `--dry_run` said the run was fine)."""
   for field in ("dtype", "param_dtype"):
-    name = config.model[field]
     try:
-      floating = jnp.issubdtype(jnp.dtype(name), jnp.floating)
-    except TypeError:
-      floating = False
-    if not floating:
-      raise ValueError(f"config.model.{field}={name!r} is not a floating-point dtype name "
-                       f"(e.g. 'float32', 'bfloat16')")
+      as_dtype(config.model[field])
+    except ValueError as e:
+      raise ValueError(f"config.model.{field}: {e}") from None
   for field in ("max_rows", "decode_chunk", "kv_budget_gib"):
     value = config.sampler.get(field, 0)
     if value is not None and value < 0:

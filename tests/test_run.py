@@ -196,8 +196,9 @@ def test_logits_chunk_reaches_the_step(monkeypatch):
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("model.dtype", "bf16", r"config\.model\.dtype='bf16' is not a floating-point dtype"),
-    ("model.param_dtype", "int32", r"config\.model\.param_dtype='int32' is not a floating"),
+    ("model.dtype", "bf16", r"config\.model\.dtype: unsupported dtype 'bf16'; expected one of "
+     r"\['bfloat16', 'float16', 'float32'\]"),
+    ("model.param_dtype", "float64", r"config\.model\.param_dtype: unsupported dtype 'float64'"),
     ("sampler.max_rows", -1, r"config\.sampler\.max_rows=-1 must be >= 0"),
     ("sampler.decode_chunk", -2, r"config\.sampler\.decode_chunk=-2 must be >= 0"),
     ("sampler.kv_budget_gib", -1.0, r"config\.sampler\.kv_budget_gib=-1\.0 must be >= 0"),
