@@ -45,6 +45,17 @@ def test_fsdp_step_equals_unsharded(model, unsharded, data, fsdp, micro):
   assert len(fsdp_split(new.opt_state)) == 2 * len(weights)
 
 
+def test_fsdp_step_with_attention_remat_equals_unsharded(unsharded):
+  """remat='attention' (attention outside the layer's two checkpoints) under FSDP
+  gives the unsharded update without remat."""
+  model = Decoder(tiny_config(remat="attention"), rngs=nnx.Rngs(0))
+  delta0, m0, _ = unsharded
+  delta, m, _ = run(model, micro=8, mesh=shd.make_mesh(data=2, fsdp=4, tensor=1))
+  assert_trees_close(delta, delta0, atol=1e-5)
+  for k in m0:
+    np.testing.assert_allclose(m[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 def test_fsdp_divides_state_and_activation_memory():
   """Per-device state ~ 1/8, and temporaries ~ 1/8 (activations stay batch-split)."""
   cfg = tiny_config(hidden_size=64, intermediate_size=128, num_layers=2)
