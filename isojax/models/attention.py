@@ -36,13 +36,16 @@ _MASKED = float(jnp.finfo(jnp.float32).min)
 BLOCK = 512
 
 
+def _cudnn_applies(dtype) -> bool:
+  """cuDNN's fused attention runs here: a GPU backend and 16-bit compute."""
+  return jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
+
+
 def resolve_implementation(implementation: str, dtype) -> str:
   """"auto" -> "cudnn" on GPU for 16-bit compute, else "xla"; others unchanged."""
   if implementation != "auto":
     return implementation
-  if jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2:
-    return "cudnn"
-  return "xla"
+  return "cudnn" if _cudnn_applies(dtype) else "xla"
 
 
 def _visible(q_slot_T, s_slot_S, kv_valid_BxS):
@@ -245,7 +248,7 @@ def attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, *, implementation="
     raise ValueError(f"attention implementation {implementation!r}: expected 'auto', "
                      "'xla' or 'cudnn'")
   if impl == "cudnn":
-    if jax.default_backend() != "gpu" or jnp.dtype(q_BxTxNxH.dtype).itemsize != 2:
+    if not _cudnn_applies(q_BxTxNxH.dtype):
       # jax.nn.dot_product_attention would fail deep in its lowering instead.
       raise ValueError(f"attention implementation 'cudnn' needs a GPU and 16-bit compute; "
                        f"here the backend is {jax.default_backend()!r} and the compute dtype "
