@@ -193,7 +193,7 @@ def _rematted_layer(graphdef: nnx.GraphDef, policy: str, attention_impl: str):
   return split_forward
 
 
-def _scan_rematted_layers(layers, policy, dtype, x, cos, sin, kv_valid):
+def _scan_rematted_layers(layers, cfg: ModelConfig, x, cos, sin, kv_valid):
   """All layers under one lax.scan over their stacked states, each rematerialised.
 
   jax.checkpoint alone says what to keep, not when to recompute: in an unrolled
@@ -207,8 +207,8 @@ def _scan_rematted_layers(layers, policy, dtype, x, cos, sin, kv_valid):
   """
   graphdef = nnx.graphdef(layers[0])
   states = [nnx.state(layer) for layer in layers]
-  stacked = jax.tree.map(lambda *ps: jnp.stack([p.astype(dtype) for p in ps]), *states)
-  layer = _rematted_layer(graphdef, policy, layers[0].attn.cfg.attention)
+  stacked = jax.tree.map(lambda *ps: jnp.stack([p.astype(cfg.dtype) for p in ps]), *states)
+  layer = _rematted_layer(graphdef, cfg.remat, cfg.attention)
 
   def body(x, state):
     return constrain_batch(layer(state, x, cos, sin, kv_valid)), None
@@ -255,8 +255,7 @@ class Decoder(nnx.Module):
       for layer in self.layers:
         x = constrain_batch(layer(x, cos, sin, mask_BxT)[0])
     else:
-      x = _scan_rematted_layers(list(self.layers), self.cfg.remat, self.cfg.dtype, x, cos,
-                                sin, mask_BxT)
+      x = _scan_rematted_layers(list(self.layers), self.cfg, x, cos, sin, mask_BxT)
     return self.norm(x)
 
   def lm_head_weight(self) -> tuple[jax.Array, int, object]:
