@@ -5,9 +5,11 @@ points of each run, fit one monotone sigmoid per configuration to the union of i
 runs' records, and take the upper envelope of the fitted curves over a log-spaced
 compute grid. The configuration attaining the envelope at C gives n*(C).
 
-A fitted curve is only used where its data are: at compute between its first and last
-point, unless the caller asks for extrapolation, and then every grid point that relies
-on extrapolation is marked.
+A fitted curve is only evaluated where its data are, between its first and last point
+(further only when the caller asks for extrapolation, and then every grid point that
+relies on it is marked). Past that it is held at its last value: the frontier at C is
+the best reward achievable with compute <= C (§4), and a run that reached a reward
+earlier has achieved it within any larger budget.
 """
 
 from __future__ import annotations
@@ -120,8 +122,8 @@ class Frontier:
     winner: index into `keys` of the attaining curve (-1 where undefined).
     extrapolated: True where the attaining curve is used beyond its last data point.
     keys: the curve keys, sorted.
-    curves: reward of each curve per grid point, shape (len(keys), G); NaN where a
-      curve is not allowed (outside its data, unless extrapolation was asked for).
+    curves: reward of each curve per grid point, shape (len(keys), G): NaN below its
+      first data point, held at its last allowed value beyond its reach.
   """
 
   compute: np.ndarray
@@ -161,9 +163,10 @@ def frontier(fits: Mapping[Hashable, fits_lib.SigmoidFit], compute_grid=None, *,
   Args:
     fits: curve key (n, or (bp, n)) -> SigmoidFit.
     compute_grid: compute values (> 0); default a 200-point log grid over the data.
-    extrapolate: a curve may be used up to `extrapolate` x its last data point
-      (1.0: never beyond its data; math.inf: anywhere above its first point).
-      Grid points that need it are marked in `Frontier.extrapolated`.
+    extrapolate: a curve is evaluated up to `extrapolate` x its last data point
+      (1.0: never beyond its data; math.inf: anywhere above its first point) and
+      held at that value further on. Grid points whose winner relies on an
+      evaluation beyond its data are marked in `Frontier.extrapolated`.
     tie_tol: 0 (default, the paper) gives the upper envelope. An explicit option:
       curves within tie_tol of the best count as tied and a tie goes to the smallest
       n (then the smallest key). Beware: it moves n* towards small n wherever curves
@@ -186,9 +189,12 @@ def frontier(fits: Mapping[Hashable, fits_lib.SigmoidFit], compute_grid=None, *,
   rel = 1e-9  # grid end points computed by geomspace may miss the data range by ulps
   for i, k in enumerate(keys):
     lo, hi = fits[k].compute_range
-    ok = (grid >= lo * (1 - rel)) & (grid <= hi * extrapolate * (1 + rel))
-    curves[i, ok] = fits[k].predict(grid[ok])
-    beyond[i] = ok & (grid > hi * (1 + rel))
+    ok = grid >= lo * (1 - rel)
+    # Runs of one budget end at slightly different compute (M = floor(C / (Bp n))),
+    # and some end early: without the hold, the envelope near a curve's end would
+    # be decided by which runs happened to end last.
+    curves[i, ok] = fits[k].predict(np.minimum(grid[ok], hi * extrapolate))
+    beyond[i] = ok & (grid > hi * (1 + rel)) & (extrapolate > 1.0)
   if not tie_tol >= 0:
     raise ValueError(f"frontier: tie_tol must be >= 0, got {tie_tol}")
   filled = np.where(np.isfinite(curves), curves, -np.inf)

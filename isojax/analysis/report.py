@@ -344,8 +344,9 @@ def _procedure_md(analysis: Analysis) -> str:
          if o.law_points == "running_average" else
          "the compute where the frontier enters each higher reward bin (Fig. 15)")
   return (f"Procedure: record-breaking points per run (reward bin {o.bin_width:g}); one "
-          f"sigmoid per configuration on the union of its runs' records; frontier = "
-          f"{tie}; n*(C) law fitted to {law}.")
+          f"sigmoid per configuration on the union of its runs' records, held at its "
+          f"last evaluation's value beyond it; frontier = {tie}; n*(C) law fitted to "
+          f"{law}.")
 
 
 def report_markdown(analysis: Analysis, figures=()) -> str:

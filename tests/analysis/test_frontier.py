@@ -16,13 +16,14 @@ METRIC = "val/avg@4"
 
 
 def true_envelope(fits, grid):
-  """The envelope of the TRUE curves, each allowed where its fit has data."""
+  """The envelope of the TRUE curves, each from its fit's first data point on and
+  held at its value at the last one (the best reward reached with compute <= C)."""
   curves = np.full((len(fits), grid.size), -np.inf)
   keys = sorted(fits)
   for i, n in enumerate(keys):
     lo, hi = fits[n].compute_range
-    ok = (grid >= lo * (1 - 1e-9)) & (grid <= hi * (1 + 1e-9))
-    curves[i, ok] = fake_runs.sigmoid(grid[ok], **fake_runs.TRUE_PARAMS[n])
+    ok = grid >= lo * (1 - 1e-9)
+    curves[i, ok] = fake_runs.sigmoid(np.minimum(grid[ok], hi), **fake_runs.TRUE_PARAMS[n])
   order = np.sort(curves, axis=0)
   return order[-1], order[-2], np.array(keys)[np.argmax(curves, axis=0)]
 
@@ -83,22 +84,50 @@ def test_frontier_does_not_depend_on_mapping_or_run_order(noisy_sweep):
   np.testing.assert_array_equal(f1.n_star, f2.n_star)
 
 
-def test_curves_are_not_used_beyond_their_data():
+def test_a_curve_is_held_at_its_last_value_beyond_its_data():
+  # n=4 rises fast but its runs stop at C=1e3; n=64 overtakes what n=4 reached only
+  # at C ~ 5.9e4. A reward reached at 1e3 is achievable within any larger budget
+  # (§4), so n=4 stays n* until then and the frontier never drops.
   c1, c2 = np.geomspace(10, 1e3, 12), np.geomspace(100, 1e5, 12)
   fits = {4: fit_sigmoid(c1, fake_runs.sigmoid(c1, 0.9, 1, 100, 0.1)),
-          64: fit_sigmoid(c2, fake_runs.sigmoid(c2, 0.5, 1, 1e4, 0.1))}
+          64: fit_sigmoid(c2, fake_runs.sigmoid(c2, 0.95, 1, 1e4, 0.1))}
   grid = np.geomspace(10, 1e5, 50)
   fr = frontier(fits, grid)
-  # n=4 is far better wherever it exists, but it has no data past C=1e3.
-  assert np.all(fr.n_star[grid <= 1e3] == 4)
-  assert np.all(fr.n_star[grid > 1.001e3] == 64)
-  assert not fr.extrapolated.any()
+  held4 = np.where(grid >= 10, fake_runs.sigmoid(np.minimum(grid, 1e3), 0.9, 1, 100, 0.1),
+                   np.nan)
+  only64 = np.where(grid >= 100, fake_runs.sigmoid(grid, 0.95, 1, 1e4, 0.1), -np.inf)
+  np.testing.assert_allclose(fr.reward, np.maximum(held4, only64), atol=1e-9)
+  assert np.array_equal(fr.n_star, np.where(only64 > held4, 64, 4))
+  assert fr.n_star[grid < 5e4].tolist() == [4] * int((grid < 5e4).sum())
+  assert set(fr.n_star[grid > 7e4]) == {64}
+  assert np.all(np.diff(fr.reward) >= 0) and not fr.extrapolated.any()
+  # Extrapolated, n=4 keeps rising past its data and wins everywhere, marked.
   fx = frontier(fits, grid, extrapolate=math.inf)
   assert np.all(fx.n_star == 4)
   assert np.array_equal(fx.extrapolated, grid > 1e3 * (1 + 1e-9))
+  # Allowed up to 10x its data, it is held from there on: still marked.
+  f10 = frontier(fits, grid, extrapolate=10.0)
+  np.testing.assert_allclose(
+      f10.curves[0][grid > 1e4], fake_runs.sigmoid(1e4, 0.9, 1, 100, 0.1), rtol=1e-9)
+  assert np.array_equal(f10.extrapolated, (grid > 1e3 * (1 + 1e-9)) & (f10.n_star == 4))
   # Nothing fitted below C=10: undefined there, not invented.
   fu = frontier(fits, [1.0, 50.0])
   assert fu.winner[0] == -1 and math.isnan(fu.reward[0]) and fu.n_star[1] == 4
+
+
+def test_runs_ending_a_few_rollouts_apart_do_not_decide_the_last_n_star(tmp_path):
+  # A budget of 1e6 rollouts at Bp = 8: M = floor(1e6 / (8 n)) ends the runs of
+  # n = 4 and 8 at exactly 1e6, those of n = 16..64 at 999,936. The last grid point
+  # lies past the larger n's last evaluations: only the held curves let n = 64, the
+  # best there by 0.11, take it.
+  fake_runs.make_sweep(tmp_path, configs=fake_runs.bp8_configs(), budget=1_000_000,
+                       n_evals=60)
+  curves = fit_curves(read_runs(tmp_path).runs, metric=METRIC)
+  assert len({f.compute_range[1] for f in curves.fits.values()}) > 1
+  fr = frontier(curves.fits)
+  best, _, argbest = true_envelope(curves.fits, fr.compute)
+  np.testing.assert_allclose(fr.reward, best, atol=1e-6)
+  assert fr.n_star[-1] == argbest[-1] == 64 and np.all(np.diff(fr.reward) >= -1e-12)
 
 
 def test_a_lead_of_0_004_makes_n_star_by_default(tmp_path):
