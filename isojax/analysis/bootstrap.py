@@ -20,7 +20,8 @@ class Interval:
   Attributes:
     estimate: fn on the original runs.
     low, high: percentiles (100-level)/2 and 100-(100-level)/2 of the resamples.
-    n_ok: resamples in which fn returned a finite value for this quantity.
+    n_ok: resamples in which fn returned a value (finite or infinite, not NaN) for
+      this quantity.
   """
 
   estimate: float
@@ -54,6 +55,29 @@ class BootstrapResult:
     return self.intervals[name]
 
 
+def _percentiles(values, qs) -> list[float]:
+  """NumPy's (linear) percentiles, where infinite values are allowed.
+
+  Interpolating towards an infinite value gives that value (its limit); NumPy's
+  percentile gives NaN there, which would hide an unbounded interval.
+  """
+  v = np.sort(np.asarray(values, dtype=np.float64))
+  if np.all(np.isfinite(v)):
+    return [float(x) for x in np.percentile(v, qs)]
+  out = []
+  for q in qs:
+    h = (v.size - 1) * q / 100
+    i = math.floor(h)
+    a, b = v[i], v[min(i + 1, v.size - 1)]
+    if h == i or a == b:
+      out.append(float(a))
+    elif a == -math.inf:
+      out.append(math.nan if b == math.inf else -math.inf)
+    else:
+      out.append(math.inf if b == math.inf else float(a + (h - i) * (b - a)))
+  return out
+
+
 def _as_dict(value) -> dict[str, float]:
   if isinstance(value, Mapping):
     return {str(k): float(v) for k, v in value.items()}
@@ -66,8 +90,9 @@ def bootstrap(runs: Sequence, fn: Callable, *, n_boot: int = 200, seed: int = 0,
 
   Args:
     runs: the runs (their order does not matter: they are sorted by name first).
-    fn: runs -> float, or runs -> {name: float}. Missing or non-finite names in a
-      resample are not counted for that name; a ValueError counts the resample failed.
+    fn: runs -> float, or runs -> {name: float}. Names missing or NaN in a resample
+      are not counted for that name; infinite values are (an unbounded estimate
+      makes an unbounded interval). A ValueError counts the resample failed.
     n_boot: number of resamples.
     seed: seed of NumPy's generator: the same inputs give the same intervals.
     level: coverage of the interval, in (0, 1).
@@ -101,12 +126,12 @@ def bootstrap(runs: Sequence, fn: Callable, *, n_boot: int = 200, seed: int = 0,
       failed += 1
       continue
     for name, v in out.items():
-      if math.isfinite(v):
+      if not math.isnan(v):
         samples.setdefault(name, []).append(v)
   tail = 100 * (1 - level) / 2
   intervals = {}
   for name, vals in samples.items():
-    lo, hi = (np.percentile(vals, [tail, 100 - tail]) if vals else (math.nan,) * 2)
+    lo, hi = _percentiles(vals, [tail, 100 - tail]) if vals else (math.nan,) * 2
     intervals[name] = Interval(estimate=estimate.get(name, math.nan), low=float(lo),
                                high=float(hi), n_ok=len(vals))
   return BootstrapResult(intervals=intervals, n_boot=n_boot, n_failed=failed,

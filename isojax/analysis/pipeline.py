@@ -326,11 +326,7 @@ def analyze_group(runs, *, metric: str, difficulty=None,
       replicated = len({r.config_key for r in runs}) < len(runs)
       intervals = bootstrap(runs, fn, n_boot=n_boot, seed=seed,
                             strata=(lambda r: r.config_key) if replicated else None)
-    n_star_intervals = {}
-    for c in budgets:
-      iv = intervals.intervals.get(f"n_star@{c:g}") if intervals is not None else None
-      if iv is not None and iv.n_ok > 0:
-        n_star_intervals[c] = (iv.low, iv.high)
+    n_star_intervals = {c: rx.n_star_interval(intervals, c) for c in budgets}
     prescriptions = rx.prescribe(choice, budgets, b_max=_b_max(runs),
                                  intervals=n_star_intervals)
   elif primary is not None:

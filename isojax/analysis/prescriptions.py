@@ -56,7 +56,7 @@ class Prescription:
     budget: the rollout budget C.
     point: the isojax.budget.BudgetPoint, or None (infeasible or refused).
     n_star: the law's unrounded n* at `budget`.
-    extrapolated: the budget lies beyond the data the law was fitted on.
+    extrapolated: the budget lies outside the compute range the law was fitted on.
     note: why `point` is None, or a caveat.
     law: the label of the law used ("joint", "bp=32").
     interval: (low, high) bootstrap interval of n* at `budget`, when computed.
@@ -162,6 +162,20 @@ def default_budgets(law: fits_lib.NStarFit) -> list[float]:
                                   hi, 10 * hi)]
 
 
+def n_star_interval(boot, budget: float) -> tuple[float, float] | None:
+  """The bootstrap interval of n* at `budget` (None without one), as judged here.
+
+  A resample in which no law could be fitted could have put n* anywhere: once
+  they outnumber the interval's upper tail, its upper end is unknown (inf), and an
+  extrapolation from it is refused.
+  """
+  iv = boot.intervals.get(f"n_star@{budget:g}") if boot is not None else None
+  if iv is None or iv.n_ok == 0:
+    return None
+  unknown, tail = boot.n_boot - iv.n_ok, boot.n_boot * (1 - boot.level) / 2
+  return iv.low, math.inf if unknown > tail + 1e-9 else iv.high
+
+
 def _refusal(interval, max_spread: float) -> str:
   """Why an extrapolation with this n* interval is refused ("" when it is not)."""
   if interval is None:
@@ -182,14 +196,16 @@ def prescribe(choice: LawChoice, budgets, *, b_max=None, intervals=None,
     choice: the law and Bp (`choose_law`).
     budgets: rollout budgets.
     b_max: the largest batch Bp * n the hardware takes, if known.
-    intervals: budget -> (low, high) bootstrap interval of n*, when computed.
+    intervals: budget -> (low, high) bootstrap interval of n* (`n_star_interval`),
+      or None, when computed.
     max_spread: refuse an extrapolation whose n* interval spans more than this.
   """
   intervals = intervals or {}
   out = []
   for c in budgets:
     n_pred = float(choice.law.predict(c))
-    extrapolated = c > choice.law.compute_range[1] * (1 + 1e-9)
+    lo, hi = choice.law.compute_range
+    extrapolated = not lo * (1 - 1e-9) <= c <= hi * (1 + 1e-9)
     interval = intervals.get(c)
     common = dict(budget=c, n_star=n_pred, extrapolated=extrapolated, law=choice.label,
                   interval=interval)

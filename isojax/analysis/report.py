@@ -283,7 +283,7 @@ def _prescriptions_md(g: GroupAnalysis) -> list[str]:
          "| budget C | n* (law) | n | Bp | M | C used | note |",
          "|---|---|---|---|---|---|---|"]
   for pr in g.prescriptions:
-    note = "; ".join(x for x in ("extrapolated beyond the data"
+    note = "; ".join(x for x in ("extrapolated outside the data"
                                  if pr.extrapolated else "", pr.note) if x)
     pt = pr.point
     cells = ([str(pt.n), str(pt.bp), str(pt.m), str(pt.compute)] if pt else

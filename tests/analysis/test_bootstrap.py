@@ -81,3 +81,31 @@ def test_errors():
     bootstrap([FakeRun("a", (1.0,))], mean_of_points, n_boot=0)
   with pytest.raises(ValueError, match="level"):
     bootstrap([FakeRun("a", (1.0,))], mean_of_points, level=1.5)
+
+
+def test_infinite_values_make_an_unbounded_interval():
+  # n* from a law can overflow to inf in some resamples: that is an unbounded
+  # estimate, and dropping it would leave a finite interval.
+  runs = [FakeRun(f"r{i}", (v,)) for i, v in enumerate([32.0, 64.0, 128.0] + [np.inf] * 3)]
+  res = bootstrap(runs, lambda rs: max(r.values[0] for r in rs), n_boot=200, seed=0)
+  assert res["value"].n_ok == 200 and res["value"].high == np.inf
+  assert res["value"].low in (64.0, 128.0, np.inf)
+  # NaN is still "no value" for that resample.
+  nan = bootstrap(runs, lambda rs: np.nan if len({r.name for r in rs}) < 4 else 1.0,
+                  n_boot=50, seed=0)
+  assert 0 < nan["value"].n_ok < 50
+
+
+@pytest.mark.parametrize("values", [[1.0, 2.0, 3.0, np.inf], [-np.inf, 1.0, 2.0, 3.0],
+                                    [1.0, np.inf, np.inf, np.inf], [-np.inf, 2.0, 2.0, 5.0]])
+def test_percentiles_with_infinite_values_are_numpys_limits(values):
+  from isojax.analysis.bootstrap import _percentiles
+  qs = [0, 5, 50, 95, 100]
+  got = _percentiles(values, qs)
+  big = 1e300  # NumPy's linear percentile on a stand-in finite value, then its limit
+  finite = np.clip(values, -big, big)
+  for q, g in zip(qs, got):
+    want = np.percentile(finite, q)
+    want = np.inf if want > 1e299 else -np.inf if want < -1e299 else want
+    assert g == pytest.approx(want, rel=1e-12), (values, q)
+  assert _percentiles([3.0, 1.0, 2.0], qs) == list(np.percentile([1.0, 2.0, 3.0], qs))

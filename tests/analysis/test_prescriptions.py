@@ -10,7 +10,8 @@ import pytest
 
 from isojax.analysis import (LawChoice, NStarFit, analyze, choose_law, fits_dict, prescribe,
                              read_runs, report_markdown)
-from isojax.analysis.prescriptions import is_joint_study
+from isojax.analysis.bootstrap import BootstrapResult, Interval
+from isojax.analysis.prescriptions import is_joint_study, n_star_interval
 
 from . import fake_runs
 
@@ -99,6 +100,28 @@ def test_extrapolation_without_an_interval_says_it_is_unchecked():
   assert pr.point is not None and "unchecked" in pr.note
   (unbounded,) = prescribe(choice, [1e7], intervals={1e7: (4.0, float("inf"))})
   assert unbounded.refused
+
+
+def test_a_budget_below_the_data_is_an_extrapolation_too():
+  choice = LawChoice("bp=32", law(compute_range=(1e5, 1e7)), bp=32, joint=False,
+                     reason="test")
+  below, inside = prescribe(choice, [1e3, 1e6], intervals={1e3: (2.0, 90.0)})
+  assert below.extrapolated and below.refused and not inside.extrapolated
+
+
+def test_resamples_without_a_law_leave_the_upper_end_unknown():
+  def boot(n_ok, high=40.0):
+    iv = Interval(estimate=20.0, low=10.0, high=high, n_ok=n_ok)
+    return BootstrapResult(intervals={"n_star@1e+07": iv}, n_boot=100, n_failed=0,
+                           level=0.9, stratified=False)
+  # Up to the upper tail (5 of 100 at 90 %), missing resamples cannot move it.
+  assert n_star_interval(boot(95), 1e7) == (10.0, 40.0)
+  assert n_star_interval(boot(94), 1e7) == (10.0, float("inf"))
+  assert n_star_interval(boot(0), 1e7) is None and n_star_interval(None, 1e7) is None
+  assert n_star_interval(boot(100), 1e6) is None
+  choice = LawChoice("bp=32", law(), bp=32, joint=False, reason="test")
+  (pr,) = prescribe(choice, [1e7], intervals={1e7: n_star_interval(boot(90), 1e7)})
+  assert pr.refused and "[10, inf]" in pr.note
 
 
 def test_infeasible_point_is_reported_not_raised():
