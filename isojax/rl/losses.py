@@ -82,7 +82,10 @@ class LossConfig:
       itself (stale batches), whose clip then truncates instead. None
       disables it.
     kl_coef, kl_estimator: coefficient and estimator ("k1", "k2", "k3") of
-      KL(pi || pi_ref) added to the loss; 0 disables the reference policy.
+      KL(pi || pi_ref) added to the loss; 0 disables the reference policy. As a
+      loss, k1 does not pull towards pi_ref (its expected gradient is zero), k2
+      descends KL(pi || pi_ref), k3 (the default, GRPO's) KL(pi_ref || pi)
+      (`objectives.KL_ESTIMATORS`).
     entropy_coef: coefficient of the entropy bonus (subtracted from the loss).
     zero_var_filter: "off"; "all" drops groups with all-equal rewards from the
       whole loss (they leave the denominators too); "regularizers" drops them

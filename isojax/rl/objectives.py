@@ -18,18 +18,23 @@ __all__ = ["KL_ESTIMATORS", "PG_LOSSES"]
 
 
 def _clipped_surrogate(ratio_BxT, adv_Bx1, cfg):
-  """-min(r A, clip(r) A), optionally dual-clipped at -c A for A < 0."""
+  """-min(r A, clip(r) A), optionally dual-clipped at -c A for A < 0.
+
+  The branch is chosen with `where` on the clip flags, not with min/max: at a
+  tie (r exactly on a bound, e.g. r = 1 on-policy with a zero clip) autodiff
+  splits a min's gradient between its operands, while PPO's gradient there is
+  the unclipped one.
+  """
   lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
-  unclipped = -adv_Bx1 * ratio_BxT
-  clipped = -adv_Bx1 * jnp.clip(ratio_BxT, lo, hi)
-  loss_BxT = jnp.maximum(unclipped, clipped)
-  neg = adv_Bx1 < 0
-  flags = {"clip_low": (neg & (ratio_BxT < lo)),
-           "clip_high": ((adv_Bx1 > 0) & (ratio_BxT > hi))}
+  neg, pos = adv_Bx1 < 0, adv_Bx1 > 0
+  flags = {"clip_low": neg & (ratio_BxT < lo), "clip_high": pos & (ratio_BxT > hi)}
+  bound_Bx1 = jnp.where(pos, hi, lo)
+  loss_BxT = jnp.where(flags["clip_low"] | flags["clip_high"], -adv_Bx1 * bound_Bx1,
+                       -adv_Bx1 * ratio_BxT)
   if cfg.clip_dual is not None:
     cap_BxT = -adv_Bx1 * cfg.clip_dual
     flags["clip_dual"] = neg & (loss_BxT > cap_BxT)
-    loss_BxT = jnp.where(neg, jnp.minimum(loss_BxT, cap_BxT), loss_BxT)
+    loss_BxT = jnp.where(flags["clip_dual"], cap_BxT, loss_BxT)
   return loss_BxT, flags
 
 
@@ -81,5 +86,8 @@ def _k3(logp_BxT, ref_logp_BxT):
   return jnp.exp(d) - d - 1.0
 
 
-# Schulman's estimators of KL(pi || pi_ref) from tokens sampled from pi.
+# Schulman's estimators of the value of KL(pi || pi_ref) from tokens sampled from
+# pi. Differentiated as a loss term (samples held fixed) their expected gradients
+# differ: k1's is zero (the score function's mean), k2's is that of
+# KL(pi || pi_ref), k3's (GRPO's choice) that of KL(pi_ref || pi).
 KL_ESTIMATORS: dict[str, Callable] = {"k1": _k1, "k2": _k2, "k3": _k3}

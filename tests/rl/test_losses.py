@@ -243,6 +243,21 @@ def test_on_policy_cispo_and_ppo_clip_give_the_same_gradient(agg):
   np.testing.assert_allclose(grads[2], grads[0], rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("clips", [dict(clip_low=0.0), dict(clip_high=0.0),
+                                   dict(clip_low=0.0, clip_high=0.0)])
+@pytest.mark.parametrize("kind", ["ppo_clip", "gspo"])
+def test_a_ratio_on_a_clip_bound_keeps_the_whole_gradient(kind, clips):
+  """On-policy the ratio is exactly 1, on a zero clip's bound: PPO's gradient there
+  is the unclipped one (min/max would split it at the tie: 0.75 of it)."""
+  x = make_inputs(13)
+  x["logp"] = np.where(x["mask"] > 0, x["logp"], -1.0)
+  agg = "seq_mean_token_mean"  # where GSPO's sequence ratio is exact
+  got = _grad_logp(x, LossConfig(kind=kind, agg=agg, **clips), jnp.asarray(x["logp"]))
+  want = _grad_logp(x, LossConfig(kind="cispo", agg=agg), jnp.asarray(x["logp"]))
+  assert np.abs(want).max() > 1e-3
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
+
+
 def test_zero_variance_filter_all_changes_denominator():
   # pg terms of a zero-variance group are 0 anyway; "all" removes its tokens
   # from the token count, so the loss scales by total/kept tokens.
