@@ -179,8 +179,9 @@ def check_min_n(n: int, estimator: str) -> None:
   if n < need:
     fits = sorted(k for k in [*ESTIMATORS, *VALUE_ESTIMATORS] if min_group_size(k) <= n)
     raise ValueError(f"n={n} rollouts per problem: config.rl.adv_estimator="
-                     f"{estimator!r} needs n >= {need} (its per-problem baseline is "
-                     f"undefined below); raise n or use one of {fits}")
+                     f"{estimator!r} needs n >= {need} (below, its per-problem baseline "
+                     f"is undefined or is the reward itself, every advantage 0); raise n "
+                     f"or use one of {fits}")
 
 
 def resolved_config(config, run_plan: RunPlan) -> dict:

@@ -44,10 +44,13 @@ def small_config(arg=POINT, **overrides):
 
 def test_n_below_the_estimators_minimum_fails_before_any_work(tmp_path):
   with pytest.raises(ValueError, match=r"n=1 rollouts per problem: config.rl.adv_estimator="
-                                       r"'grpo' needs n >= 2 .*\['batch', 'drgrpo', 'gae'\]"):
+                                       r"'grpo' needs n >= 2 .*\['gae'\]"):
     run.run(small_config("bp=4,n=1,budget=64"), tmp_path / "x1")
   assert not (tmp_path / "x1").exists()
-  run.plan_run(small_config("bp=4,n=1,budget=64", **{"rl.adv_estimator": "drgrpo"}))
+  # A group mean over one rollout is its reward: every advantage would be 0.
+  for estimator in ("drgrpo", "batch", "rloo"):
+    with pytest.raises(ValueError, match=f"'{estimator}' needs n >= 2"):
+      run.plan_run(small_config("bp=4,n=1,budget=64", **{"rl.adv_estimator": estimator}))
   run.plan_run(small_config("bp=4,n=1,budget=64", **{"rl.adv_estimator": "gae"}))  # a critic
   # A decoupled baseline: grpo's std is taken over the n_est = 4 sampled rollouts.
   run.plan_run(small_config("bp=4,n=1,budget=64", **{"rl.n_est": 4}))
@@ -147,8 +150,8 @@ def test_main_prints_one_line_and_exits_2(tmp_path):
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.strip().splitlines()[-1] == (
       "isojax.main: error: n=1 rollouts per problem: config.rl.adv_estimator='grpo' needs "
-      "n >= 2 (its per-problem baseline is undefined below); raise n or use one of "
-      "['batch', 'drgrpo', 'gae'] (--verbose prints the traceback)")
+      "n >= 2 (below, its per-problem baseline is undefined or is the reward itself, "
+      "every advantage 0); raise n or use one of ['gae'] (--verbose prints the traceback)")
   assert "Traceback" not in proc.stderr and not (tmp_path / "x1").exists()
   proc = subprocess.run(argv + ["--verbose"], cwd=repo, env=env, capture_output=True,
                         text=True, timeout=300)

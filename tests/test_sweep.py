@@ -539,7 +539,13 @@ def test_grid_of_only_infeasible_n_fails_in_one_line(tmp_path):
       "launch/sweep.py: error: no feasible budget point: every n in [1.0] is below the 2 "
       "rollouts per problem the grpo estimator needs (--verbose prints the traceback)")
   proc = _launch(f"--config={TINY}", f"--root={tmp_path}/x", "--bp=4", "--n=1",
-                 "--budget=64", "--dry_run", "--", "--config.rl.adv_estimator=drgrpo")
+                 "--budget=64", "--dry_run", "--", "--config.rl.adv_estimator=drgrpo",
+                 check=False)
+  assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+      "below the 2 rollouts per problem the drgrpo estimator needs (--verbose prints "
+      "the traceback)")
+  proc = _launch(f"--config={TINY}", f"--root={tmp_path}/x", "--bp=4", "--n=1",
+                 "--budget=64", "--dry_run", "--", "--config.rl.adv_estimator=gae")
   assert proc.stdout.splitlines()[1].split()[0] == "bp4_n1_m16_s0"
 
 

@@ -86,18 +86,21 @@ def _rloo(r_BpxN, base_BpxE, std_eps, keep_Bpx1):
 # name -> (function, minimum rollouts per group in the baseline set)
 ESTIMATORS: dict[str, tuple[Callable, int]] = {
     "grpo": (_grpo, 2),
-    "drgrpo": (_drgrpo, 1),
-    "batch": (_batch, 1),
+    "drgrpo": (_drgrpo, 2),
+    "batch": (_batch, 2),
     "rloo": (_rloo, 2),
 }
 
 
 def min_group_size(estimator: str) -> int:
-  """The fewest rollouts per prompt `estimator` is defined for (its baseline set):
-  2 for "grpo" (a std over one sample is undefined) and "rloo" (leave-one-out needs
-  another rollout), 1 otherwise (a critic's "gae" needs no other rollout). Checked
-  by the run and the sweep planner before any work, so an n = 1 point never
-  reaches the jitted step."""
+  """The fewest rollouts per prompt `estimator` is defined for (its baseline set).
+
+  2 for the group baselines: with one rollout "grpo"'s std and "rloo"'s
+  leave-one-out mean are undefined, and "drgrpo"'s and "batch"'s group mean is the
+  reward itself, so every advantage would be 0 and only the regularisers would
+  train. 1 for a critic's "gae", which needs no other rollout. Checked by the run
+  and the sweep planner before any work, so such a point never reaches the
+  jitted step."""
   if estimator in VALUE_ESTIMATORS:
     return 1
   if estimator not in ESTIMATORS:
