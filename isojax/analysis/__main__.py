@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -22,14 +23,30 @@ from isojax.analysis import law_points, pipeline, recipes, report
 from isojax.analysis.runs import UNITS, eval_metrics, read_runs
 
 
+# argparse prefixes these types' messages with the flag ("argument --bp: ..."), so a
+# bad value stops at parsing (exit 2) rather than failing later per row of the report.
 def _budgets(text: str) -> list[float]:
   try:
     values = [float(x) for x in text.split(",") if x.strip()]
   except ValueError as e:
-    raise argparse.ArgumentTypeError(f"--budgets: {e}") from None
-  if not values or any(v <= 0 for v in values):
-    raise argparse.ArgumentTypeError(f"--budgets must be positive numbers, got {text!r}")
+    raise argparse.ArgumentTypeError(str(e)) from None
+  if not values or not all(math.isfinite(v) and v > 0 for v in values):
+    raise argparse.ArgumentTypeError(
+        f"must be finite positive numbers, comma-separated; got {text!r}")
   return values
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < low:
+      raise argparse.ArgumentTypeError(f"must be >= {low}, got {text!r}")
+    return value
+
+  return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,12 +68,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "higher reward bin (Fig. 15)")
   p.add_argument("--law-window", type=float, default=law_points.DEFAULT_WINDOW_DECADES,
                  help="running-average window in decades of compute")
-  p.add_argument("--n-boot", type=int, default=100,
+  p.add_argument("--n-boot", type=_int_at_least(0), default=100,
                  help="bootstrap resamples of whole runs (0: no intervals)")
   p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
   p.add_argument("--budgets", type=_budgets, default=None,
                  help="comma-separated rollout budgets to prescribe for")
-  p.add_argument("--bp", type=int, default=None,
+  p.add_argument("--bp", type=_int_at_least(1), default=None,
                  help="Bp for prescriptions (default: the sweep's Bp)")
   r = p.add_argument_group(
       "recipe comparison (ScaleRL)",

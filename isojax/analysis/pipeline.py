@@ -30,7 +30,8 @@ from isojax.analysis.bootstrap import BootstrapResult, bootstrap
 from isojax.analysis.frontier import (CurveSet, ExtrapolationCheck, Frontier,
                                       extrapolation_check, fit_curves, frontier, key_label,
                                       log_grid)
-from isojax.analysis.runs import LoadProblem, eval_metrics, pass1_histogram
+from isojax.analysis.runs import (LoadProblem, eval_metrics, evaluation_gaps,
+                                  pass1_histogram)
 from isojax.rundir import METRICS_FILE
 
 _METRIC_RE = re.compile(r"^val/(avg|best|worst)@(\d+)$")
@@ -300,6 +301,7 @@ def analyze_group(runs, *, metric: str, difficulty=None,
   runs = sorted(runs, key=lambda r: r.name)
   primary_bp = _primary_bp(runs)
   specs, problems = _sweep_specs(runs, metric)
+  problems = evaluation_gaps(runs, metric) + problems
   sweeps = _run_sweeps(runs, specs, opts)
   for s in sweeps:
     problems.extend(s.problems)

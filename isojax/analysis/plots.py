@@ -50,10 +50,15 @@ def _compact(v: float) -> str:
 
 def _log_x(ax, values):
   """A log10 x axis. Over less than ~1.5 decades the 2x and 5x ticks are labelled
-  (compactly), else only the decades: long minor labels must not collide."""
-  ax.set_xscale("log")
+  (compactly), else only the decades: long minor labels must not collide.
+
+  Without a finite positive value the axis stays linear: there is nothing to place on
+  a log scale, and matplotlib fails to draw one with no positive limits."""
   v = np.asarray([x for x in np.ravel(values) if np.isfinite(x) and x > 0])
-  if v.size and v.max() / v.min() < 30:
+  if not v.size:
+    return
+  ax.set_xscale("log")
+  if v.max() / v.min() < 30:
     ax.xaxis.set_minor_locator(ticker.LogLocator(subs=(2.0, 5.0)))
     ax.xaxis.set_minor_formatter(ticker.FuncFormatter(lambda x, _: _compact(x)))
     ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: _compact(x)))
@@ -86,6 +91,11 @@ def plot_records(curves, *, title: str = "", max_panels: int = 12) -> Figure:
     ax.set_visible(False)
   for ax, k in zip(axes.flat, keys):
     c, r = curves.points[k]
+    if not c.size:  # e.g. a run still going, evaluated only at step 0 so far
+      ax.text(0.5, 0.5, f"{key_label(k)}\nno evaluation at {curves.unit} > 0",
+              ha="center", va="center", transform=ax.transAxes, fontsize=9)
+      ax.set_axis_off()
+      continue
     ax.scatter(c, r, s=9, color="0.65", label="evaluations")
     rc, rr = curves.records[k]
     ax.scatter(rc, rr, s=18, color="tab:orange", zorder=3, label="record-breaking")
@@ -101,8 +111,9 @@ def plot_records(curves, *, title: str = "", max_panels: int = 12) -> Figure:
     ax.set_ylabel(curves.metric, fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3, which="both", lw=0.4)
-  if keys:
-    axes.flat[0].legend(fontsize=7, loc="upper left")
+  drawn = [ax for ax, k in zip(axes.flat, keys) if curves.points[k][0].size]
+  if drawn:
+    drawn[0].legend(fontsize=7, loc="upper left")
   fig.suptitle(title or f"Record-breaking points, bin {curves.bin_width:g}")
   return fig
 

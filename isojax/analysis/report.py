@@ -212,7 +212,7 @@ def _group_md(g: GroupAnalysis) -> list[str]:
   out = [f"## {group_name(g)} ({len(g.run_names)} runs)", ""]
   p = g.primary
   if p is None:
-    return out + ["No curve could be fitted.", ""]
+    return out + ["No curve could be fitted.", ""] + _problems_md(g)
   if g.intervals is not None:
     out += _intervals_md(g)
   laws = [p] + [s for s in g.sweeps if g.law_choice is not None and s is not p
@@ -230,10 +230,13 @@ def _group_md(g: GroupAnalysis) -> list[str]:
     out += _sensitivity_md(g.sensitivity)
   if g.extrapolation is not None:
     out += _extrapolation_md(g.extrapolation)
-  if g.problems:
-    out += ["### Problems found in the analysis", ""] + [f"- {q}" for q in g.problems]
-    out.append("")
-  return out
+  return out + _problems_md(g)
+
+
+def _problems_md(g: GroupAnalysis) -> list[str]:
+  if not g.problems:
+    return []
+  return ["### Problems found in the analysis", ""] + [f"- {q}" for q in g.problems] + [""]
 
 
 def _intervals_md(g: GroupAnalysis) -> list[str]:
@@ -365,9 +368,19 @@ def report_markdown(analysis: Analysis, figures=()) -> str:
 def write_report(analysis: Analysis, out_dir: str) -> dict:
   """Writes figures, fits.json and report.md into out_dir (created if needed)."""
   os.makedirs(out_dir, exist_ok=True)
+  _remove_previous(out_dir)
   figures = write_figures(analysis, out_dir)
   _write(out_dir, fits_dict(analysis), report_markdown(analysis, figures))
   return {"figures": figures, "fits": "fits.json", "report": "report.md"}
+
+
+def _remove_previous(out_dir: str) -> None:
+  """Deletes an earlier analysis's report.md and fits.json, so that one failing
+  part way leaves no report that looks current."""
+  for name in ("report.md", "fits.json"):
+    path = os.path.join(out_dir, name)
+    if os.path.isfile(path):
+      os.remove(path)
 
 
 def _write(out_dir: str, fits: dict, markdown: str) -> None:
@@ -382,6 +395,7 @@ def write_recipe_report(comparison, out_dir: str, *, root: str = "",
   """Writes a recipe comparison into out_dir (created if needed): its figure,
   fits.json (every fitted parameter with its interval) and report.md."""
   os.makedirs(out_dir, exist_ok=True)
+  _remove_previous(out_dir)
   figure = f"recipes_{comparison.unit}.png"
   plots.plot_recipes(comparison).savefig(os.path.join(out_dir, figure), dpi=120)
   problems = [f"- {p}" for p in load_problems] or ["- none"]

@@ -338,6 +338,23 @@ def pass1_histogram(row: Mapping) -> np.ndarray | None:
   return counts / total
 
 
+def evaluation_gaps(runs, metric: str, unit: str = "rollouts") -> list[str]:
+  """A line per run with no finite `metric` at `unit` > 0, saying why, for the report.
+
+  Such a run adds nothing to any curve: the normal state of a run still going (only
+  its step-0 evaluation so far) or of one that stopped early or diverged.
+  """
+  out = []
+  for run in runs:
+    c, _ = run.points(metric, unit)
+    if (c > 0).any():
+      continue
+    why = (f"no {metric!r} evaluation after step 0 (a run still going, or one that "
+           f"stopped)" if c.size else f"{metric!r} never logged as a finite number")
+    out.append(f"run {run.name} (Bp={run.bp}, n={run.n}): {why}; left out of the fits")
+  return out
+
+
 def eval_metrics(runs) -> list[str]:
   """The validation metrics ("val/avg@4", ...) logged by any of `runs`, sorted."""
   return sorted({k for r in runs for row in r.rows for k in row

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from isojax.analysis import compare_recipes, fit_curves, read_runs
+from isojax.analysis import compare_recipes, fit_curves, plots, read_runs
 from isojax.analysis.__main__ import main
 
 from . import fake_runs
@@ -267,3 +267,78 @@ def test_unknown_metric_lists_the_logged_ones(tmp_path, runs_dir, capsys):
   err = capsys.readouterr().err
   assert "--metric 'val/ood/avg@4' is logged by none of the runs" in err
   assert "'val/avg@4'" in err
+
+
+def _unfinished_sweep(root):
+  """Bp=8 at n = 4, 8, 16 fully evaluated; n=32 evaluated only at step 0 (a run still
+  going); n=64 with val/avg@4 NaN at every evaluation (a diverged run)."""
+  fake_runs.make_sweep(root, configs=[(8, 4), (8, 8), (8, 16)], budget=8 * 64 * 500,
+                       n_evals=25)
+  fake_runs.write_run(root / "live_n32", {"bp": 8, "n": 32, "m": 1000},
+                      [{"step": 0, "rollouts": 0, "tokens": 0, "val/avg@4": 0.1},
+                       {"step": 1, "rollouts": 256, "tokens": 25600,
+                        "train/reward": 0.1}])
+  rows = fake_runs.run_rows(8, 64, 500, lambda c: fake_runs.true_reward(8, 64, c),
+                            n_evals=25)
+  fake_runs.write_run(root / "nan_n64", {"bp": 8, "n": 64, "m": 500},
+                      [{**row, "val/avg@4": float("nan")} for row in rows])
+
+
+def test_unevaluated_configurations_are_problems_not_a_crash(tmp_path):
+  _unfinished_sweep(tmp_path / "runs")
+  out = tmp_path / "report"
+  assert main([str(tmp_path / "runs"), "--out", str(out), "--n-boot", "0"]) == 0
+  files = set(os.listdir(out))
+  for prefix in ("fig5_records", "fig6_frontier", "fig7_nstar"):
+    assert any(f.startswith(prefix) for f in files), prefix
+  md = (out / "report.md").read_text()
+  assert "### Frontier" in md and "### n*(C) law" in md
+  assert "run live_n32 (Bp=8, n=32): no 'val/avg@4' evaluation after step 0" in md
+  assert "run nan_n64 (Bp=8, n=64): 'val/avg@4' never logged as a finite number" in md
+  assert "n=32 not fitted" in md and "n=64 not fitted" in md
+  fits = json.loads((out / "fits.json").read_text())
+  primary = next(s for s in fits["groups"]["all"]["sweeps"] if s["primary"])
+  assert set(primary["curves"]) == {"n=4", "n=8", "n=16"}
+
+
+def test_a_report_of_only_unevaluated_runs_still_lists_its_problems(tmp_path):
+  root = tmp_path / "runs"
+  fake_runs.write_run(root / "live_n4", {"bp": 8, "n": 4, "m": 100},
+                      [{"step": 0, "rollouts": 0, "val/avg@4": 0.1},
+                       {"step": 1, "rollouts": 32, "train/reward": 0.1}])
+  out = tmp_path / "report"
+  assert main([str(root), "--out", str(out), "--n-boot", "0"]) == 0
+  md = (out / "report.md").read_text()
+  assert "run live_n4 (Bp=8, n=4): no 'val/avg@4' evaluation after step 0" in md
+
+
+def test_an_analysis_failing_part_way_leaves_no_stale_report(runs_dir, tmp_path,
+                                                             monkeypatch):
+  out = tmp_path / "report"
+  os.makedirs(out)
+  (out / "report.md").write_text("# an earlier analysis")
+  (out / "fits.json").write_text("{}")
+
+  def broken(*args, **kwargs):
+    raise RuntimeError("a bug in a figure")
+
+  monkeypatch.setattr(plots, "plot_records", broken)
+  with pytest.raises(RuntimeError, match="a bug in a figure"):  # a bug still surfaces
+    main([str(runs_dir), "--out", str(out), "--n-boot", "0"])
+  assert not {"report.md", "fits.json"} & set(os.listdir(out))
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--budgets", "nan"], "argument --budgets: must be finite positive numbers"),
+    (["--budgets", "1e5,inf"], "argument --budgets: must be finite positive numbers"),
+    (["--budgets", "1e5,-3"], "argument --budgets: must be finite positive numbers"),
+    (["--bp", "0"], "argument --bp: must be >= 1, got '0'"),
+    (["--bp", "8.5"], "argument --bp: must be an integer, got '8.5'"),
+    (["--n-boot", "-1"], "argument --n-boot: must be >= 0, got '-1'"),
+])
+def test_bad_values_stop_at_argument_parsing(tmp_path, capsys, argv, match):
+  with pytest.raises(SystemExit) as stop:
+    main([str(tmp_path), "--out", str(tmp_path / "o"), *argv])
+  assert stop.value.code == 2
+  err = capsys.readouterr().err
+  assert match in err and argv[1] in err.splitlines()[-1]

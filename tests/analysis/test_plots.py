@@ -1,5 +1,7 @@
 """Figures: built from analysis data, labelled, log-scaled where the paper is."""
 
+import io
+
 import numpy as np
 import pytest
 from matplotlib.figure import Figure
@@ -55,3 +57,28 @@ def test_n_colors_are_ordered_by_n():
   colours = plots.n_colors([64, 4, 16])
   assert list(colours) == [4, 16, 64]
   assert len({tuple(np.round(c, 6)) for c in colours.values()}) == 3
+
+
+def _drawn(fig):
+  fig.savefig(io.BytesIO(), format="png", dpi=40)  # where log axes fail, if they do
+  return fig
+
+
+def test_configurations_without_points_are_noted_not_drawn(runs, tmp_path):
+  # A run evaluated only at step 0 (compute 0): nothing for a log compute axis.
+  fake_runs.write_run(tmp_path / "live", {"bp": 8, "n": 128, "m": 100},
+                      [{"step": 0, "rollouts": 0, "val/avg@4": 0.1},
+                       {"step": 1, "rollouts": 1024, "train/reward": 0.1}])
+  live = read_runs(tmp_path).runs
+  sweep = fit_frontier([r for r in runs if r.bp == 8] + list(live), metric="val/avg@4",
+                       label="bp=8")
+  assert sweep.curves.points[128][0].size == 0 and 128 in sweep.curves.skipped
+  fig = _drawn(plots.plot_records(sweep.curves))
+  empty = [a for a in fig.axes if "no evaluation at rollouts > 0" in
+           " ".join(t.get_text() for t in a.texts)]
+  assert len(empty) == 1 and not empty[0].axison
+  assert sum(a.get_xscale() == "log" for a in fig.axes) == 5
+  _drawn(plots.plot_frontier(sweep))
+  alone = fit_frontier(list(live), metric="val/avg@4")
+  fig = _drawn(plots.plot_records(alone.curves))
+  assert fig.axes[0].get_xscale() == "linear"

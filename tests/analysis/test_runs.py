@@ -11,7 +11,7 @@ import pytest
 
 from isojax.analysis import (RunLoadWarning, analyze, fit_curves, frontier, load_runs,
                              read_runs)
-from isojax.analysis.runs import pass1_histogram
+from isojax.analysis.runs import evaluation_gaps, pass1_histogram
 
 from . import fake_runs
 
@@ -207,3 +207,23 @@ def test_device_hours_are_read_from_their_column(tmp_path):
   with pytest.raises(ValueError, match=r"run 'old' has no 'device_hours' column in "
                      r".*old.metrics\.jsonl"):
     runs["old"].compute("device_hours")
+
+
+def test_evaluation_gaps_name_runs_with_nothing_to_fit(tmp_path):
+  fake_runs.write_run(tmp_path / "done", {"bp": 8, "n": 4, "m": 2},
+                      [{"step": 0, "rollouts": 0, "val/avg@4": 0.1},
+                       {"step": 2, "rollouts": 64, "val/avg@4": 0.2}])
+  fake_runs.write_run(tmp_path / "started", {"bp": 8, "n": 8, "m": 9},
+                      [{"step": 0, "rollouts": 0, "val/avg@4": 0.1},
+                       {"step": 1, "rollouts": 64, "train/reward": 0.1}])
+  fake_runs.write_run(tmp_path / "diverged", {"bp": 8, "n": 16, "m": 9},
+                      [{"step": 1, "rollouts": 128, "val/avg@4": float("nan")}])
+  runs = read_runs(tmp_path).runs
+  assert evaluation_gaps(runs, "val/avg@4") == [
+      "run diverged (Bp=8, n=16): 'val/avg@4' never logged as a finite number; left "
+      "out of the fits",
+      "run started (Bp=8, n=8): no 'val/avg@4' evaluation after step 0 (a run still "
+      "going, or one that stopped); left out of the fits"]
+  assert evaluation_gaps(runs, "val/best@4", "tokens") == [
+      f"run {name} (Bp=8, n={n}): 'val/best@4' never logged as a finite number; left "
+      f"out of the fits" for name, n in (("diverged", 16), ("done", 4), ("started", 8))]
