@@ -6,7 +6,9 @@ r"""Runs a study: every (Bp, n, M, seed) point of a grid, locally or as a SLURM 
   python launch/sweep.py ... --slurm [--submit]  # <root>/slurm/sweep.sbatch, a task a point
 
 Grid flags left out come from the experiment file's `config.sweep` (and `b_max`).
-Arguments after `--` are appended to every run, e.g. `-- --config.eval_every=4`.
+Arguments after `--` are appended to every run, e.g. `-- --config.eval_every=4`; those
+that would set what the launcher sets per point (--workdir, --config, --config.seed,
+.bp, .n, .budget) are refused, naming the launcher flag to use instead.
 Rerunning the same command skips finished points and resumes unfinished ones. Points
 are computed by isojax.sweep / isojax.budget; this file only parses flags.
 """

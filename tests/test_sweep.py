@@ -402,6 +402,68 @@ def test_run_arguments_take_their_fields_declared_type():
     sweep.apply_overrides(sweep.load_experiment(TINY, ""), ["--config.rl.lr_base=None"])
 
 
+# What defines a point, as a run argument in each spelling the run's flag parser takes,
+# and the launcher flag the refusal names instead.
+RESERVED_RUN_ARGS = [
+    (["--workdir={tmp}/shared"], "--root"),
+    (["--workdir", "{tmp}/shared"], "--root"),
+    (["--config=experiments/tiny.py:bp=16"], "the launcher's --config"),
+    (["--config", "experiments/tiny.py"], "the launcher's --config"),
+    (["--config.seed=5"], "--seeds"),
+    (["--config.seed", "5"], "--seeds"),
+    (["--config.bp=16"], "--bp"),
+    (["--config.bp", "16"], "--bp"),
+    (["--config.n=16"], "--n"),
+    (["--config.n", "16"], "--n"),
+    (["--config.budget=128"], "--budget"),
+    (["--config.budget", "128"], "--budget"),
+]
+
+
+@pytest.mark.parametrize("run_args,instead", RESERVED_RUN_ARGS,
+                         ids=[" ".join(a) for a, _ in RESERVED_RUN_ARGS])
+def test_run_arguments_may_not_set_what_defines_a_point(tmp_path, run_args, instead):
+  # Passed through, each would come after the launcher's own flag and win: runs in
+  # one shared directory, or a run unlike the point its directory is named after.
+  run_args = [a.format(tmp=tmp_path) for a in run_args]
+  root = tmp_path / "root"
+  proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=8", "--n=2,4",
+                 "--budget=64", "--seeds=0,1", "--slurm", "--", *run_args, check=False)
+  refused = [a for a in run_args if a.startswith("-")][-1]  # not a value
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  [line] = proc.stderr.strip().splitlines()
+  assert line.startswith(f"launch/sweep.py: error: run argument {refused!r} sets "), line
+  assert f", which the launcher sets for each point: use {instead}" in line, line
+  assert line.endswith("(--verbose prints the traceback)"), line
+  assert not root.exists() and not (tmp_path / "shared").exists()
+
+
+def test_flag_files_one_dash_and_harmless_run_arguments(tmp_path):
+  flag_file = tmp_path / "run.flags"
+  flag_file.write_text(f"--workdir={tmp_path}/shared\n")
+  for spelling in ([f"--flagfile={flag_file}"], ["-flagfile", str(flag_file)]):
+    with pytest.raises(ValueError, match="cannot check what a flag file sets"):
+      sweep.check_run_args(spelling)
+  # One dash is a spelling too, and a reserved argument is found wherever it is.
+  with pytest.raises(ValueError, match=r"run argument '-workdir=x' .* use --root"):
+    sweep.check_run_args(["-workdir=x"])
+  with pytest.raises(ValueError, match=r"run argument '--config.seed=5' .* use --seeds"):
+    sweep.check_run_args(["--config.eval_every=2", "--config.seed=5"])
+  # Names that only begin like a reserved one are the user's to set.
+  sweep.check_run_args(["--config.data.split_seed=3", "--config.n_values=2",
+                        "--config.budgets", "5", "--config.workdir_note=x", "5"])
+  sp = sweep.SweepPoint(budget.BudgetPoint(bp=8, n=4, m=31), seed=2)
+  with pytest.raises(ValueError, match="use --seeds"):  # a Sweep built directly too
+    sweep.Sweep(config=TINY, root="runs/x", points=(sp,), extra_args=("--config.seed=1",))
+  root = tmp_path / "root"
+  _launch(f"--config={TINY}", f"--root={root}", "--bp=4", "--n=2", "--budget=64",
+          "--slurm", "--", "--config.rl.adv_estimator=gae", "--config.data.split_seed=3")
+  [entry] = json.loads((root / "slurm" / "points.json").read_text())["points"]
+  assert entry["command"][-4:] == [f"--workdir={root}/bp4_n2_m8_s0", "--config.seed=0",
+                                   "--config.rl.adv_estimator=gae",
+                                   "--config.data.split_seed=3"]
+
+
 # ------------------------------------------------------------- end to end, real trainer
 
 # Three points of the tiny config (M = 8 each), two at a time, small enough for two
@@ -579,3 +641,38 @@ def test_sweep_fixed_after_a_typo_runs_in_the_same_root(tmp_path):
   _launch(*grid, *E2E_RUN_ARGS, timeout=300)
   assert (run_dir / "DONE").exists()
   assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2]
+
+
+def test_slurm_rerun_in_the_same_root_keeps_the_array_written_there(tmp_path):
+  # The tasks of the first array read points.json by index: replacing it with another
+  # grid would run other points under that array's indices.
+  root = tmp_path / "sl"
+  grid = [f"--config={TINY}", f"--root={root}", "--bp=4", "--budget=64", "--slurm"]
+  _launch(*grid, "--n=2,4")
+  points, script = root / "slurm" / "points.json", root / "slurm" / "sweep.sbatch"
+  written = (points.read_text(), script.read_text())
+  for other in (["--n=8"], ["--n=2,4", "--", "--config.eval_every=2"]):
+    proc = _launch(*grid, *other, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"launch/sweep.py: error: sweep root {root} already holds the "
+                           f"SLURM array of another sweep in {points} ("), line
+    assert "use a new --root" in line
+    assert (points.read_text(), script.read_text()) == written
+  # The same grid again is idempotent, and may change the sbatch resources.
+  proc = _launch(*grid, "--n=2,4", "--partition=gpu")
+  assert "wrote" in proc.stdout and points.read_text() == written[0]
+  assert "#SBATCH --partition=gpu\n" in script.read_text()
+
+
+def test_slurm_never_writes_through_a_link_at_the_points_file(tmp_path):
+  victim = tmp_path / "victim.json"
+  victim.write_text("precious\n")
+  root = tmp_path / "sl"
+  (root / "slurm").mkdir(parents=True)
+  (root / "slurm" / "points.json").symlink_to(victim)
+  proc = _launch(f"--config={TINY}", f"--root={root}", "--bp=4", "--n=2", "--budget=64",
+                 "--slurm", check=False)
+  assert proc.returncode == 2 and "refusing to write through" in proc.stderr
+  assert victim.read_text() == "precious\n"
+  assert (root / "slurm" / "points.json").is_symlink()

@@ -19,14 +19,16 @@ from isojax.sweep.attempts import (ATTEMPTS_FILE, LOCK_FILE, LOG_FILE, lock_hold
                                    record_attempt, try_lock)
 from isojax.sweep.local import (CORES_PER_RUN, SweepReport, cpu_count, default_concurrency,
                                 has_accelerator, run_env, run_local)
-from isojax.sweep.points import (BASE_MODEL_DIR, DEFAULT_RUNNER, Sweep, SweepPoint,
-                                 apply_overrides, expand_points, format_points,
-                                 load_experiment, max_tokens, plan_sweep, vllm_model)
+from isojax.sweep.points import (BASE_MODEL_DIR, DEFAULT_RUNNER, RESERVED_RUN_FLAGS,
+                                 Sweep, SweepPoint, apply_overrides, check_run_args,
+                                 expand_points, format_points, load_experiment,
+                                 max_tokens, plan_sweep, vllm_model)
 
 __all__ = [
     "ATTEMPTS_FILE", "BASE_MODEL_DIR", "CORES_PER_RUN", "DEFAULT_RUNNER", "LOCK_FILE",
-    "LOG_FILE", "Sweep", "SweepPoint", "SweepReport", "apply_overrides", "cpu_count",
-    "default_concurrency", "expand_points", "format_points", "has_accelerator",
-    "load_experiment", "lock_holder", "max_tokens", "plan_sweep", "record_attempt",
-    "run_env", "run_local", "try_lock", "vllm_model",
+    "LOG_FILE", "RESERVED_RUN_FLAGS", "Sweep", "SweepPoint", "SweepReport",
+    "apply_overrides", "check_run_args", "cpu_count", "default_concurrency",
+    "expand_points", "format_points", "has_accelerator", "load_experiment",
+    "lock_holder", "max_tokens", "plan_sweep", "record_attempt", "run_env", "run_local",
+    "try_lock", "vllm_model",
 ]

@@ -114,6 +114,45 @@ def vllm_model(config) -> str | None:
   return (config.get("model") or {}).get("path", "") or str(BASE_MODEL_DIR)
 
 
+# Run flags the launcher sets for every point -> (what they set, the launcher flag that
+# sets it instead). The run's flag parser lets the last copy of a flag win, and a
+# pass-through argument comes after the launcher's own, so a copy here would make the
+# run train something other than the point its directory is named after, or make
+# every point train in one directory.
+RESERVED_RUN_FLAGS = {
+    "workdir": ("the run directory", "--root (each point runs in <root>/<point name>)"),
+    "config": ("the experiment file and its bp, n and budget",
+               "the launcher's --config, --bp, --n and --budget"),
+    "config.seed": ("the seed", "--seeds"),
+    "config.bp": ("Bp", "--bp"),
+    "config.n": ("n", "--n"),
+    "config.budget": ("the budget", "--budget"),
+}
+
+
+def check_run_args(args: Sequence[str]) -> None:
+  """Refuses run arguments that set what the launcher sets for each point.
+
+  Every spelling the run's flag parser (absl) accepts is caught: one or two leading
+  dashes, `--flag=value` and `--flag value`. A flag file is refused too, since what
+  it sets cannot be checked here.
+
+  Raises:
+    ValueError: naming the first such argument and the launcher flag to use instead.
+  """
+  for arg in args:
+    if not arg.startswith("-"):
+      continue
+    name = (arg[2:] if arg.startswith("--") else arg[1:]).partition("=")[0]
+    if name == "flagfile":
+      raise ValueError(f"run argument {arg!r}: the launcher cannot check what a flag "
+                       "file sets for each point; pass its arguments after -- instead")
+    if name in RESERVED_RUN_FLAGS:
+      what, instead = RESERVED_RUN_FLAGS[name]
+      raise ValueError(f"run argument {arg!r} sets {what}, which the launcher sets for "
+                       f"each point: use {instead}")
+
+
 def apply_overrides(config, args: Sequence[str]):
   """The launcher's view of `--config.a.b=value` run arguments (the run parses them
   itself): sets each on `config` with the field's type, so that the dry-run table and
@@ -180,6 +219,7 @@ class Sweep:
   dropped: tuple[str, ...] = ()  # grid points left out, with the reason (`dropped_points`)
 
   def __post_init__(self):
+    check_run_args(self.extra_args)
     names = [sp.name for sp in self.points]
     dupes = sorted({x for x in names if names.count(x) > 1})
     if dupes:
@@ -207,11 +247,13 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
       sweep.n_values, sweep.budgets and b_max.
     seeds: one run per point per seed.
     runner: a module (`isojax.main`) or a `.py` file run for each point.
-    extra_args: appended to every run command (`--config.eval_every=2`).
+    extra_args: appended to every run command (`--config.eval_every=2`); none may
+      set what the launcher sets per point (`check_run_args`).
 
   Returns:
     (sweep, config) where config is `get_config("")` of the file.
   """
+  check_run_args(extra_args)
   if ":" in os.path.basename(config_path):
     raise ValueError(f"--config={config_path!r}: pass the experiment file alone; the "
                      "launcher sets bp, n and budget for each point")

@@ -86,8 +86,9 @@ def write_array(sweep: Sweep, options: SlurmOptions, *,
     (script path, points path).
 
   Raises:
-    ValueError: for an empty sweep, or a vLLM config with multi-node points (the
-      per-task server listens on the loopback of the first node only).
+    ValueError: for an empty sweep, a vLLM config with multi-node points (the
+      per-task server listens on the loopback of the first node only), or a root
+      whose points file describes another array (`_check_no_other_array`).
   """
   if not sweep.points:
     raise ValueError("a SLURM array needs at least one point; the sweep has none")
@@ -107,11 +108,48 @@ def write_array(sweep: Sweep, options: SlurmOptions, *,
               "command": sweep.command(sp)} for i, sp in enumerate(sweep.points)]
   spec = {"config": sweep.config, "root": sweep.root, "nodes": options.nodes,
           "vllm_model": vllm_model, "points": entries}
+  _check_no_other_array(points_path, spec)
   _write_atomic(points_path, json.dumps(spec, indent=1) + "\n")
   _write_atomic(script_path, _script(sweep, options, launcher=launcher, workdir=workdir,
                                      points_path=points_path, vllm=vllm))
   os.chmod(script_path, 0o755)
   return script_path, points_path
+
+
+def _check_no_other_array(points_path: str, spec: dict) -> None:
+  """Refuses to replace a points file that describes another array.
+
+  The tasks of an array written (perhaps submitted) earlier look their point up by
+  index in this file when they start, so replacing it would run other points under
+  that array's indices. The same array again (same points and commands) may be
+  rewritten: writing it is idempotent.
+  """
+  files.check_not_link(points_path)
+  try:
+    with open(points_path) as f:
+      old = json.load(f)
+  except FileNotFoundError:
+    return
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{points_path} (in sweep root {spec['root']}) is unreadable ({e}) "
+                     "and may belong to an array already submitted: use a new --root, "
+                     "or remove it if no job uses it") from e
+  if old == json.loads(json.dumps(spec)):  # as read back: lists, not tuples
+    return
+  old_points = old.get("points") if isinstance(old, dict) else None
+  old_names = [p.get("name") for p in old_points or () if isinstance(p, dict)]
+  what = ("the same points with other run commands or options"
+          if old_names == [p["name"] for p in spec["points"]]
+          else f"{len(old_names)} task(s): {_name_range(old_names)}")
+  raise ValueError(f"sweep root {spec['root']} already holds the SLURM array of another "
+                   f"sweep in {points_path} ({what}); its tasks read that file, so it "
+                   "is not overwritten: use a new --root for this sweep (or remove the "
+                   "file if no job of that array is queued or running)")
+
+
+def _name_range(names: list) -> str:
+  return ", ".join(map(str, names)) if len(names) <= 3 else (
+      f"{names[0]}, {names[1]}, ..., {names[-1]}")
 
 
 def _script(sweep, options, *, launcher, workdir, points_path, vllm) -> str:
