@@ -70,8 +70,10 @@ def main(argv):
           f"{what['micro_batch']}, mesh {what['mesh']}, {what['params'] / 1e6:.2f}M parameters")
     print(mem.report(_DEVICE_MEMORY_GIB.value))
     return
-  if _WORKDIR.value is None:
-    raise app.UsageError("flag --workdir is required (the run directory), unless --dry_run")
+  if not (_WORKDIR.value or "").strip():
+    # An unset shell variable (`--workdir=$WD`) must not train into the cwd.
+    raise app.UsageError("flag --workdir is required (the run directory), unless --dry_run"
+                         + ("; it was given empty" if _WORKDIR.value is not None else ""))
   from isojax import run  # after flag parsing, like memory: JAX loads only for work
   run.run(_CONFIG.value, _WORKDIR.value)
 
@@ -112,7 +114,12 @@ def _parse_flags(argv):
   """absl's flag parsing, with a bad experiment argument or an override naming no
   config field reported in one line (exit 2) instead of a chained traceback."""
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
+    _CONFIG.value.keys()  # a config that failed to load raises on first use
+    return rest
+  except OSError as e:  # ml_collections defers a missing experiment file to here
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    what = f"--config: cannot load the experiment file: {lines[-1]}"
   except flags.Error as e:
     # ml_collections embeds the experiment file's traceback in the message: keep
     # its first line (which flag) and last line (what was wrong).
@@ -122,7 +129,9 @@ def _parse_flags(argv):
     # Its message is a repr of a repr: "'\\'max_tokes\\'\\nDid you mean ...".
     text = str(e.args[0] if e.args else e)
     text = " ".join(text.replace("\\n", "\n").replace("\\'", "").replace("'", "").split())
-    what = f"a --config.* override names no config field: {text}"
+    what = (f"--config: the experiment file defines no get_config(arg) ({text})"
+            if "get_config" in text else
+            f"a --config.* override names no config field: {text}")
   print(f"isojax.main: error: {what}", file=sys.stderr, flush=True)
   sys.exit(errors.EXIT_USER_ERROR)
 

@@ -57,6 +57,28 @@ def test_flags_are_checked(tmp_path):
   assert not os.listdir(tmp_path)
 
 
+def test_an_empty_workdir_or_a_missing_experiment_file_is_named(tmp_path):
+  # `--workdir=$WD` with WD unset must not train into the current directory.
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  proc = subprocess.run([sys.executable, "-m", "isojax.main",
+                         f"--config={ROOT / 'experiments/tiny.py'}:bp=4,n=2,budget=16",
+                         "--workdir="], cwd=tmp_path, env=env, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode != 0 and "--workdir is required" in proc.stderr
+  assert "given empty" in proc.stderr and not os.listdir(tmp_path)
+  proc = _main("--config=experiments/no_such_study.py", f"--workdir={tmp_path / 'x'}",
+               timeout=120)
+  assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+      "isojax.main: error: --config: cannot load the experiment file: [Errno 2] No such "
+      "file or directory: 'experiments/no_such_study.py'"]
+  (tmp_path / "study.py").write_text("def config():\n  return None\n")
+  proc = _main(f"--config={tmp_path / 'study.py'}", f"--workdir={tmp_path / 'x'}",
+               timeout=120)
+  assert proc.returncode == 2 and proc.stderr.strip().startswith(
+      "isojax.main: error: --config: the experiment file defines no get_config(arg)")
+  assert not (tmp_path / "x").exists()
+
+
 def test_readme_dry_run_prints_memory_and_writes_nothing(readme, tmp_path):
   argv = readme.argv(readme.command("python -m isojax.main --dry_run"),
                      {"--device_memory_gib=80": "--device_memory_gib=0.001"})
