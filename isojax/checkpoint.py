@@ -128,9 +128,19 @@ class RunCheckpointer:
     """Restores checkpoint `step` onto the shapes, dtypes and shardings of
     `template_state` (e.g. a freshly initialised state); returns (state, host)."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template_state)
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), host=ocp.args.JsonRestore()))
-    return restored["state"], HostState.from_json(dict(restored["host"]))
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract), host=ocp.args.JsonRestore()))
+      return restored["state"], HostState.from_json(dict(restored["host"]))
+    except Exception as e:  # pylint: disable=broad-except
+      # A damaged step (a copy cut short, a file removed) fails deep in orbax or
+      # tensorstore; say which step, and how to fall back to the one before.
+      earlier = [s for s in self.all_steps() if s < step]
+      fallback = (f"to resume from step {max(earlier)}" if earlier else "to start over")
+      cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+      raise ValueError(f"checkpoint {step} in {self.directory} cannot be restored "
+                       f"({type(e).__name__}: {cause}); if it is damaged, remove "
+                       f"{self.directory / str(step)} {fallback}") from e
 
   def close(self) -> None:
     self._manager.close()

@@ -59,6 +59,29 @@ def open_append(path: str | os.PathLike, binary: bool = False):
   return os.fdopen(fd, "ab" if binary else "a")
 
 
+def try_flock(path: str | os.PathLike, holder: str) -> int | None:
+  """An fd holding an exclusive flock on `path` (created, never through a link), with
+  `holder` written in it for messages; None if another process holds it.
+
+  The kernel releases the lock when every process holding the fd has exited, so
+  a killed holder never leaves a stale lock behind.
+  """
+  # POSIX only, imported here: the analysis imports this module on any platform.
+  import fcntl  # pylint: disable=import-outside-toplevel
+  fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    os.close(fd)
+    return None
+  except BaseException:
+    os.close(fd)
+    raise
+  os.ftruncate(fd, 0)
+  os.write(fd, f"{holder}\n".encode())
+  return fd
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes, *, fsync: bool = True) -> None:
   """Writes `data` to `path` via `path.tmp` + rename, never through a link.
 

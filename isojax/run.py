@@ -37,7 +37,6 @@ device_hours column, a wall-clock measurement.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import sys
@@ -129,7 +128,7 @@ def run(config, workdir: str | os.PathLike) -> dict:
   resolved = resolved_config(config, run_plan)
   if rundir.is_done(workdir):
     check_saved_config(workdir / CONFIG_FILE, resolved)  # a finished run keeps its file
-    done = json.loads((workdir / DONE_FILE).read_text())
+    done = rundir.read_json_object(workdir / DONE_FILE)
     logging.info("%s: finished at step %d already; not rerunning", workdir, done["step"])
     return done["last"]
   opened = open_run(config, run_plan, workdir, resolved)

@@ -17,6 +17,7 @@ import shlex
 from typing import Any
 
 from isojax.rollout.interruption import DEFAULT_PHRASE
+from isojax.rundir import CHECKPOINT_DIR, CONFIG_FILE, read_json_object
 
 # Fields of the run schema added after isojax wrote its first config.json, each
 # with the value its absence means: what the code did before the field existed.
@@ -60,6 +61,22 @@ ADDED_FIELDS: dict[str, Any] = {
 }
 
 
+def check_run_dir(workdir: pathlib.Path, resolved: dict) -> list[str]:
+  """`check_saved_config` of the run directory's config.json, if it has one.
+
+  Checkpoints without a config.json are refused: their run's config is unknown,
+  and resuming them under another would mix two runs in one record.
+  """
+  if (workdir / CONFIG_FILE).exists():
+    return check_saved_config(workdir / CONFIG_FILE, resolved)
+  ckpts = workdir / CHECKPOINT_DIR
+  if ckpts.is_dir() and any(ckpts.iterdir()):
+    raise ValueError(f"{workdir} holds checkpoints ({ckpts}) but no {CONFIG_FILE}: the "
+                     f"run they belong to is unknown, so they are not resumed; restore "
+                     f"its {CONFIG_FILE}, or use a fresh --workdir")
+  return []
+
+
 def check_saved_config(path: pathlib.Path, resolved: dict) -> list[str]:
   """Checks that `resolved` is the config of the run whose config.json is `path`.
 
@@ -78,7 +95,7 @@ def check_saved_config(path: pathlib.Path, resolved: dict) -> list[str]:
       unless it is one of the above); for an added field the saved config lacks,
       the message says which value resumes the run.
   """
-  saved, new = flat_config(json.loads(path.read_text())), flat_config(resolved)
+  saved, new = flat_config(read_json_object(path)), flat_config(resolved)
   lacking, diff, hints = [], [], []
   for key in sorted(saved.keys() | new.keys()):
     if saved.get(key) == new.get(key):

@@ -8,6 +8,7 @@ field; `isojax.main --dry_run` asks the same questions before compiling.
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 
 from isojax import assets, run_setup
@@ -79,6 +80,7 @@ def plan_run(config) -> RunPlan:
                                           n_est=n_est, b_max=config.b_max)
   # The estimator's baseline is taken over the n_est sampled rollouts when set.
   check_min_n(per, config.rl.adv_estimator)
+  check_eval_steps(config.eval_steps, point.m)
   for name in ("eval_every", "checkpoint_every", "keep_checkpoints",
                "max_consecutive_skips"):
     if config[name] < 1:
@@ -92,7 +94,7 @@ def plan_run(config) -> RunPlan:
   if config.sampler.backend not in ("jax", "vllm"):
     raise ValueError(f"config.sampler.backend={config.sampler.backend!r}; expected "
                      f"'jax' or 'vllm'")
-  _check_dtypes_and_sampler_caps(config)
+  _check_model_and_sampler_fields(config)
   max_tokens = budget_lib.study_max_tokens(config.sampler.max_tokens, config.model.path)
   interruption_from_config(config.sampler, max_tokens=max_tokens, encode=lambda text: (
       Tokenizer.from_pretrained(run_setup.model_path(config)).encode(text)))
@@ -134,10 +136,11 @@ def plan_run(config) -> RunPlan:
                  critic_optim=critic_optim, off_policy_k=off_policy_k, max_lag=max_lag)
 
 
-def _check_dtypes_and_sampler_caps(config) -> None:
-  """config.model's dtypes and the in-process sampler's caps (0 = off), each by name:
-  otherwise they fail later as a bare numpy TypeError, or only once the sampler
-  is built (after a `--dry_run` said the run was fine)."""
+def _check_model_and_sampler_fields(config) -> None:
+  """config.model's dtypes, the in-process sampler's caps (0 = off) and the sampling
+  settings, each by name: otherwise they fail later as a bare numpy TypeError, or
+  only once the sampler is built or first called (after a `--dry_run` said the run
+  was fine)."""
   for field in ("dtype", "param_dtype"):
     try:
       as_dtype(config.model[field])
@@ -147,6 +150,28 @@ def _check_dtypes_and_sampler_caps(config) -> None:
     value = config.sampler.get(field, 0)
     if value is not None and value < 0:
       raise ValueError(f"config.sampler.{field}={value} must be >= 0 (0: no cap)")
+  # The sampler checks these too, but only at the first generate: after config.json
+  # was written, which would then hold the bad value against the corrected command.
+  for name, value in (("sampler.temperature", config.sampler.temperature),
+                      ("eval.temperature", config.eval.temperature)):
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+      raise ValueError(f"config.{name}={value!r} must be a number >= 0 (0 = greedy)")
+  top_p, top_k = config.sampler.top_p, config.sampler.top_k
+  if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+    raise ValueError(f"config.sampler.top_p={top_p!r} must be in (0, 1] (1 = off)")
+  if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                            or top_k < 0):
+    raise ValueError(f"config.sampler.top_k={top_k!r} must be an int >= 0 (0 = off)")
+
+
+def check_eval_steps(eval_steps, m: int) -> None:
+  """config.eval_steps: extra evaluation steps, each an int in [1, M]; a step that
+  can never come would silently drop an evaluation a study planned on."""
+  bad = [s for s in eval_steps
+         if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= m]
+  if isinstance(eval_steps, str) or bad:
+    raise ValueError(f"config.eval_steps={tuple(eval_steps)!r}: every entry must be an "
+                     f"update step, an int in [1, M={m}]; not {bad or eval_steps!r}")
 
 
 def check_off_policy_k(rl) -> int:

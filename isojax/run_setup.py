@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import json
 import pathlib
 import sys
@@ -37,8 +38,8 @@ from isojax.rl import ppo
 from isojax.rollout.interruption import InterruptingSampler, interruption_from_config
 from isojax.rollout.jax_sampler import JaxSampler
 from isojax.rollout.memory import check_run_split
-from isojax.run_config import check_saved_config
-from isojax.rundir import CHECKPOINT_DIR, CONFIG_FILE
+from isojax.run_config import check_run_dir
+from isojax.rundir import CHECKPOINT_DIR, CONFIG_FILE, lock_run_dir
 
 REWARDS = {"exact": "exact_match", "math": "math_verify"}
 
@@ -287,6 +288,7 @@ class OpenRun:
     resumed: the checkpoint the run continues from, or None for a fresh start
       (the loop then evaluates the base model as step 0).
     t0: when the run started opening (wall-clock seconds).
+    unlock: releases the run directory's lock (`rundir.lock_run_dir`).
   """
 
   parts: RunParts
@@ -295,9 +297,10 @@ class OpenRun:
   writer: metrics_lib.MetricsWriter
   resumed: HostState | None
   t0: float
+  unlock: Callable[[], None]
 
   def close(self) -> None:
-    _close_all(self.writer.close, self.ckpt.close, self.parts.close)
+    _close_all(self.writer.close, self.ckpt.close, self.parts.close, self.unlock)
 
 
 def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun:
@@ -309,19 +312,21 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
   rewritten with `resolved` once the run has started.
 
   Raises:
-    ValueError: if `workdir` holds a run with a different config or seed.
+    ValueError: if `workdir` holds a run with a different config or seed, or
+      checkpoints without a config.json, or another process runs in it.
   """
   point = run_plan.point
   workdir.mkdir(parents=True, exist_ok=True)
-  lacking = []  # fields the saved config.json predates
-  if (workdir / CONFIG_FILE).exists():
-    lacking = check_saved_config(workdir / CONFIG_FILE, resolved)
-  logging.info("budget point %s: B=%d, C=%d rollouts, lr=%.3g", point.name, point.batch,
-               point.compute, run_plan.lr)
-  t0 = time.time()
-  parts = build_parts(config, run_plan)
-  closes = [parts.close]  # on a failure below: a vLLM client's snapshots go too
+  lock = lock_run_dir(workdir) if writes_run_files() else None
+  unlock = (lambda: None) if lock is None else functools.partial(os.close, lock)
+  closes = [unlock]  # on a failure below: a vLLM client's snapshots go too
   try:
+    lacking = check_run_dir(workdir, resolved)  # fields the saved config.json predates
+    logging.info("budget point %s: B=%d, C=%d rollouts, lr=%.3g", point.name,
+                 point.batch, point.compute, run_plan.lr)
+    t0 = time.time()
+    parts = build_parts(config, run_plan)
+    closes.insert(0, parts.close)
     state = parts.init_state()
     files.check_not_link(workdir / CHECKPOINT_DIR)
     _log_memory_split(config, parts, state, point, pipelined=bool(run_plan.max_lag))
@@ -351,7 +356,7 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
     _close_all(*closes)
     raise
   return OpenRun(parts=parts, state=state, ckpt=ckpt, writer=writer, resumed=resumed,
-                 t0=t0)
+                 t0=t0, unlock=unlock)
 
 
 def _log_memory_split(config, parts: RunParts, state, point: budget_lib.BudgetPoint, *,

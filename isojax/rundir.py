@@ -7,6 +7,7 @@ A run directory (`python -m isojax.main --workdir=DIR`) holds
     tensorboard/    the same scalars for TensorBoard
     checkpoints/    orbax steps: train state + host state
     DONE            written last; a finished run is not rerun
+    .run.lock       held (flock) by the process training in it
 
 The trainer writes it, the sweep launcher polls it, and the analysis reads copies of
 it on machines without JAX: this module is plain Python so that all three can
@@ -16,16 +17,18 @@ import it.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 
-from isojax.files import read_tail
+from isojax.files import read_tail, try_flock
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 DONE_FILE = "DONE"
 CHECKPOINT_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
+RUN_LOCK_FILE = ".run.lock"
 
 # How much of metrics.jsonl `last_record` reads: many lines of any real run.
 _TAIL_BYTES = 8192
@@ -34,6 +37,47 @@ _TAIL_BYTES = 8192
 def is_done(run_dir: str | os.PathLike) -> bool:
   """Whether the run in `run_dir` finished (wrote DONE after its last step)."""
   return os.path.exists(os.path.join(run_dir, DONE_FILE))
+
+
+def read_json_object(path: str | os.PathLike) -> dict:
+  """A run file holding one JSON object (config.json, DONE); ValueError naming the
+  file when it is not one (a truncated copy, an edit by hand)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+    raise ValueError(f"{path} is not valid JSON ({e}); a run writes it whole, so it "
+                     f"was cut or edited: restore it, or use a fresh --workdir") from None
+  if not isinstance(value, dict):
+    raise ValueError(f"{path} holds a JSON {type(value).__name__}, not the object a run "
+                     f"writes: restore it, or use a fresh --workdir")
+  return value
+
+
+def lock_run_dir(run_dir: str | os.PathLike) -> int | None:
+  """Locks `run_dir` for the calling process (its fd: close it to release).
+
+  Two processes training in one directory would interleave their metrics and
+  checkpoints, so the second is refused (ValueError naming the holder). None
+  where the filesystem has no flock (some cluster mounts): unguarded then.
+  """
+  path = os.path.join(run_dir, RUN_LOCK_FILE)
+  try:
+    fd = try_flock(path, f"run {os.getpid()} on {os.uname().nodename}")
+  except OSError as e:
+    if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+      return None
+    raise
+  if fd is None:
+    try:
+      with open(path, encoding="utf-8", errors="replace") as f:
+        holder = f.read().strip() or "another process"
+    except OSError:
+      holder = "another process"
+    raise ValueError(f"{os.fspath(run_dir)} is in use by {holder} (it holds {path}): "
+                     f"two runs in one directory would mix their metrics and "
+                     f"checkpoints; wait for it to end, or use another --workdir")
+  return fd
 
 
 def parse_record(line: str | bytes) -> dict | None:

@@ -11,7 +11,10 @@ mid-way says so in one message and leaves files a rerun can resume from.
   and the rerun completes;
 * trainer + sampler over the device's memory stop before the first update,
   naming the numbers (the evaluation's cache and PipelineRL's weight copy too);
-* `python -m isojax.main` prints such an error as one line and exits with 2.
+* `python -m isojax.main` prints such an error as one line and exits with 2;
+* sampling settings and eval_steps fail before config.json is written;
+* a second process in a run directory, checkpoints without their config.json, a
+  damaged config.json, DONE or checkpoint are each refused, naming the file.
 """
 
 import dataclasses
@@ -19,6 +22,7 @@ import errno
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -89,13 +93,20 @@ def test_failed_start_then_fixed_command_links_refused(tmp_path, monkeypatch):
       run.run(config, workdir)
     (workdir / name).unlink()
   assert victim.read_text() == "precious\n" and len(closed) == 6
+  # The run directory's lock is taken first, before any part is built.
+  (workdir / rundir.RUN_LOCK_FILE).unlink()  # left by the attempts above
+  (workdir / rundir.RUN_LOCK_FILE).symlink_to(victim)
+  with pytest.raises(UnsafePathError, match=rf"{workdir / rundir.RUN_LOCK_FILE} -> {victim}"):
+    run.run(config, workdir)
+  (workdir / rundir.RUN_LOCK_FILE).unlink()
+  assert victim.read_text() == "precious\n" and len(closed) == 6
 
   last = run.run(config, workdir)  # the corrected command, same workdir
   assert last["step"] == 4 and (workdir / "DONE").exists()
   assert json.loads((workdir / "config.json").read_text())["model"]["path"] == ""
   # Nothing else was created: the names above are all there is to guard.
-  assert sorted(os.listdir(workdir)) == ["DONE", "checkpoints", "config.json",
-                                         "metrics.jsonl", "tensorboard"]
+  assert sorted(os.listdir(workdir)) == [rundir.RUN_LOCK_FILE, "DONE", "checkpoints",
+                                         "config.json", "metrics.jsonl", "tensorboard"]
 
 
 def test_full_disk_while_checkpointing_is_one_message_and_resumable(tmp_path, monkeypatch):
@@ -221,3 +232,68 @@ def test_main_config_typos_are_one_line(tmp_path, args, expect):
                          f"--workdir={tmp_path / 'x'}"], cwd=repo, capture_output=True,
                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(repo)})
   assert proc.returncode == 2 and proc.stderr.strip() == expect, proc.stderr
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("sampler.top_p", 0.0, r"config.sampler.top_p=0.0 must be in \(0, 1\]"),
+    ("sampler.top_p", 1.5, r"config.sampler.top_p=1.5 must be in \(0, 1\]"),
+    ("sampler.top_k", -1, r"config.sampler.top_k=-1 must be an int >= 0"),
+    ("sampler.temperature", -0.5, r"config.sampler.temperature=-0.5 must be a number >= 0"),
+    ("eval.temperature", float("nan"), r"config.eval.temperature=nan must be a number"),
+    ("eval_steps", (0, 2), r"config.eval_steps=\(0, 2\): .* in \[1, M=4\]; not \[0\]"),
+    ("eval_steps", (2, 5), r"config.eval_steps=\(2, 5\): .* in \[1, M=4\]; not \[5\]"),
+    ("eval_steps", ("abc",), r"config.eval_steps=\('abc',\): .*; not \['abc'\]"),
+    ("eval_steps", (2.5,), r"not \[2.5\]"),
+])
+def test_sampling_settings_and_eval_steps_fail_before_config_json(tmp_path, field, value,
+                                                                   match):
+  # The sampler would refuse them only at its first call, after config.json was
+  # written: the corrected command would then be refused as "a different config".
+  with pytest.raises(ValueError, match=match):
+    run.run(small_config(**{field: value}), tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+  run.plan_run(small_config(eval_steps=(1, 4)))
+
+
+def test_a_second_process_in_the_workdir_is_refused(tmp_path):
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  held = rundir.lock_run_dir(workdir)  # a separate open: flock refuses it like a process
+  try:
+    with pytest.raises(ValueError, match=rf"{workdir} is in use by run {os.getpid()} on .*: "
+                                         r"two runs in one directory would mix"):
+      run.run(small_config(), workdir)
+    assert sorted(os.listdir(workdir)) == [rundir.RUN_LOCK_FILE]
+  finally:
+    os.close(held)
+
+
+@pytest.mark.parametrize("text, what", [('{"bp": 4, "n"', "is not valid JSON"),
+                                        ("[]", "holds a JSON list, not the object")])
+def test_a_damaged_config_json_or_checkpoints_without_one_are_named(tmp_path, text, what):
+  workdir = tmp_path / "run"
+  (workdir / "checkpoints" / "2").mkdir(parents=True)
+  with pytest.raises(ValueError, match=rf"{workdir} holds checkpoints .* but no "
+                                       r"config.json: .* not resumed"):
+    run.run(small_config(), workdir)
+  (workdir / "config.json").write_text(text)
+  with pytest.raises(ValueError, match=rf"{workdir / 'config.json'} {what}"):
+    run.run(small_config(), workdir)
+
+
+def test_a_damaged_checkpoint_names_the_step_to_remove(tmp_path):
+  config, workdir = small_config(checkpoint_every=2), tmp_path / "run"
+  run.run(config, workdir)
+  (workdir / "DONE").write_text('{"step": 4, "la')
+  with pytest.raises(ValueError, match=rf"{workdir / 'DONE'} is not valid JSON"):
+    run.run(config, workdir)
+  (workdir / "DONE").unlink()
+  for chunk in (workdir / "checkpoints" / "4" / "state").rglob("d/*"):
+    chunk.write_bytes(chunk.read_bytes()[:8])  # a copy cut short
+  with pytest.raises(ValueError, match=rf"checkpoint 4 in {workdir / 'checkpoints'} cannot "
+                                       rf"be restored \(.*\); if it is damaged, remove "
+                                       rf"{workdir / 'checkpoints' / '4'} to resume from "
+                                       r"step 2"):
+    run.run(config, workdir)
+  shutil.rmtree(workdir / "checkpoints" / "4")
+  assert run.run(config, workdir)["step"] == 4 and (workdir / "DONE").exists()

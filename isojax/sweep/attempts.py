@@ -11,7 +11,6 @@ have exited, so a killed launcher never leaves a stale lock behind.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
@@ -30,15 +29,8 @@ def try_lock(run_dir: str) -> int | None:
   as long as its run lives); the kernel releases it when every holder has exited.
   """
   files.make_dir(run_dir)
-  fd = files.open_nofollow(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT)
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except BlockingIOError:
-    os.close(fd)
-    return None
-  os.ftruncate(fd, 0)
-  os.write(fd, f"launcher {os.getpid()} on {os.uname().nodename}\n".encode())
-  return fd
+  return files.try_flock(os.path.join(run_dir, LOCK_FILE),
+                         f"launcher {os.getpid()} on {os.uname().nodename}")
 
 
 def lock_holder(run_dir: str) -> str:
