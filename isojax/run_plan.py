@@ -8,8 +8,8 @@ field; `isojax.main --dry_run` asks the same questions before compiling.
 from __future__ import annotations
 
 import dataclasses
-import math
 import json
+import math
 
 from isojax import assets, run_setup
 from isojax import budget as budget_lib

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import json
+import os
 import pathlib
 import sys
 import time
@@ -319,14 +319,14 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
   workdir.mkdir(parents=True, exist_ok=True)
   lock = lock_run_dir(workdir) if writes_run_files() else None
   unlock = (lambda: None) if lock is None else functools.partial(os.close, lock)
-  closes = [unlock]  # on a failure below: a vLLM client's snapshots go too
+  closes = [unlock]  # what a failure below must undo, newest first
   try:
     lacking = check_run_dir(workdir, resolved)  # fields the saved config.json predates
     logging.info("budget point %s: B=%d, C=%d rollouts, lr=%.3g", point.name,
                  point.batch, point.compute, run_plan.lr)
     t0 = time.time()
     parts = build_parts(config, run_plan)
-    closes.insert(0, parts.close)
+    closes.insert(0, parts.close)  # a vLLM client's snapshots go too
     state = parts.init_state()
     files.check_not_link(workdir / CHECKPOINT_DIR)
     _log_memory_split(config, parts, state, point, pipelined=bool(run_plan.max_lag))
