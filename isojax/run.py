@@ -125,6 +125,8 @@ def run(config, workdir: str | os.PathLike) -> dict:
   """
   run_plan = plan_run(config)
   workdir = pathlib.Path(workdir)
+  if workdir.exists() and not workdir.is_dir():
+    raise ValueError(f"--workdir {workdir} is a file, not a run directory")
   resolved = resolved_config(config, run_plan)
   if rundir.is_done(workdir):
     check_saved_config(workdir / CONFIG_FILE, resolved)  # a finished run keeps its file

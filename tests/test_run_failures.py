@@ -257,6 +257,10 @@ def test_sampling_settings_and_eval_steps_fail_before_config_json(tmp_path, fiel
 
 def test_a_second_process_in_the_workdir_is_refused(tmp_path):
   workdir = tmp_path / "run"
+  workdir.write_text("notes\n")
+  with pytest.raises(ValueError, match=rf"--workdir {workdir} is a file, not a run dir"):
+    run.run(small_config(), workdir)
+  workdir.unlink()
   workdir.mkdir()
   held = rundir.lock_run_dir(workdir)  # a separate open: flock refuses it like a process
   try:
