@@ -125,11 +125,13 @@ def pass_rate_histogram(counts_P, n: int, bins: int = HISTOGRAM_BINS) -> dict:
   if np.any(counts_P < 0) or np.any(counts_P > n):
     raise ValueError(f"counts must lie in [0, n={n}], got range "
                      f"[{counts_P.min()}, {counts_P.max()}]")
-  rate = counts_P / n
   edges = np.linspace(0.0, 1.0, bins + 1)
-  hist, _ = np.histogram(rate, bins=edges)  # numpy's last bin is closed: includes 1.0
+  # The bin of c/n, floor(bins c / n), in integers (the last bin includes 1.0): on
+  # float edges 3/10 fell below linspace's 0.30000000000000004, one bin too low.
+  bin_P = np.minimum(counts_P * bins // n, bins - 1).astype(np.int64)
+  hist = np.bincount(bin_P, minlength=bins)
   return {"bin_edges": edges.tolist(),
-          "fractions": (hist / rate.size).tolist(),
+          "fractions": (hist / counts_P.size).tolist(),
           "zero_pass_fraction": float(np.mean(counts_P == 0)),
           "full_pass_fraction": float(np.mean(counts_P == n))}
 

@@ -104,6 +104,17 @@ def test_histogram():
     pass_rate_histogram([17], 16)
 
 
+@pytest.mark.parametrize("n", [5, 10, 20, 128])
+def test_histogram_bins_rates_on_an_edge_exactly(n):
+  # c/n on a bin edge (3/10, 6/10, 7/10, ...) belongs to the bin it starts: float
+  # edges from linspace (0.30000000000000004) once put it one bin too low.
+  counts = np.arange(n + 1)
+  f = pass_rate_histogram(counts, n)["fractions"]
+  want = np.bincount([min(10 * c // n, 9) for c in counts], minlength=10) / (n + 1)
+  np.testing.assert_allclose(f, want, atol=1e-15)
+  assert pass_rate_histogram([3], 10)["fractions"][3] == 1.0
+
+
 class _CharTokenizer:
   """Char-level stand-in: id = ord(char); 1 = EOS."""
 
