@@ -10,7 +10,9 @@ at encoding time, by the tokenizer (`encode_prompts(..., chat_template=True)`).
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import json
+import math
 import os
 from collections.abc import Iterable, Sequence
 
@@ -67,7 +69,11 @@ def _answer_text(value) -> str:
     value = value[0]
   if isinstance(value, (dict, list, tuple)) or value is None:
     raise TypeError(f"answer must be a scalar, got {value!r:.80}")
-  return str(value)
+  text = str(value)
+  if isinstance(value, float) and math.isfinite(value) and "e" in text:
+    # str(1e-05) is "1e-05", which LaTeX parsing reads as e - 5: write it out.
+    text = format(decimal.Decimal(text), "f")
+  return text
 
 
 def record_to_problem(record: dict, fields: Fields, *, where: str, index: int) -> Problem:

@@ -34,6 +34,10 @@ def verifier():
     ("\\boxed{(x+1)^2}", "x^2+2x+1", 1.0),
     ("no number here", "7", 0.0),
     ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", 1.0),
+    # The exact-match shortcut ignores only the ends' whitespace.
+    (" 23\n", "23", 1.0),
+    ("2 3", "23", 0.0),
+    ("x = 1 0", "x=10", 0.0),
 ])
 def test_math_verify_cases(verifier, response, answer, want):
   assert verifier(response, answer) == want

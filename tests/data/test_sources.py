@@ -139,3 +139,12 @@ def test_non_utf8_line_names_file_and_line(tmp_path):
   with pytest.raises(ValueError, match=rf"{path}:3: not UTF-8 text \(byte 0xe9 at "
                                        r"column 16\)"):
     load_jsonl(path)
+
+
+def test_numeric_answers_are_written_out_not_in_exponent_notation(tmp_path):
+  # str(1e-05) is "1e-05", which the math reward's LaTeX parser reads as e - 5.
+  path = tmp_path / "p.jsonl"
+  _write_jsonl(path, [{"prompt": f"q{i}", "answer": a}
+                      for i, a in enumerate([1e-05, 1e20, 2.0, 0.1, -1.5e-7, 7])])
+  got = [p.answer for p in load_jsonl(path, Fields())]
+  assert got == ["0.00001", "100000000000000000000", "2.0", "0.1", "-0.00000015", "7"]
