@@ -109,7 +109,11 @@ def _eos_ids(cfg) -> tuple[int, ...]:
     eos = json.loads(cfg.hf_config_json).get("eos_token_id")
   if eos is None:
     return ()
-  return tuple(int(e) for e in (eos if isinstance(eos, Sequence) else (eos,)))
+  ids = tuple(int(e) for e in (eos if isinstance(eos, Sequence) else (eos,)))
+  if not all(0 <= e < cfg.vocab_size for e in ids):
+    raise ValueError(f"JaxSampler: the model's eos_token_id {eos!r} is not a token id "
+                     f"in [0, vocab_size={cfg.vocab_size})")
+  return ids
 
 
 class JaxSampler:

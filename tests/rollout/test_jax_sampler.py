@@ -226,6 +226,12 @@ def test_stop_tokens_and_eos_end_sequences(model, sampler):
   with_eos = Decoder(ModelConfig.from_hf_dict(_hf(eos_token_id=[stop])), rngs=nnx.Rngs(9))
   nnx.update(with_eos, nnx.state(model))
   expect(JaxSampler(with_eos).generate(PROMPTS[:2], **kw))
+  # An EOS id the model cannot emit is a bad config, named when the sampler is built.
+  outside = Decoder(ModelConfig.from_hf_dict(_hf(eos_token_id=[stop, VOCAB])),
+                    rngs=nnx.Rngs(9))
+  with pytest.raises(ValueError, match=rf"eos_token_id \[{stop}, {VOCAB}\] is not a "
+                                       rf"token id in \[0, vocab_size={VOCAB}\)"):
+    JaxSampler(outside)
 
 
 def _compiled(sampler) -> int:
