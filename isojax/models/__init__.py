@@ -9,7 +9,8 @@
 from isojax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from isojax.models.critic import Critic, init_critic_from, load_critic, token_values
 from isojax.models.decoder import Decoder
-from isojax.models.hf_io import load_pretrained, save_pretrained
+from isojax.models.hf_io import load_pretrained
+from isojax.models.hf_save import save_pretrained
 from isojax.models.kv_cache import KVCache
 from isojax.models.tokenizer import Tokenizer
 

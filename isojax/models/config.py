@@ -154,6 +154,9 @@ class ModelConfig:
       raise ValueError("unsupported mlp_bias=true")
     if hf.get("use_sliding_window"):
       raise ValueError("unsupported use_sliding_window=true (only full attention)")
+    if hf.get("attention_bias") and not forced_bias:  # Qwen2's is q/k/v only
+      raise ValueError(f"unsupported attention_bias=true for {arch} (its o_proj bias "
+                       f"is not modelled)")
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     rope = _parse_rope(hf)
     return cls(

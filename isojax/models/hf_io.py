@@ -16,8 +16,7 @@ memory map keeps every page read resident until the file is closed, so loading a
 with "pread" (0.19 GiB of it the runtime), at the same speed. Both the backend and
 numpy bfloat16 need safetensors >= 0.8.
 
-Writing goes through `safetensors.numpy.save_file` one file at a time: the host
-holds one file's tensors (at most `max_shard_bytes`) while it is written.
+Writing is `isojax.models.hf_save`.
 """
 
 from __future__ import annotations
@@ -25,10 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
-import shutil
-import tempfile
-import uuid
 import warnings
 from pathlib import Path
 
@@ -36,19 +31,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
-from isojax.models.config import ModelConfig, as_dtype
+from isojax.models.config import ModelConfig
 from isojax.models.decoder import Decoder
 from isojax import sharding as sharding_lib
 
-# Tensor dtypes a checkpoint may store (safetensors' names); others are refused.
-_LOADABLE_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
+# Tensor dtypes a checkpoint may store (safetensors' names): every parameter is a
+# float; an integer or bool tensor (a quantised export) would be cast, not dequantised.
+_LOADABLE_DTYPES = ("F64", "F32", "F16", "BF16")
 # Tensors some exporters add that carry no parameters of this model.
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
-_INDEX_FILE = "model.safetensors.index.json"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def hf_param_table(cfg: ModelConfig) -> list[tuple[str, tuple, bool]]:
@@ -78,7 +72,7 @@ def hf_param_table(cfg: ModelConfig) -> list[tuple[str, tuple, bool]]:
   return table
 
 
-def _variable(model: nnx.Module, path: tuple) -> nnx.Variable:
+def variable(model: nnx.Module, path: tuple) -> nnx.Variable:
   return functools.reduce(lambda o, k: o[k] if isinstance(k, int) else getattr(o, k), path, model)
 
 
@@ -96,7 +90,7 @@ def _axis_groups(param_shape: tuple, path: tuple, transposed: bool) -> tuple[int
   return (1,) * len(param_shape)
 
 
-def _hf_shape(param_shape: tuple, path: tuple, transposed: bool) -> tuple:
+def hf_tensor_shape(param_shape: tuple, path: tuple, transposed: bool) -> tuple:
   """The HF tensor shape of a parameter: kernels are 2-D [out, in], biases flat."""
   dims, start = [], 0
   for n in _axis_groups(param_shape, path, transposed):
@@ -119,7 +113,7 @@ def _open_safetensors(file: Path, stack: contextlib.ExitStack):
 
 def _checkpoint_files(path: Path) -> list[Path]:
   """The *.safetensors files of a checkpoint: those its index names, else all."""
-  index_file = path / _INDEX_FILE
+  index_file = path / INDEX_FILE
   if not index_file.exists():
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -144,7 +138,11 @@ def _open_checkpoint(path: Path, stack: contextlib.ExitStack) -> dict[str, tuple
   tensors = {}
   for file in _checkpoint_files(path):
     handle = _open_safetensors(file, stack)
-    tensors.update({name: (file, handle) for name in handle.keys()})
+    for name in handle.keys():
+      if name in tensors:
+        raise ValueError(f"{path}: tensor {name!r} is in both {tensors[name][0].name} and "
+                         f"{file.name}; which one the weights are is ambiguous")
+      tensors[name] = (file, handle)
   return tensors
 
 
@@ -161,6 +159,8 @@ def _check_names(path: Path, cfg: ModelConfig, table: list, names) -> None:
                      f"({len(missing)} missing in all: {missing[:8]})")
   expected = {n for n, _, _ in table}
   extra = sorted(n for n in names if n not in expected)
+  if cfg.tie_word_embeddings and "lm_head.weight" in extra:
+    _check_tied_head(path, names)
   ignorable = [n for n in extra if n.endswith(_IGNORABLE_SUFFIXES)
                or (n == "lm_head.weight" and cfg.tie_word_embeddings)]
   extra = [n for n in extra if n not in ignorable]
@@ -169,6 +169,27 @@ def _check_names(path: Path, cfg: ModelConfig, table: list, names) -> None:
                      f"(config and weights disagree?): {extra[:8]}")
   if ignorable:
     warnings.warn(f"{path}: ignoring tensors {ignorable} (tied embeddings / RoPE buffers)")
+
+
+def _check_tied_head(path: Path, tensors: dict, rows: int = 4096) -> None:
+  """A tied config's checkpoint may carry lm_head.weight only as a copy of the
+  embedding: stacks disagree on which one a different head means (transformers 5
+  unties and uses it, vLLM and transformers 4 use the embedding). Compared in
+  blocks of `rows`, so the host never holds either tensor whole."""
+  (head_file, head), (embed_file, embed) = (tensors["lm_head.weight"],
+                                            tensors["model.embed_tokens.weight"])
+  head, embed = head.get_slice("lm_head.weight"), embed.get_slice("model.embed_tokens.weight")
+  same, n = head.get_shape() == embed.get_shape(), head.get_shape()[0]
+  for start in range(0, n if same else 0, rows):
+    block = slice(start, min(start + rows, n))  # safetensors refuses a slice past the end
+    if not np.array_equal(head[block], embed[block]):
+      same = False
+      break
+  if not same:
+    raise ValueError(f"{path}: config.json ties word embeddings, but lm_head.weight "
+                     f"({head_file.name}) differs from model.embed_tokens.weight "
+                     f"({embed_file.name}); set tie_word_embeddings in config.json to what "
+                     f"the weights mean (false: use lm_head)")
 
 
 def _read_block(tensor_slice, param_shape: tuple, groups: tuple[int, ...], transposed: bool,
@@ -230,9 +251,14 @@ def load_pretrained(path, *, dtype=jnp.float32, mesh=None, rules=None, compute_d
   """
   path = Path(path)
   config_file, hf = _read_config(path)
-  cfg = ModelConfig.from_hf_dict(hf, dtype=dtype if compute_dtype is None else compute_dtype,
-                                 param_dtype=dtype, lm_head_fp32=lm_head_fp32, remat=remat,
-                                 attention=attention)
+  try:
+    cfg = ModelConfig.from_hf_dict(
+        hf, dtype=dtype if compute_dtype is None else compute_dtype, param_dtype=dtype,
+        lm_head_fp32=lm_head_fp32, remat=remat, attention=attention)
+  except KeyError as e:
+    raise ValueError(f"{config_file}: no {e.args[0]!r}, which the architecture needs")
+  except ValueError as e:
+    raise ValueError(f"{config_file}: {e}") from None
   table = hf_param_table(cfg)
   model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
   rules = sharding_lib.DEFAULT_RULES if rules is None else rules
@@ -241,9 +267,9 @@ def load_pretrained(path, *, dtype=jnp.float32, mesh=None, rules=None, compute_d
     tensors = _open_checkpoint(path, stack)
     _check_names(path, cfg, table, tensors)
     for name, attr_path, transposed in table:
-      var = _variable(model, attr_path)
+      var = variable(model, attr_path)
       shape = tuple(var.get_value().shape)
-      hf_shape = _hf_shape(shape, attr_path, transposed)
+      hf_shape = hf_tensor_shape(shape, attr_path, transposed)
       file, handle = tensors[name]
       tensor_slice = handle.get_slice(name)
       found = tuple(tensor_slice.get_shape())
@@ -251,8 +277,8 @@ def load_pretrained(path, *, dtype=jnp.float32, mesh=None, rules=None, compute_d
         raise ValueError(f"{file.name}: tensor {name!r} has shape {list(found)}, expected "
                          f"{list(hf_shape)} for config {config_file}")
       if tensor_slice.get_dtype() not in _LOADABLE_DTYPES:
-        raise ValueError(f"{file.name}: tensor {name!r} has unsupported dtype "
-                         f"{tensor_slice.get_dtype()}")
+        raise ValueError(f"{file}: tensor {name!r} {list(found)} has dtype "
+                         f"{tensor_slice.get_dtype()}; expected one of {_LOADABLE_DTYPES}")
       read = functools.partial(_read_block, tensor_slice, shape,
                                _axis_groups(shape, attr_path, transposed), transposed)
       var.set_value(_place(read, shape, param_dtype, var, mesh, rules))
@@ -269,113 +295,3 @@ def _place(read, shape: tuple, dtype: np.dtype, var: nnx.Variable, mesh, rules) 
   # Each device reads only its own block of the file.
   return jax.make_array_from_callback(
       shape, sharding, lambda index: read(index).astype(dtype, copy=False))
-
-
-# ----------------------------------------------------------------------------- writing
-
-
-def _host(x: jax.Array) -> np.ndarray:
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    x = multihost_utils.process_allgather(x, tiled=True)
-  return np.asarray(x)
-
-
-def _hf_entries(model: Decoder, cfg: ModelConfig, dtype: np.dtype) -> list[tuple]:
-  """(HF name, HF shape, make) per tensor; `make()` gathers it to the host in HF layout."""
-  entries = []
-  for name, attr_path, transposed in hf_param_table(cfg):
-    var = _variable(model, attr_path)
-    hf_shape = _hf_shape(tuple(var.get_value().shape), attr_path, transposed)
-
-    def make(var=var, hf_shape=hf_shape, transposed=transposed):
-      a = _host(var.get_value())
-      a = a.reshape(hf_shape[::-1]).T if transposed else a.reshape(hf_shape)
-      return np.ascontiguousarray(a, dtype=dtype)
-
-    entries.append((name, hf_shape, make))
-  return entries
-
-
-def _split_into_files(entries: list[tuple], itemsize: int, max_bytes: int) -> list[list]:
-  """Consecutive runs of entries of at most `max_bytes` each (a larger tensor alone)."""
-  files, size = [[]], 0
-  for e in entries:
-    nbytes = int(np.prod(e[1])) * itemsize
-    if files[-1] and size + nbytes > max_bytes:
-      files.append([])
-      size = 0
-    files[-1].append(e)
-    size += nbytes
-  return files
-
-
-def _write_safetensors(file: Path, entries: list[tuple]) -> None:
-  """One safetensors file of `entries`, made one by one, written and synced."""
-  # transformers refuses files without the "format" metadata.
-  save_file({name: make() for name, _, make in entries}, file, metadata={"format": "pt"})
-  fd = os.open(file, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-def _write_weights(directory: Path, files: list[list], itemsize: int) -> None:
-  """model.safetensors, or numbered files and model.safetensors.index.json."""
-  if len(files) == 1:
-    _write_safetensors(directory / "model.safetensors", files[0])
-    return
-  weight_map = {}
-  for i, entries in enumerate(files):
-    fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-    _write_safetensors(directory / fname, entries)
-    weight_map.update({e[0]: fname for e in entries})
-  total = sum(int(np.prod(e[1])) * itemsize for entries in files for e in entries)
-  (directory / _INDEX_FILE).write_text(json.dumps(
-      {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-
-
-def _replace_directory(tmp: Path, path: Path) -> None:
-  """Rename `tmp` to `path`; an existing `path` is renamed aside first, then deleted."""
-  if path.exists():
-    old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
-    os.rename(path, old)
-    os.rename(tmp, path)
-    shutil.rmtree(old)
-  else:
-    os.rename(tmp, path)
-
-
-def save_pretrained(model: Decoder, cfg: ModelConfig, path, *, dtype=None, tokenizer=None,
-                    max_shard_bytes: int = 4 << 30) -> Path:
-  """Write an HF directory that transformers and vLLM load unchanged.
-
-  HF tensor names, [out, in] layout, config.json with `architectures`; tied
-  embeddings write no lm_head.weight. Files over `max_shard_bytes` are split with a
-  model.safetensors.index.json. Everything is written into a temp dir next to `path`
-  and renamed in, so readers never see half a checkpoint; an existing `path` is
-  renamed aside first and deleted after. `tokenizer` (an isojax Tokenizer) is saved
-  alongside if given. Multi-host: all processes must call; process 0 writes.
-  """
-  path = Path(path).absolute()
-  dtype = np.dtype(as_dtype(cfg.param_dtype if dtype is None else dtype))
-  entries = _hf_entries(model, cfg, dtype)
-  if jax.process_index() != 0:
-    for _, _, make in entries:  # take part in the all-gathers, write nothing
-      make()
-    return path
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-  try:
-    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a vLLM server may run as another user
-    (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(dtype), indent=2,
-                                                sort_keys=True) + "\n")
-    _write_weights(tmp, _split_into_files(entries, dtype.itemsize, max_shard_bytes),
-                   dtype.itemsize)
-    if tokenizer is not None:
-      tokenizer.save_pretrained(tmp)
-    _replace_directory(tmp, path)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  return path

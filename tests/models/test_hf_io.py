@@ -245,3 +245,77 @@ def test_corrupt_safetensors_file_is_named_with_what_is_wrong(hf_dir, tmp_path):
                                          rf"file \({len(blob)} bytes; .*\): .*{reason}"):
       load_pretrained(bad)
       pytest.fail(f"{what} loaded")
+
+
+def test_tensors_that_would_load_silently_wrong_are_refused(hf_dir, tmp_path):
+  bad = _copy(hf_dir("qwen2")[1], tmp_path)
+  good = load_file(bad / "model.safetensors")
+  name = "model.layers.0.mlp.down_proj.weight"
+  for dtype in (torch.int8, torch.int32, torch.bool):  # a quantised export: cast, wrong
+    save_file({**good, name: good[name].to(dtype)}, bad / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"model.safetensors: tensor '{name}' \[64, 128\] "
+                                         rf"has dtype (I8|I32|BOOL); expected one of"):
+      load_pretrained(bad)
+  save_file(good, bad / "model.safetensors", metadata={"format": "pt"})
+  save_file({name: torch.zeros_like(good[name])}, bad / "zz-extra.safetensors",
+            metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=rf"'{name}' is in both model.safetensors and "
+                                       r"zz-extra.safetensors"):
+    load_pretrained(bad)
+  (bad / "zz-extra.safetensors").unlink()
+  cfg = json.loads((bad / "config.json").read_text())
+  (bad / "config.json").write_text(json.dumps({k: v for k, v in cfg.items()
+                                               if k != "hidden_size"}))
+  with pytest.raises(ValueError, match=r"config.json: no 'hidden_size'"):
+    load_pretrained(bad)
+
+
+def test_a_tied_config_takes_lm_head_only_as_a_copy_of_the_embedding(hf_dir, tmp_path):
+  bad = _copy(hf_dir("qwen3_tied")[1], tmp_path)
+  good = load_file(bad / "model.safetensors")
+  embed = good["model.embed_tokens.weight"]
+  save_file({**good, "lm_head.weight": embed.clone()}, bad / "model.safetensors",
+            metadata={"format": "pt"})
+  with pytest.warns(UserWarning, match="lm_head.weight"):
+    load_pretrained(bad)
+  # transformers 5 would untie and use it, vLLM the embedding: ambiguous, refused.
+  head = embed.clone()
+  head[-1] += 1.0
+  save_file({**good, "lm_head.weight": head}, bad / "model.safetensors",
+            metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=r"ties word embeddings, but lm_head.weight "
+                                       r"\(model.safetensors\) differs"):
+    load_pretrained(bad)
+
+
+def test_llama_attention_bias_is_refused_by_name(hf_dir, tmp_path):
+  bad = _copy(hf_dir("llama3")[1], tmp_path)
+  cfg = json.loads((bad / "config.json").read_text())
+  (bad / "config.json").write_text(json.dumps({**cfg, "attention_bias": True}))
+  with pytest.raises(ValueError, match=r"config.json: unsupported attention_bias=true for "
+                                       r"LlamaForCausalLM \(its o_proj bias"):
+    load_pretrained(bad)
+
+
+def test_save_refuses_a_link_a_file_and_a_config_that_is_not_the_models(hf_dir, tmp_path):
+  model, cfg = load_pretrained(hf_dir("qwen2")[1])
+  real = tmp_path / "real"
+  real.mkdir()
+  (tmp_path / "link").symlink_to(real)
+  (tmp_path / "afile").write_text("notes\n")
+  for name, what in (("link", f"a link to {real}"), ("afile", "a file")):
+    with pytest.raises(ValueError, match=rf"{tmp_path / name} is {what}; it replaces a "
+                                         r"directory only"):
+      save_pretrained(model, cfg, tmp_path / name)
+  assert (tmp_path / "afile").read_text() == "notes\n" and not os.listdir(real)
+  for wrong, key in ((dict(vocab_size=100), "vocab_size"),
+                     (dict(num_layers=1), "num_hidden_layers"),
+                     (dict(tie_word_embeddings=True), "tie_word_embeddings")):
+    with pytest.raises(ValueError, match=r"cfg differs from the model's own config in "
+                                         rf"\['{key}'\]; pass model.cfg"):
+      save_pretrained(model, cfg.replace(**wrong), tmp_path / "out")
+  assert sorted(os.listdir(tmp_path)) == ["afile", "link", "real"]
+  out = save_pretrained(model, cfg, tmp_path / "out")
+  # Readable by a vLLM server running as another user.
+  assert {oct(os.stat(f).st_mode & 0o777) for f in out.iterdir()} == {"0o644"}
