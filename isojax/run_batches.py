@@ -72,9 +72,9 @@ class SampledBatch:
   version_BxT: np.ndarray
 
 
-def nonfinite_policy_message(step: int, config) -> str:
+def nonfinite_policy_message(step: int, weights: int, config) -> str:
   return (f"stopping at step {step}: the sampler's log-probs are not finite, i.e. the "
-          f"weights after update {step - 1} give inf/NaN logits although that update "
+          f"weights after update {weights} give inf/NaN logits although that update "
           f"was finite (config.rl.lr_base={config.rl.lr_base:g} is far too large?). "
           f"Lower config.rl.lr_base (or set config.rl.max_grad_norm) and start again in "
           f"a fresh --workdir: resuming would reload these weights.")
@@ -99,8 +99,12 @@ def sample_batch(parts, config, step: int, *, version: int) -> SampledBatch:
       temperature=config.sampler.temperature, top_p=config.sampler.top_p,
       top_k=config.sampler.top_k or None, stop_token_ids=parts.stop_token_ids,
       seed=derive_seed(config.seed, TRAIN, step))
-  if not np.all(np.isfinite(rollouts.logprobs_BxT)):
-    raise NonFiniteLossError(nonfinite_policy_message(version + 1, config))
+  bad_BxT = ~np.isfinite(rollouts.logprobs_BxT)
+  if bad_BxT.any():
+    # PipelineRL's tokens may come from weights newer than `version`: their labels say.
+    labels = rollouts.version_BxT
+    weights = version if labels is None else int(np.asarray(labels)[bad_BxT].max())
+    raise NonFiniteLossError(nonfinite_policy_message(step, weights, config))
   rewards_B = score_rollouts(rollouts, [p.answer for p in problems], n_est,
                              parts.tokenizer, parts.reward_fn)
   retire_at = config.data.drop_solved_above

@@ -169,7 +169,9 @@ def test_main_prints_one_line_and_exits_2(tmp_path):
   assert proc.returncode == 2 and "Traceback" in proc.stderr
 
 
-def test_weights_that_sample_non_finite_logprobs_stop_with_advice(tmp_path, monkeypatch):
+@pytest.mark.parametrize("max_lag, weights", [(0, "1"), (2, "[01]")])
+def test_weights_that_sample_non_finite_logprobs_stop_with_advice(tmp_path, monkeypatch,
+                                                                  max_lag, weights):
   # What a far too large learning rate does: an update with finite loss, gradient
   # and weights after which the policy's log-probs overflow. The run stops at the
   # next step naming the learning rate, instead of a Batch validation error.
@@ -185,10 +187,13 @@ def test_weights_that_sample_non_finite_logprobs_stop_with_advice(tmp_path, monk
     return out
 
   monkeypatch.setattr(JaxSampler, "generate", overflowing)
+  # PipelineRL samples step 2's batch while update 1 may still run: the step is the
+  # batch's, the weights those its tokens' labels name.
   with pytest.raises(run.NonFiniteLossError,
-                     match=r"stopping at step 2: the sampler's log-probs are not finite.*"
+                     match=r"stopping at step 2: the sampler's log-probs are not finite, "
+                           rf"i.e. the weights after update {weights} give inf/NaN.*"
                            r"config.rl.lr_base=2e-05.*Lower config.rl.lr_base"):
-    run.run(small_config(), tmp_path / "run")
+    run.run(small_config(**{"rl.pipeline.max_lag": max_lag}), tmp_path / "run")
 
 
 def test_drop_too_long_leaves_problems_out_with_a_count_in_the_log(caplog):
