@@ -15,6 +15,7 @@ picks: the joint (Bp, n, M) study's when the runs hold one (App. C).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -325,9 +326,15 @@ def analyze_group(runs, *, metric: str, difficulty=None,
         sample_fixed, _ = _run_fixed(sample, batches, metric, opts)
         return _params(sample_sweeps, sample_fixed, law_name, budgets)
 
-      replicated = len({r.config_key for r in runs}) < len(runs)
+      per_config = collections.Counter(r.config_key for r in runs)
+      replicated = len(per_config) < len(runs)
       intervals = bootstrap(runs, fn, n_boot=n_boot, seed=seed,
                             strata=(lambda r: r.config_key) if replicated else None)
+      single = sum(c == 1 for c in per_config.values())
+      if replicated and single:
+        problems.append(f"bootstrap: {single} of {len(per_config)} configurations have "
+                        f"one run, which resampling within configurations cannot vary: "
+                        f"the intervals leave out their seed noise (run more seeds)")
     n_star_intervals = {c: rx.n_star_interval(intervals, c) for c in budgets}
     prescriptions = rx.prescribe(choice, budgets, b_max=_b_max(runs),
                                  intervals=n_star_intervals)

@@ -109,3 +109,16 @@ def test_percentiles_with_infinite_values_are_numpys_limits(values):
     want = np.inf if want > 1e299 else -np.inf if want < -1e299 else want
     assert g == pytest.approx(want, rel=1e-12), (values, q)
   assert _percentiles([3.0, 1.0, 2.0], qs) == list(np.percentile([1.0, 2.0, 3.0], qs))
+
+
+def test_partly_replicated_sweeps_say_which_configurations_add_no_seed_noise(tmp_path):
+  from isojax.analysis import analyze, read_runs
+  from . import fake_runs
+  fake_runs.make_sweep(tmp_path, configs=[(8, 4), (8, 8), (8, 16)], budget=8 * 64 * 200,
+                       n_evals=20)
+  fake_runs.make_sweep(tmp_path, configs=[(8, 32)], seeds=(0, 1), budget=8 * 64 * 200,
+                       n_evals=20, noise=0.01)
+  g = analyze(list(read_runs(tmp_path).runs), n_boot=4).groups[0]
+  assert g.intervals.stratified
+  assert ("bootstrap: 3 of 4 configurations have one run, which resampling within "
+          "configurations cannot vary") in " ".join(g.problems)
