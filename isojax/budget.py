@@ -168,7 +168,7 @@ class BudgetPoint:
 
 
 def sweep_grid(bp_values: Iterable, n_values: Iterable, *, b_max,
-               budget) -> list[BudgetPoint]:
+               budget, n_est: int | None = None) -> list[BudgetPoint]:
   """Feasible budget points of a (Bp, n) grid at one or several budgets.
 
   A pair is feasible when `BudgetPoint.feasible` accepts it: Bp * n <= b_max and at
@@ -179,6 +179,8 @@ def sweep_grid(bp_values: Iterable, n_values: Iterable, *, b_max,
     n_values: rollouts-per-problem values.
     b_max: the largest batch Bp * n allowed (memory / throughput bound).
     budget: a rollout budget C, or a sequence of them.
+    n_est: a decoupled baseline's rollouts per problem (App. G), for every point:
+      M = floor(C / (Bp * n_est)); an n above it is left out.
 
   Raises:
     ValueError: if no point of the grid is feasible (names the numbers).
@@ -197,7 +199,8 @@ def sweep_grid(bp_values: Iterable, n_values: Iterable, *, b_max,
     for bp in sorted(set(bp_values)):
       for n in sorted(set(n_values)):
         try:
-          points.append(BudgetPoint.feasible(compute, bp=bp, n=n, b_max=b_max))
+          points.append(BudgetPoint.feasible(compute, bp=bp, n=n, n_est=n_est,
+                                             b_max=b_max))
         except ValueError:
           continue  # left out; an all-infeasible grid is reported below
   if not points:

@@ -593,6 +593,24 @@ def test_dry_run_lists_the_points_it_leaves_out(tmp_path):
       "128: M = floor(C/(Bp*n)) = 0 updates"]
 
 
+def test_a_decoupled_baseline_sets_each_points_m_as_the_run_does(tmp_path):
+  # rl.n_est rollouts are sampled per problem: M = floor(C / (Bp n_est)), the name
+  # says n_est, and an n above it is left out, all as isojax.main computes the point.
+  proc = _launch(f"--config={TINY}", f"--root={tmp_path}/x", "--bp=4", "--n=2,4,8",
+                 "--budget=256", "--dry_run", "--", "--config.rl.n_est=4")
+  rows = [line.split() for line in proc.stdout.strip().splitlines()[1:-1]]
+  assert [(r[0], r[4], r[5]) for r in rows] == [("bp4_n2e4_m16_s0", "16", "256"),
+                                                ("bp4_n4_m16_s0", "16", "256")]
+  assert proc.stderr.splitlines()[-1] == (
+      "  Bp=4 n=8 C=256: n_est=4 rollouts per problem for the baseline must be >= n=8, "
+      "the rollouts trained on")
+  from isojax import run_plan
+  from isojax.sweep import load_experiment
+  config = load_experiment(TINY, "bp=4,n=2,budget=256")
+  config.rl.n_est = 4
+  assert run_plan.plan_run(config).point.name == "bp4_n2e4_m16"
+
+
 def test_grid_of_only_infeasible_n_fails_in_one_line(tmp_path):
   proc = _launch(f"--config={TINY}", f"--root={tmp_path}/x", "--bp=4", "--n=1",
                  "--budget=64", "--dry_run", check=False)

@@ -36,13 +36,14 @@ class SweepPoint:
 
 
 def expand_points(bp_values: Iterable, n_values: Iterable, *, b_max, budgets,
-                  seeds: Iterable[int] = (0,), min_n: int = 1,
-                  estimator: str = "") -> list[SweepPoint]:
+                  seeds: Iterable[int] = (0,), min_n: int = 1, estimator: str = "",
+                  n_est: int | None = None) -> list[SweepPoint]:
   """All feasible (Bp, n, M) points of the grid (via `budget.sweep_grid`) x seeds.
 
   Args:
     min_n: the fewest rollouts per problem the run's advantage estimator (named
       `estimator`, for messages) is defined for; smaller n are infeasible.
+    n_est: the config's decoupled baseline (rl.n_est), which sets M as the run does.
 
   Raises:
     ValueError: for an empty seed list, or when no point fits (naming the numbers).
@@ -55,12 +56,14 @@ def expand_points(bp_values: Iterable, n_values: Iterable, *, b_max, budgets,
     raise ValueError(f"no feasible budget point: every n in {n_values} is below the "
                      f"{min_n} rollouts per problem the {estimator or 'advantage'} "
                      f"estimator needs")
-  grid = budget_lib.sweep_grid(bp_values, n_values, b_max=b_max, budget=budgets)
+  grid = budget_lib.sweep_grid(bp_values, n_values, b_max=b_max, budget=budgets,
+                              n_est=n_est)
   return [SweepPoint(p, s) for p in grid if p.n >= min_n for s in seeds]
 
 
 def dropped_points(bp_values: Iterable, n_values: Iterable, *, b_max, budgets,
-                   min_n: int = 1, estimator: str = "") -> list[str]:
+                   min_n: int = 1, estimator: str = "",
+                   n_est: int | None = None) -> list[str]:
   """Why each (Bp, n, C) of the grid that `expand_points` leaves out is infeasible,
   one line each in `BudgetPoint.feasible`'s words, e.g. 'Bp=64 n=8 C=256: infeasible
   budget point: Bp*n = 64*8 = 512 exceeds b_max = 256'."""
@@ -72,7 +75,7 @@ def dropped_points(bp_values: Iterable, n_values: Iterable, *, b_max, budgets,
       for n in sorted({int(x) for x in n_values}):
         why = []
         try:
-          budget_lib.BudgetPoint.feasible(c, bp=bp, n=n, b_max=b_max)
+          budget_lib.BudgetPoint.feasible(c, bp=bp, n=n, n_est=n_est, b_max=b_max)
         except ValueError as e:
           why.append(str(e))
         if n < min_n:
@@ -271,11 +274,12 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
   estimator = rl.get("adv_estimator", "")
   # With a decoupled baseline (rl.n_est) the estimator sees n_est rollouts per
   # problem whatever n is; the run checks n_est itself.
-  min_n = 1 if rl.get("n_est") else _min_n(estimator)
+  n_est = int(rl.get("n_est") or 0) or None
+  min_n = 1 if n_est else _min_n(estimator)
   points = expand_points(bp, n, b_max=b_max, budgets=budgets, seeds=seeds, min_n=min_n,
-                         estimator=estimator)
+                         estimator=estimator, n_est=n_est)
   dropped = dropped_points(bp, n, b_max=b_max, budgets=budgets, min_n=min_n,
-                           estimator=estimator)
+                           estimator=estimator, n_est=n_est)
   run = (runner,) if runner.endswith(".py") else ("-m", runner)
   return Sweep(config=config_path, root=root, points=tuple(points), runner=run,
                extra_args=tuple(extra_args), python=python,
