@@ -256,9 +256,8 @@ def load_pretrained(path, *, dtype=jnp.float32, mesh=None, rules=None, compute_d
         hf, dtype=dtype if compute_dtype is None else compute_dtype, param_dtype=dtype,
         lm_head_fp32=lm_head_fp32, remat=remat, attention=attention)
   except KeyError as e:
-    raise ValueError(f"{config_file}: no {e.args[0]!r}, which the architecture needs")
-  except ValueError as e:
-    raise ValueError(f"{config_file}: {e}") from None
+    raise ValueError(f"{config_file}: no {e.args[0]!r}, which the architecture "
+                     f"needs") from None
   table = hf_param_table(cfg)
   model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
   rules = sharding_lib.DEFAULT_RULES if rules is None else rules

@@ -293,7 +293,7 @@ def test_llama_attention_bias_is_refused_by_name(hf_dir, tmp_path):
   bad = _copy(hf_dir("llama3")[1], tmp_path)
   cfg = json.loads((bad / "config.json").read_text())
   (bad / "config.json").write_text(json.dumps({**cfg, "attention_bias": True}))
-  with pytest.raises(ValueError, match=r"config.json: unsupported attention_bias=true for "
+  with pytest.raises(ValueError, match=r"unsupported attention_bias=true for "
                                        r"LlamaForCausalLM \(its o_proj bias"):
     load_pretrained(bad)
 
