@@ -47,10 +47,10 @@ def read_json_object(path: str | os.PathLike) -> dict:
       value = json.load(f)
   except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
     raise ValueError(f"{path} is not valid JSON ({e}); a run writes it whole, so it "
-                     f"was cut or edited: restore it, or use a fresh --workdir") from None
+                     f"was cut or edited: restore it") from None
   if not isinstance(value, dict):
     raise ValueError(f"{path} holds a JSON {type(value).__name__}, not the object a run "
-                     f"writes: restore it, or use a fresh --workdir")
+                     f"writes: restore it")
   return value
 
 

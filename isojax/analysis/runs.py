@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from isojax.rundir import CONFIG_FILE, METRICS_FILE, read_metrics
+from isojax.rundir import CONFIG_FILE, METRICS_FILE, read_json_object, read_metrics
 
 # Compute axes a curve can be drawn against: rollouts (the IsoCompute playbook's),
 # generated tokens (its App. E), updates M = rollouts / (Bp * n), and device-hours
@@ -219,10 +219,7 @@ def _load_one(root: str, path: str, problems: list[LoadProblem]) -> Run | None:
     problems.append(LoadProblem(path, "no_config", f"no {CONFIG_FILE}; run skipped"))
     return None
   try:
-    with open(config_path, encoding="utf-8") as f:
-      config = json.load(f)
-    if not isinstance(config, dict):
-      raise ValueError("not a JSON object")
+    config = read_json_object(config_path)
     fields = _parse_config(config)
   except (ValueError, OSError) as e:
     problems.append(LoadProblem(config_path, "bad_config", f"{e}; run skipped"))
