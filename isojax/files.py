@@ -82,6 +82,15 @@ def try_flock(path: str | os.PathLike, holder: str) -> int | None:
   return fd
 
 
+def lock_holder(path: str | os.PathLike, unknown: str = "unknown") -> str:
+  """Who wrote the lock file at `path` last (`try_flock`'s holder), for messages."""
+  try:
+    with open(path, encoding="utf-8", errors="replace") as f:
+      return f.read().strip() or unknown
+  except OSError:
+    return unknown
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes, *, fsync: bool = True) -> None:
   """Writes `data` to `path` via `path.tmp` + rename, never through a link.
 

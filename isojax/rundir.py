@@ -21,7 +21,7 @@ import errno
 import json
 import os
 
-from isojax.files import read_tail, try_flock
+from isojax.files import lock_holder, read_tail, try_flock
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -69,11 +69,7 @@ def lock_run_dir(run_dir: str | os.PathLike) -> int | None:
       return None
     raise
   if fd is None:
-    try:
-      with open(path, encoding="utf-8", errors="replace") as f:
-        holder = f.read().strip() or "another process"
-    except OSError:
-      holder = "another process"
+    holder = lock_holder(path, unknown="another process")
     raise ValueError(f"{os.fspath(run_dir)} is in use by {holder} (it holds {path}): "
                      f"two runs in one directory would mix their metrics and "
                      f"checkpoints; wait for it to end, or use another --workdir")

@@ -34,12 +34,8 @@ def try_lock(run_dir: str) -> int | None:
 
 
 def lock_holder(run_dir: str) -> str:
-  """Who wrote the lock file last (for messages only)."""
-  try:
-    with open(os.path.join(run_dir, LOCK_FILE)) as f:
-      return f.read().strip() or "unknown"
-  except OSError:
-    return "unknown"
+  """Who wrote the point's lock file last (for messages only)."""
+  return files.lock_holder(os.path.join(run_dir, LOCK_FILE))
 
 
 def record_attempt(run_dir: str, **event) -> None:
