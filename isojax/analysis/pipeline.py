@@ -271,7 +271,7 @@ def _params(sweeps, fixed, law_name, budgets) -> dict[str, float]:
         out[f"{name}|law.{p}"] = getattr(law, p)
       if name == law_name:
         for c in budgets:
-          out[f"n_star@{c:g}"] = float(law.predict(c))
+          out[rx.n_star_key(c)] = float(law.predict(c))
   return out
 
 

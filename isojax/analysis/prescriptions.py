@@ -162,6 +162,11 @@ def default_budgets(law: fits_lib.NStarFit) -> list[float]:
                                   hi, 10 * hi)]
 
 
+def n_star_key(budget: float) -> str:
+  """The bootstrap's name for n* at `budget` (`pipeline._params` fills it)."""
+  return f"n_star@{budget:g}"
+
+
 def n_star_interval(boot, budget: float) -> tuple[float, float] | None:
   """The bootstrap interval of n* at `budget` (None without one), as judged here.
 
@@ -169,7 +174,7 @@ def n_star_interval(boot, budget: float) -> tuple[float, float] | None:
   they outnumber the interval's upper tail, its upper end is unknown (inf), and an
   extrapolation from it is refused.
   """
-  iv = boot.intervals.get(f"n_star@{budget:g}") if boot is not None else None
+  iv = boot.intervals.get(n_star_key(budget)) if boot is not None else None
   if iv is None or iv.n_ok == 0:
     return None
   unknown, tail = boot.n_boot - iv.n_ok, boot.n_boot * (1 - boot.level) / 2

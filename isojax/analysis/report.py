@@ -17,7 +17,7 @@ from isojax.analysis import plots
 from isojax.analysis.frontier import key_label
 from isojax.analysis.pipeline import (LAW_PARAMS, SIGMOID_PARAMS, Analysis, GroupAnalysis,
                                       finite_or_none, group_name, sweep_name)
-from isojax.analysis.prescriptions import MAX_SPREAD
+from isojax.analysis.prescriptions import MAX_SPREAD, n_star_key
 
 
 def _jsonable(x):
@@ -118,7 +118,7 @@ def fits_dict(analysis: Analysis) -> dict:
                            "extrapolated": p.extrapolated, "refused": p.refused,
                            "note": p.note,
                            "point": None if p.point is None else p.point.to_dict(),
-                           "n_star_interval": _interval(g, f"n_star@{p.budget:g}")}
+                           "n_star_interval": _interval(g, n_star_key(p.budget))}
                           for p in g.prescriptions],
         "bootstrap": None if g.intervals is None else {
             "n_boot": g.intervals.n_boot, "n_failed": g.intervals.n_failed,
@@ -292,7 +292,7 @@ def _prescriptions_md(g: GroupAnalysis) -> list[str]:
     cells = ([str(pt.n), str(pt.bp), str(pt.m), str(pt.compute)] if pt else
              ["–"] * 4)
     out.append(f"| {pr.budget:.3g} | {pr.n_star:.3g}"
-               f"{_ci(g, f'n_star@{pr.budget:g}')} | " + " | ".join(cells)
+               f"{_ci(g, n_star_key(pr.budget))} | " + " | ".join(cells)
                + f" | {note} |")
   return out + ["", "n is n* rounded to a power of two (in log2); M = floor(C / (Bp·n)). "
                 "An extrapolation whose n* interval spans more than a factor of "
