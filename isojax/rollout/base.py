@@ -237,6 +237,22 @@ def next_version(current: int, version: int | None, *, where: str) -> int:
   return int(version)
 
 
+def check_sampling(temperature=0.0, top_p=1.0, top_k=None, *, prefix: str = "") -> None:
+  """Checks sampling settings: temperature a number >= 0 (0 = greedy), top_p in
+  (0, 1] (1 = off), top_k None or an int >= 0 (0 = off). The ValueError names the
+  setting as `prefix` + its name (a config's fields: "config.sampler.")."""
+  def number(x):
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+  if not (number(temperature) and np.isfinite(temperature) and temperature >= 0):
+    raise ValueError(f"{prefix}temperature={temperature!r} must be a number >= 0 "
+                     f"(0 = greedy)")
+  if not (number(top_p) and 0 < top_p <= 1):
+    raise ValueError(f"{prefix}top_p={top_p!r} must be in (0, 1] (1 = off)")
+  if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))
+                            or top_k < 0):
+    raise ValueError(f"{prefix}top_k={top_k!r} must be None or an int >= 0 (0 = off)")
+
+
 def validate_request(prompt_ids: Sequence[Sequence[int]], *, n: int,
                      max_tokens: int, temperature: float, top_p: float = 1.0,
                      top_k: int | None = None, stop_token_ids: Sequence[int] = (),
@@ -257,12 +273,7 @@ def validate_request(prompt_ids: Sequence[Sequence[int]], *, n: int,
     raise ValueError(f"n must be a positive int, got {n!r}")
   if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
     raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-  if not np.isfinite(temperature) or temperature < 0:
-    raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
-  if not 0.0 < top_p <= 1.0:
-    raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-  if top_k is not None and (not isinstance(top_k, (int, np.integer)) or top_k < 0):
-    raise ValueError(f"top_k must be None, 0 (disabled) or a positive int, got {top_k!r}")
+  check_sampling(temperature, top_p, top_k)
   for s in stop_token_ids:
     if not isinstance(s, (int, np.integer)) or s < 0 or (
         vocab_size is not None and s >= vocab_size):
