@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 from isojax import assets, run_setup
 from isojax import budget as budget_lib
@@ -20,6 +19,7 @@ from isojax.models.tokenizer import Tokenizer
 from isojax.rl import LossConfig, OptimConfig, learning_rate
 from isojax.rl.advantages import ESTIMATORS, min_group_size
 from isojax.rl.value import VALUE_ESTIMATORS, ValueConfig
+from isojax.rollout.base import check_sampling
 from isojax.rollout.interruption import interruption_from_config
 
 
@@ -152,16 +152,9 @@ def _check_model_and_sampler_fields(config) -> None:
       raise ValueError(f"config.sampler.{field}={value} must be >= 0 (0: no cap)")
   # The sampler checks these too, but only at the first generate: after config.json
   # was written, which would then hold the bad value against the corrected command.
-  for name, value in (("sampler.temperature", config.sampler.temperature),
-                      ("eval.temperature", config.eval.temperature)):
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-      raise ValueError(f"config.{name}={value!r} must be a number >= 0 (0 = greedy)")
-  top_p, top_k = config.sampler.top_p, config.sampler.top_k
-  if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-    raise ValueError(f"config.sampler.top_p={top_p!r} must be in (0, 1] (1 = off)")
-  if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
-                            or top_k < 0):
-    raise ValueError(f"config.sampler.top_k={top_k!r} must be an int >= 0 (0 = off)")
+  check_sampling(config.sampler.temperature, config.sampler.top_p, config.sampler.top_k,
+                 prefix="config.sampler.")
+  check_sampling(config.eval.temperature, prefix="config.eval.")
 
 
 def check_eval_steps(eval_steps, m: int) -> None:

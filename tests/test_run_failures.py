@@ -242,7 +242,7 @@ def test_main_config_typos_are_one_line(tmp_path, args, expect):
 @pytest.mark.parametrize("field, value, match", [
     ("sampler.top_p", 0.0, r"config.sampler.top_p=0.0 must be in \(0, 1\]"),
     ("sampler.top_p", 1.5, r"config.sampler.top_p=1.5 must be in \(0, 1\]"),
-    ("sampler.top_k", -1, r"config.sampler.top_k=-1 must be an int >= 0"),
+    ("sampler.top_k", -1, r"config.sampler.top_k=-1 must be None or an int >= 0"),
     ("sampler.temperature", -0.5, r"config.sampler.temperature=-0.5 must be a number >= 0"),
     ("eval.temperature", float("nan"), r"config.eval.temperature=nan must be a number"),
     ("eval_steps", (0, 2), r"config.eval_steps=\(0, 2\): .* in \[1, M=4\]; not \[0\]"),
