@@ -5,7 +5,8 @@ r"""The CPU IsoCompute demo (`make demo`): n vs M at fixed Bp on the tiny base m
   python -m isojax.main --config=experiments/demo.py:n=8 --workdir=/tmp/demo_n8
 
 (the last one trains one point of the study on runs/demo/data/problems.jsonl, the
-problem pool launch/demo.py writes from STUDY["data"] before its sweep).
+problem pool launch/demo.py writes from STUDY["data"] before its sweep: run it after
+the first command, from the repo root).
 
 The study (playbook §4.1, on a laptop): Bp fixed, several n, every run trained to the
 same rollout budget C, validation avg@4 logged along the way; the analysis reads each

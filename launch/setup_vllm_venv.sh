@@ -31,7 +31,7 @@ if vllm_works; then
   exit 0
 fi
 
-echo "setup_vllm_venv: building $VENV (about 2 minutes, ~3 GB)" >&2
+echo "setup_vllm_venv: building $VENV (about 2 minutes, ~3.5 GB)" >&2
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi

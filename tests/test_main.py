@@ -19,7 +19,7 @@ def _main(*args, timeout=600):
 def test_readme_one_point_command_trains_and_a_rerun_does_nothing(readme, tmp_path):
   workdir = tmp_path / "tiny"
   argv = readme.argv(readme.command("python -m isojax.main --config=experiments/tiny.py:"),
-                     {"--workdir=runs/tiny": f"--workdir={workdir}"})
+                     {"--workdir=runs/tiny_point": f"--workdir={workdir}"})
   assert argv[3] == "--config=experiments/tiny.py:bp=8,n=4,budget=2048", argv
   start = time.time()
   proc = _main(*argv[3:])
