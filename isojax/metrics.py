@@ -91,8 +91,9 @@ class MetricsWriter:
       # Imported where events are written: --dry_run and the step's benches reach
       # this module through run_setup and must not need TensorBoard installed.
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      # purge_step hides events a killed run wrote after its last checkpoint.
-      purge = None if resume_step is None else resume_step + 1
+      # purge_step hides the events a killed run wrote after its last checkpoint,
+      # or all of them on a fresh start (metrics.jsonl is emptied then too).
+      purge = 0 if resume_step is None else resume_step + 1
       files.make_dir(pathlib.Path(workdir) / rundir.TENSORBOARD_DIR)
       self._tb = SummaryWriter(str(pathlib.Path(workdir) / rundir.TENSORBOARD_DIR),
                                purge_step=purge)

@@ -1,11 +1,42 @@
 """metrics.jsonl writing: durable lines, truncation on resume, torn last line."""
 
 import json
+import struct
+import time
 
 import numpy as np
 import pytest
 
 from isojax import metrics as metrics_lib
+
+
+def _purge_marks(tb_dir) -> list[list[int]]:
+  """Per event file (oldest first): the steps of its session-start records, from
+  which TensorBoard hides every earlier file's events."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  marks = []
+  for path in sorted(tb_dir.iterdir()):
+    data, i, steps = path.read_bytes(), 0, []
+    while i < len(data):  # TFRecord: length (8 bytes), its crc (4), data, data crc (4)
+      (size,) = struct.unpack("<Q", data[i:i + 8])
+      event = event_pb2.Event.FromString(data[i + 12:i + 12 + size])
+      i += 16 + size
+      if event.HasField("session_log"):
+        steps.append(event.step)
+    marks.append(steps)
+  return marks
+
+
+def test_tensorboard_hides_what_a_restart_rewrites(tmp_path):
+  """A resume hides the events after its checkpoint; a fresh start (a run killed
+  before its first checkpoint) hides all earlier events, as it empties metrics.jsonl."""
+  for resume_step, steps in ((None, range(3)), (None, range(2)), (0, range(1, 3))):
+    time.sleep(1.1)  # an event file is named by the second it was opened in
+    w = metrics_lib.MetricsWriter(tmp_path, resume_step=resume_step)
+    for step in steps:
+      w.write(step, {"train/reward": 0.1 * step})
+    w.close()
+  assert _purge_marks(tmp_path / "tensorboard") == [[0], [0], [1]]
 
 
 def test_write_and_truncate_on_resume(tmp_path):
