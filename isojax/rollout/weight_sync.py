@@ -14,8 +14,8 @@ The protocol (vLLM >= 0.32 with VLLM_SERVER_DEV_MODE=1):
    weights and would otherwise be reused for matching prompt prefixes (with
    `in_flight=True`, `?reset_running_requests=true`: the kept requests' KV is
    dropped too and recomputed, prompt and tokens so far, with the new weights);
-5. `POST /resume` (always, even when 3 or 4 failed, so the server is not left
-   paused).
+5. `POST /resume` (always, even when 2, 3 or 4 failed, so the server is not
+   left paused).
 
 Only the last `keep_last` snapshots are kept on disk: the one being served and
 the one before it.
@@ -31,10 +31,45 @@ import time
 import weakref
 from typing import Any
 
+from absl import logging
+
 from isojax.rollout.base import VLLMError
 
 _SNAPSHOT = "weights_{:06d}"
 _SNAPSHOT_RE = re.compile(r"^weights_(\d{6,})$")
+
+
+def _layout(hf: dict) -> dict:
+  """What a snapshot's weights must match on the server: the config.json fields
+  that set tensor names and shapes, with transformers' defaults filled in."""
+  heads = hf.get("num_attention_heads")
+  head_dim = hf.get("head_dim") or (
+      hf["hidden_size"] // heads if heads and hf.get("hidden_size") else None)
+  return {"architectures": hf.get("architectures"), "vocab_size": hf.get("vocab_size"),
+          "hidden_size": hf.get("hidden_size"),
+          "intermediate_size": hf.get("intermediate_size"),
+          "num_hidden_layers": hf.get("num_hidden_layers"),
+          "num_attention_heads": heads,
+          "num_key_value_heads": hf.get("num_key_value_heads", heads),
+          "head_dim": head_dim,
+          "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False))}
+
+
+def check_matches_served(pushed: dict, served: dict, url: str) -> None:
+  """Raises ValueError naming every layout field (`_layout`) in which the pushed
+  model's config.json differs from the served model's. vLLM reloads weights into
+  the model it serves: a differing shape fails inside the server (and can kill
+  it), an untied head pushed onto a tied one is silently not loaded."""
+  if not served:  # the served config.json is not visible from here
+    return
+  mine, theirs = _layout(pushed), _layout(served)
+  differ = [f"{k} {mine[k]!r} (served: {theirs[k]!r})" for k in mine
+            if mine[k] is not None and theirs[k] is not None and mine[k] != theirs[k]]
+  if differ:
+    raise ValueError(f"update_weights: the model pushed to the vLLM server at {url} is "
+                     f"not the one it serves: {'; '.join(differ)}. Serve this "
+                     f"architecture (vllm serve <its HF directory>) or push a model of "
+                     f"the served one")
 
 
 class WeightSync:
@@ -90,6 +125,8 @@ class WeightSync:
       cfg: its `ModelConfig` (default: `model.cfg`).
 
     Raises:
+      ValueError: the model's layout differs from the served model's
+        (`check_matches_served`); nothing is sent.
       VLLMError: naming the URL of the step that failed; the server is resumed
         before the error propagates.
     """
@@ -97,6 +134,8 @@ class WeightSync:
     cfg = cfg if cfg is not None else getattr(model, "cfg", None)
     if cfg is None:
       raise ValueError("update_weights: model has no .cfg; pass its ModelConfig")
+    check_matches_served(cfg.to_hf_dict(), self.client.model_info()["hf_config"],
+                         self.client.base_url)
     t0 = time.perf_counter()
     path = self.next_dir()
     save_pretrained(model, cfg, path)
@@ -111,10 +150,10 @@ class WeightSync:
     """Steps 2-5 of the protocol for an existing HF snapshot at `path`."""
     c = self.client
     timings = {}
-    t = time.perf_counter()
-    c.request("POST", "/pause", params={"mode": "keep" if self.in_flight else "wait"})
-    timings["pause_s"] = time.perf_counter() - t
     try:
+      t = time.perf_counter()
+      c.request("POST", "/pause", params={"mode": "keep" if self.in_flight else "wait"})
+      timings["pause_s"] = time.perf_counter() - t
       t = time.perf_counter()
       c.request("POST", "/collective_rpc",
                 json_body={"method": "reload_weights",
@@ -123,12 +162,24 @@ class WeightSync:
       t = time.perf_counter()
       self._reset_prefix_cache()
       timings["reset_prefix_cache_s"] = time.perf_counter() - t
-    finally:
-      t = time.perf_counter()
-      c.request("POST", "/resume")
-      timings["resume_s"] = time.perf_counter() - t
+    except BaseException:
+      # Resumed even when the pause itself failed: a pause the client stopped
+      # waiting for still completes on the server, which would stay paused.
+      self._resume_after_failure()
+      raise
+    t = time.perf_counter()
+    c.request("POST", "/resume")
+    timings["resume_s"] = time.perf_counter() - t
     self.num_pushes += 1
     self.last_timings = timings
+
+  def _resume_after_failure(self) -> None:
+    """/resume, best effort: the step that failed is the error to report."""
+    try:
+      self.client.request("POST", "/resume")
+    except VLLMError as e:
+      logging.warning("could not resume the vLLM server after a failed weight "
+                      "update (POST %s/resume by hand): %s", self.client.base_url, e)
 
   def _reset_prefix_cache(self, attempts: int = 20) -> None:
     # vLLM refuses ({"success": false}) while KV blocks are still held; after a

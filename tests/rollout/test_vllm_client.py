@@ -323,7 +323,7 @@ def tiny_model():
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from isojax.models import Decoder, ModelConfig  # pylint: disable=g-import-not-at-top
   cfg = ModelConfig.from_hf_dict({
-      "architectures": ["Qwen2ForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+      "architectures": ["Qwen2ForCausalLM"], "vocab_size": 2000, "hidden_size": 16,
       "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
       "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 32})
   return Decoder(cfg, rngs=nnx.Rngs(0))
@@ -335,6 +335,7 @@ def test_update_weights_protocol_and_keeps_last_two(fake, tiny_model, tmp_path):
   s = _sampler(fake.url, weights_root=str(root))
   s.update_weights(tiny_model)
   first = [(m, p, q, b) for m, p, q, b in fake.calls]
+  assert first.pop(0)[:2] == ("GET", "/v1/models")  # the served layout, checked first
   assert [(m, p) for m, p, _, _ in first] == [
       ("POST", "/pause"), ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"),
       ("POST", "/reset_prefix_cache"), ("POST", "/resume")]
@@ -359,7 +360,7 @@ def test_in_flight_update_keeps_requests_and_preempts_them_at_the_reset(fake, ti
   s.update_weights(tiny_model)
   assert fake.pause_modes == ["keep"]
   assert [(p, q) for _, p, q, _ in fake.calls] == [
-      ("/pause", {"mode": "keep"}), ("/collective_rpc", {}),
+      ("/v1/models", {}), ("/pause", {"mode": "keep"}), ("/collective_rpc", {}),
       ("/reset_prefix_cache", {"reset_running_requests": "true"}), ("/resume", {})]
   # Without the preemption the kept requests' blocks stay held: the reset fails
   # (after its retries) and the server is still resumed.
@@ -428,10 +429,37 @@ def test_failed_reload_names_url_and_still_resumes(fake, tiny_model, tmp_path):
   assert fake.paths()[-1] == ("POST", "/resume")
 
 
+def test_a_pause_the_client_gave_up_on_is_still_resumed(fake, tiny_model, tmp_path):
+  _weight_routes(fake)
+  fake.routes[("POST", "/pause")] = lambda b, q: (time.sleep(1.0), (200, {}))[1]
+  s = _sampler(fake.url, weights_root=str(tmp_path / "w"), request_timeout_s=0.2)
+  with pytest.raises(VLLMError, match=rf"{fake.url}/pause did not answer within 0.2 s"):
+    s.update_weights(tiny_model)
+  assert fake.paths()[-1] == ("POST", "/resume")
+
+
+@pytest.mark.parametrize("served, differ", [
+    ({"intermediate_size": 48}, r"intermediate_size 32 \(served: 48\)"),
+    ({"tie_word_embeddings": True}, r"tie_word_embeddings False \(served: True\)"),
+    ({"num_key_value_heads": 2, "head_dim": 4},
+     r"num_key_value_heads 1 \(served: 2\); head_dim 8 \(served: 4\)"),
+])
+def test_a_model_the_server_does_not_serve_is_refused_before_any_request(
+    fake, tiny_model, tmp_path, served, differ):
+  _weight_routes(fake)
+  (tmp_path / "config.json").write_text(json.dumps({**tiny_model.cfg.to_hf_dict(), **served}))
+  s = _sampler(fake.url, weights_root=str(tmp_path / "w"))
+  with pytest.raises(ValueError, match=rf"at {fake.url} is not the one it serves: {differ}"):
+    s.update_weights(tiny_model)
+  assert fake.paths() == [("GET", "/v1/models")] and not (tmp_path / "w").exists()
+  (tmp_path / "config.json").write_text(json.dumps(tiny_model.cfg.to_hf_dict()))
+  _sampler(fake.url, weights_root=str(tmp_path / "w")).update_weights(tiny_model)
+
+
 def test_update_weights_server_down(tiny_model, tmp_path):
   s = VLLMSampler("http://127.0.0.1:9", weights_root=str(tmp_path / "w"),
                   max_retries=1, backoff_s=0.01)
-  with pytest.raises(VLLMError, match=r"http://127.0.0.1:9/pause is unreachable"):
+  with pytest.raises(VLLMError, match=r"http://127.0.0.1:9/v1/models is unreachable"):
     s.update_weights(tiny_model)
 
 
