@@ -70,7 +70,9 @@ class VLLMSampler:
     backoff_s: first backoff.
     eos_token_ids: tokens that end a completion besides `stop_token_ids`. None:
       the `eos_token_id` of the served model's config.json (what JaxSampler
-      stops on); () to stop only on `stop_token_ids`. The client owns the stop
+      stops on; where its directory is not visible here, that of the first
+      model `update_weights` pushes, and none before it, with a warning); ()
+      to stop only on `stop_token_ids`. The client owns the stop
       set: requests carry `ignore_eos=true` plus the explicit list, because
       the server's own idea of EOS depends on its tokenizer (none with
       --skip-tokenizer-init) and generation_config.json.
@@ -108,6 +110,7 @@ class VLLMSampler:
     self.max_retries = int(max_retries)
     self.backoff_s = float(backoff_s)
     self._eos_token_ids = None if eos_token_ids is None else tuple(map(int, eos_token_ids))
+    self._warned_no_eos = False
     self._local = threading.local()
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._model_info: dict[str, Any] | None = None
@@ -199,8 +202,18 @@ class VLLMSampler:
     return self.model_info()["max_model_len"]
 
   def eos_token_ids(self) -> tuple[int, ...]:
+    """The tokens that end every completion (see `eos_token_ids` in the class doc)."""
     if self._eos_token_ids is None:
-      eos = self.model_info()["hf_config"].get("eos_token_id")
+      config = self.model_info()["hf_config"]
+      if not config:  # not cached: a weight push may make a config.json known
+        if not self._warned_no_eos:
+          self._warned_no_eos = True
+          logging.warning("the served model's config.json is not readable here (root "
+                          "%r): completions from %s end only on stop_token_ids until "
+                          "update_weights pushes a model; pass eos_token_ids= to set "
+                          "them", self.model_info()["root"], self.base_url)
+        return ()
+      eos = config.get("eos_token_id")
       eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
       self._eos_token_ids = tuple(int(e) for e in eos)
     return self._eos_token_ids
@@ -276,7 +289,12 @@ class VLLMSampler:
     + 1); the label changes only once the server serves the new weights.
     """
     label = next_version(self._version, version, where="VLLMSampler.update_weights")
-    self.weights.push(model)
+    path = self.weights.push(model)
+    info = self.model_info()
+    if not info["hf_config"]:
+      # The served directory is not visible here. The server now holds this
+      # snapshot's weights, whose config.json names their EOS and vocabulary.
+      info["hf_config"] = _read_hf_config(path)
     self._version = label
 
   def close(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import logging
 import os
 import re
 import socket
@@ -325,7 +326,8 @@ def tiny_model():
   cfg = ModelConfig.from_hf_dict({
       "architectures": ["Qwen2ForCausalLM"], "vocab_size": 2000, "hidden_size": 16,
       "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-      "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 32})
+      "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 32,
+      "eos_token_id": 3})
   return Decoder(cfg, rngs=nnx.Rngs(0))
 
 
@@ -454,6 +456,23 @@ def test_a_model_the_server_does_not_serve_is_refused_before_any_request(
   assert fake.paths() == [("GET", "/v1/models")] and not (tmp_path / "w").exists()
   (tmp_path / "config.json").write_text(json.dumps(tiny_model.cfg.to_hf_dict()))
   _sampler(fake.url, weights_root=str(tmp_path / "w")).update_weights(tiny_model)
+
+
+def test_eos_comes_from_the_pushed_model_when_the_served_config_is_not_visible(
+    tiny_model, tmp_path, caplog):
+  server = FakeVLLM(model_root="Qwen/Qwen2.5-0.5B-Instruct")  # served from a hub id
+  try:
+    _weight_routes(server)
+    s = _sampler(server.url, weights_root=str(tmp_path / "w"))
+    with caplog.at_level(logging.WARNING):
+      s.generate([[4, 5]], n=1, max_tokens=2, temperature=1.0)
+    assert "config.json is not readable here" in caplog.text
+    assert server.calls[-1][3]["stop_token_ids"] == []
+    s.update_weights(tiny_model)
+    s.generate([[4, 5]], n=1, max_tokens=2, temperature=1.0)
+    assert server.calls[-1][3]["stop_token_ids"] == [3]  # the pushed config.json's
+  finally:
+    server.close()
 
 
 def test_update_weights_server_down(tiny_model, tmp_path):
