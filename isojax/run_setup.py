@@ -182,11 +182,18 @@ def abstract_state(run_plan, model, mesh):
 
 
 def _init_state(run_plan, model, critic, mesh):
+  """The run's fresh-state builder, called once. A critic is handed over: the
+  state holds a copy of its parameters, so the builder lets the module go (kept,
+  it would double the critic's memory for the whole run)."""
   kwargs = dict(batch_size=run_plan.point.batch, mesh=mesh, rules=sharding.DEFAULT_RULES)
   if critic is None:
     return lambda: rl.init_train_state(model, run_plan.loss, run_plan.optim, **kwargs)
-  return lambda: ppo.init_ppo_train_state(model, critic, run_plan.loss, run_plan.optim,
-                                          run_plan.critic_optim, **kwargs)
+  handed = [critic]
+
+  def init():
+    return ppo.init_ppo_train_state(model, handed.pop(), run_plan.loss, run_plan.optim,
+                                    run_plan.critic_optim, **kwargs)
+  return init
 
 
 def build_parts(config, run_plan) -> RunParts:
@@ -234,9 +241,9 @@ def build_parts(config, run_plan) -> RunParts:
       stop_token_ids=() if eos is None else (int(eos),),
       loader=loader, sampler=sampler,
       reward_fn=data_lib.get_reward_fn(REWARDS[config.data.reward]),
-      train_step=step, init_state=_init_state(run_plan, model, critic, mesh),
-      critic_flops=None if critic is None else functools.partial(
-          ppo.critic_update_flops, critic.cfg))
+      train_step=step, critic_flops=None if critic is None else functools.partial(
+          ppo.critic_update_flops, critic.cfg),
+      init_state=_init_state(run_plan, model, critic, mesh))
 
 
 def fit_context(config, tokenizer, context: int, max_tokens: int, problems: list,

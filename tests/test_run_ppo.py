@@ -5,9 +5,12 @@
 * interrupted after its first checkpoint and restarted, it resumes (critic,
   its optimiser and the ledger included) and writes a metrics.jsonl
   identical to an uninterrupted run's (device_hours, a time, aside);
-* config.critic.path gives the critic another checkpoint's trunk.
+* config.critic.path gives the critic another checkpoint's trunk;
+* the critic module a run builds is freed once the state holds its parameters.
 """
 
+import gc
+import weakref
 
 import jax
 import numpy as np
@@ -76,6 +79,24 @@ def test_ppo_run_resumes_identically(trained, tmp_path, monkeypatch):
   assert run_records.without_timing(run.run(tiny_config(POINT, **PPO), workdir)) == run_records.without_timing(last)
   assert [run_records.without_timing(r) for r in run_records.records(workdir)] == [
       run_records.without_timing(r) for r in run_records.records(reference)]
+
+
+def test_the_run_lets_the_critic_it_built_go(monkeypatch):
+  """The state holds the critic's parameters; the module they came from is freed."""
+  built, build = [], run_setup.build_critic
+
+  def build_and_watch(*args):
+    critic = build(*args)
+    built.append(weakref.ref(critic))
+    return critic
+
+  monkeypatch.setattr(run_setup, "build_critic", build_and_watch)
+  config = tiny_config(POINT, **PPO)
+  parts = run_setup.build_parts(config, run.plan_run(config))
+  state = parts.init_state()
+  gc.collect()
+  assert len(built) == 1 and built[0]() is None
+  assert jax.tree.leaves(state.critic_params)
 
 
 def test_critic_trunk_from_its_own_checkpoint():
