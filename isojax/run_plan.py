@@ -181,9 +181,24 @@ def check_off_policy_k(rl) -> int:
 
 
 def _critic_plan(config, optim):
-  """(ValueConfig, the critic's OptimConfig) from config.critic, or (None, None)."""
-  if config.rl.adv_estimator not in VALUE_ESTIMATORS:
+  """(ValueConfig, the critic's OptimConfig) from config.critic, or (None, None).
+
+  Refuses, naming the field, what a critic's advantages leave without effect: a
+  decoupled baseline's extra rollouts (sampled and billed, never read) and a
+  group filter (PPO's step would refuse it only once the run is built).
+  """
+  rl = config.rl
+  if rl.adv_estimator not in VALUE_ESTIMATORS:
     return None, None
+  why = (f"with rl.adv_estimator={rl.adv_estimator!r} the critic's values, not a group "
+         f"baseline, give the advantages")
+  if rl.n_est and rl.n_est > config.n:
+    raise ValueError(f"config.rl.n_est={rl.n_est} > n={config.n}: {why}, so the extra "
+                     f"rollouts would be sampled and billed but never used; set "
+                     f"rl.n_est=0")
+  if rl.zero_var_filter != "off":
+    raise ValueError(f"config.rl.zero_var_filter={rl.zero_var_filter!r}: {why}; use "
+                     f"'off'")
   c = config.critic
   value = ValueConfig(gamma=c.gamma, lam=c.lam, whiten=c.whiten,
                       cliprange_value=c.cliprange_value,

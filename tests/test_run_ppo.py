@@ -6,7 +6,9 @@
   its optimiser and the ledger included) and writes a metrics.jsonl
   identical to an uninterrupted run's (device_hours, a time, aside);
 * config.critic.path gives the critic another checkpoint's trunk;
-* the critic module a run builds is freed once the state holds its parameters.
+* the critic module a run builds is freed once the state holds its parameters;
+* a decoupled baseline's extra rollouts or a group filter, which a critic leaves
+  without effect, fail before any work.
 """
 
 import gc
@@ -79,6 +81,17 @@ def test_ppo_run_resumes_identically(trained, tmp_path, monkeypatch):
   assert run_records.without_timing(run.run(tiny_config(POINT, **PPO), workdir)) == run_records.without_timing(last)
   assert [run_records.without_timing(r) for r in run_records.records(workdir)] == [
       run_records.without_timing(r) for r in run_records.records(reference)]
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("rl.n_est", 32, r"config\.rl\.n_est=32 > n=16: .* sampled and billed but never used"),
+    ("rl.zero_var_filter", "all", r"config\.rl\.zero_var_filter='all': .*; use 'off'"),
+])
+def test_what_a_critic_leaves_without_effect_fails_before_any_work(tmp_path, field, value,
+                                                                     match):
+  with pytest.raises(ValueError, match=match):
+    run.run(tiny_config(POINT, **PPO, **{field: value}), tmp_path / "run")
+  assert not (tmp_path / "run").exists()
 
 
 def test_the_run_lets_the_critic_it_built_go(monkeypatch):
