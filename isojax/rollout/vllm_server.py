@@ -57,31 +57,68 @@ def free_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
+# How long to wait for a SIGKILLed group to vanish before giving up on it.
+_KILL_WAIT_S = 5.0
+
+
 def stop_process_group(pid: int, *, grace_s: float = 20.0) -> None:
   """SIGTERM the process group led by `pid`, then SIGKILL it after `grace_s`.
 
-  vLLM's API server forks an engine-core process; killing the group takes down
-  both. A pid whose group is already gone is not an error.
+  vLLM's API server forks EngineCore and Worker processes; killing the group
+  takes them all down. `pid` must lead its group (start_new_session=True). A
+  group already gone is not an error; one that outlives SIGKILL by
+  `_KILL_WAIT_S` is left (its members are dead or stuck in the kernel).
   """
-  try:
-    pgid = os.getpgid(pid)
-  except ProcessLookupError:
-    return
-  with contextlib.suppress(ProcessLookupError):
-    os.killpg(pgid, signal.SIGTERM)
-  deadline = time.monotonic() + grace_s
-  while time.monotonic() < deadline:
+  # Signal the group by `pid` itself, not by os.getpgid(pid): the engine core
+  # and workers outlive an API server that died, and once that leader is reaped
+  # getpgid fails while its group (whose id Linux keeps reserved) lives on.
+  for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, _KILL_WAIT_S)):
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(pid, sig)
+    if _wait_group_gone(pid, wait_s):
+      return
+
+
+def _wait_group_gone(pid: int, timeout_s: float) -> bool:
+  """Whether the group led by `pid` is gone within `timeout_s`."""
+  deadline = time.monotonic() + timeout_s
+  while True:
     with contextlib.suppress(ChildProcessError):
       os.waitpid(pid, os.WNOHANG)  # reap our own child so it stops existing
     try:
-      os.killpg(pgid, 0)
+      os.killpg(pid, 0)
     except ProcessLookupError:
-      return
+      return True
+    if time.monotonic() >= deadline:
+      return False
     time.sleep(0.1)
-  with contextlib.suppress(ProcessLookupError):
-    os.killpg(pgid, signal.SIGKILL)
-  with contextlib.suppress(ChildProcessError):
-    os.waitpid(pid, 0)
+
+
+def _cmdline(pid: int) -> str | None:
+  """`pid`'s command line from /proc; None once it is gone, "" for a zombie."""
+  try:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+      return f.read().replace(b"\0", b" ").decode(errors="replace")
+  except (FileNotFoundError, ProcessLookupError):
+    return None
+
+
+def _group_members(pgid: int) -> dict[int, str]:
+  """pid -> command line of the live (not zombie) processes in group `pgid`."""
+  members = {}
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat", "rb") as f:
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        state, _, pgrp = f.read().rpartition(b")")[2].split()[:3]
+    except (FileNotFoundError, ProcessLookupError):
+      continue  # exited while we looked
+    cmdline = _cmdline(int(entry)) if int(pgrp) == pgid and state != b"Z" else None
+    if cmdline is not None:
+      members[int(entry)] = cmdline
+  return members
 
 
 class VLLMServer:
@@ -193,10 +230,11 @@ class VLLMServer:
           self.command(), stdout=log, stderr=subprocess.STDOUT,
           stdin=subprocess.DEVNULL, env=self.environment(), cwd=self.workdir,
           start_new_session=True)  # own process group, see stop()
-    with open(self.pid_file, "w") as f:
-      f.write(f"{self.process.pid}\n")
+    # From here on a failure (the pid file included) must not leave it running.
     atexit.register(self.stop)
     try:
+      with open(self.pid_file, "w") as f:
+        f.write(f"{self.process.pid}\n")
       self._wait_healthy()
       self._warm_up()
     except BaseException:
@@ -274,15 +312,25 @@ def stop_pid_file(pid_file: str, *, grace_s: float = 20.0) -> bool:
     return False
   except ValueError as e:
     raise ValueError(f"pid file {pid_file} does not hold a pid: {e}") from e
-  try:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-      cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-  except FileNotFoundError:
-    cmdline = None  # already gone
-  if cmdline is not None and "vllm.entrypoints" not in cmdline:
-    raise ValueError(f"pid {pid} from {pid_file} is not a vLLM server ({cmdline[:200]!r}); "
-                     f"not stopping it (stale pid file?)")
-  if cmdline is not None:
+  cmdline = _cmdline(pid)
+  if cmdline:  # the API server is alive (a zombie's cmdline is empty)
+    if "vllm.entrypoints" not in cmdline:
+      raise ValueError(f"pid {pid} from {pid_file} is not a vLLM server ({cmdline[:200]!r}); "
+                       f"not stopping it (stale pid file?)")
     stop_process_group(pid, grace_s=grace_s)
+  else:
+    # The API server is gone, but its EngineCore and Workers may live on in its
+    # group. Linux does not hand out `pid` again while a group of that id
+    # exists, so a live group `pid` is this server's, or one that a later
+    # process reusing the pid started after this one had emptied. vLLM titles
+    # its engine processes "VLLM::EngineCore" / "VLLM::Worker": a group with a
+    # vLLM process in it is taken to be the server's, any other is left alone.
+    members = _group_members(pid)
+    if members and not any("vllm" in c.lower() for c in members.values()):
+      shown = "; ".join(c.strip() for c in members.values())[:200]
+      raise ValueError(f"pid {pid} from {pid_file} is gone and its process group {pid} "
+                       f"holds no vLLM process ({shown!r}); not stopping it (stale pid file?)")
+    if members:
+      stop_process_group(pid, grace_s=grace_s)
   os.remove(pid_file)
   return True
