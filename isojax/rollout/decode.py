@@ -25,6 +25,7 @@ batch size decoded it (and the decode loop runs no random-number generator).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -205,9 +206,8 @@ def sample_token(logits_BxV, u_B, temperature, top_p, s: Static):
 
 
 def _constrain(s: Static, rows: Rows, out: Out) -> tuple[Rows, Out]:
-  """Rollout rows are split over the mesh, never replicated. (Shared prompts
-  keep the sharding of their prefill: split like the prompts when their count
-  divides evenly, else replicated.)"""
+  """Rollout rows are split over the mesh, never replicated; so are shared
+  prompts when their count divides evenly (else each device holds them all)."""
   if s.rows is None:
     return rows, out
   c = jax.lax.with_sharding_constraint
@@ -217,8 +217,20 @@ def _constrain(s: Static, rows: Rows, out: Out) -> tuple[Rows, Out]:
       v_BxKxSxH=tuple(c(v, s.cache_rows) for v in cache.v_BxKxSxH),
       positions_B=c(cache.positions_B, s.rows), valid_BxS=c(cache.valid_BxS, s.rows),
       lengths_B=c(cache.lengths_B, s.rows))
+  if cache.shared_prefix and cache.prefix_valid_QxL.shape[0] % _row_splits(s) == 0:
+    cache = cache.replace(
+        prefix_k_QxKxHxL=tuple(c(k, s.cache_rows) for k in cache.prefix_k_QxKxHxL),
+        prefix_v_QxKxLxH=tuple(c(v, s.cache_rows) for v in cache.prefix_v_QxKxLxH),
+        prefix_valid_QxL=c(cache.prefix_valid_QxL, s.rows))
   rows = Rows(cache, *(c(x, s.rows) for x in rows[1:]))
   return rows, Out(*(c(x, s.rows) for x in out))
+
+
+def _row_splits(s: Static) -> int:
+  """The parts rollout rows are split into: the devices of the rows' mesh axes."""
+  axes = s.rows.spec[0] if len(s.rows.spec) else None
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return math.prod(s.rows.mesh.shape[a] for a in axes)
 
 
 def empty(cfg, s: Static, num_rows: int, max_len: int, num_pairs: int,
