@@ -156,8 +156,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.sampler.interrupt_phrase = interruption.DEFAULT_PHRASE
   # In-process sampler on the trainer's accelerator: its KV-cache share. It decodes
   # at most max_rows rollouts at once (0 = all of a batch), fewer if the rows of
-  # prompt + max_tokens positions do not fit in kv_budget_gib (0 = no budget);
-  # finished rows are refilled. The run checks trainer + cache <= device memory.
+  # prompt + max_tokens positions do not fit in kv_budget_gib (0 = no budget; a
+  # call's whole cache, over the devices its rows are split across); finished rows
+  # are refilled. The run checks trainer + cache <= one device's memory.
   c.sampler.max_rows = 0
   c.sampler.kv_budget_gib = 0.0
   # At most this many tokens per jitted decode call (0 = no cap): with

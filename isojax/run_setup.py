@@ -370,14 +370,21 @@ def _log_memory_split(config, parts: RunParts, state, point: budget_lib.BudgetPo
                       pipelined: bool) -> None:
   """Checks trainer state + sampler cache against the device (raises if they do not
   fit) and logs the split."""
+  if config.sampler.backend != "jax":
+    return  # the server's memory is not this device's
   eval_sets = [p for p in (*parts.val_sets.values(), parts.train_eval_problems) if p]
   eval_problems = max((min(len(p), config.eval.batch_problems or len(p)) for p in eval_sets),
                       default=0)
-  split = check_run_split(config, model_of(parts, state).cfg, state,
-                          rollouts=point.bp * (config.rl.n_est or config.n),
-                          eval_rollouts=eval_problems * config.eval.k,
-                          pipelined_params=state.params if pipelined else None,
-                          max_len=parts.prompt_width + parts.max_tokens)
+  cfg = model_of(parts, state).cfg
+
+  def largest(num_prompts, n):  # of the calls a request makes one after another
+    calls = parts.sampler.cache_layouts(num_prompts, n, parts.prompt_width, parts.max_tokens)
+    return max(calls, key=lambda c: c.bytes_per_device(cfg))
+
+  split = check_run_split(
+      config, cfg, state, train_cache=largest(point.bp, config.rl.n_est or config.n),
+      eval_cache=largest(eval_problems, config.eval.k) if eval_problems else None,
+      pipelined_params=state.params if pipelined else None)
   if split is not None:
     logging.info("memory per device: trainer state %.2f GiB + sampler weights %.2f GiB + "
                  "KV cache %.2f GiB (%d rows) of %.2f GiB", split["trainer_gib"],

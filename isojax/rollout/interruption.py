@@ -146,6 +146,17 @@ class InterruptingSampler:
     sample from it (a stage already in flight as the backend allows)."""
     self.sampler.update_weights(model, version=version)
 
+  def cache_layouts(self, num_prompts: int, n: int, longest_prompt: int,
+                    max_tokens: int) -> tuple:
+    """The wrapped sampler's caches of `generate`'s two calls: the thinking call,
+    then (at most) every rollout continued, its prompt grown by the thinking
+    budget and the phrase (`JaxSampler.cache_layouts`)."""
+    spec = self.interruption
+    return (*self.sampler.cache_layouts(num_prompts, n, longest_prompt, spec.think_tokens),
+            *self.sampler.cache_layouts(
+                num_prompts * n, 1, longest_prompt + spec.think_tokens + len(spec.phrase_ids),
+                spec.answer_tokens))
+
   def close(self) -> None:
     """Closes the wrapped sampler, if it has anything to close."""
     close = getattr(self.sampler, "close", None)

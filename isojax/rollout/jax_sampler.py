@@ -53,19 +53,11 @@ from isojax import sharding
 from isojax.rollout import decode
 from isojax.rollout.base import (FINISH_LENGTH, FINISH_STOP, Rollouts, next_version,
                                  validate_request)
-from isojax.rollout.memory import GIB, lockstep_cache_bytes, rows_for_budget
+from isojax.rollout.memory import CacheLayout, cache_layout, rows_at_once
 
 PAD_ID = decode.PAD_ID
 _REFILL_FRACTION = 8  # with pairs waiting, decoding pauses to refill once R/8 rows are free
 _NO_STEP_LIMIT = np.iinfo(np.int32).max  # decode_chunk None: a call decodes until it must stop
-
-
-def _bucket_prompts(num_prompts: int, n: int, row_multiple: int) -> int:
-  """Power-of-two prompt count, raised so that prompts * n splits evenly over
-  `row_multiple` devices."""
-  q = decode.next_pow2(num_prompts)
-  m = row_multiple // math.gcd(n, row_multiple)
-  return -(-q // m) * m
 
 
 def _read_len(cache, need: int) -> int:
@@ -132,8 +124,9 @@ class JaxSampler:
       short prompts, at little cost).
     max_rows: decode at most this many rollouts at once (None: all of a
       request's); finished rows are refilled with waiting ones.
-    kv_budget_gib: cap the KV cache at this many GiB: every rollout of a
-      request at once when their lockstep cache fits (each prompt held once,
+    kv_budget_gib: cap the KV cache at this many GiB (over all the devices
+      its rows are split across): every rollout of a request at once when
+      their lockstep cache fits (each prompt held once,
       `isojax.rollout.memory.lockstep_cache_bytes`), else the rows of the
       request's cache length that fit (`rows_for_budget`); together with
       max_rows the smaller.
@@ -226,20 +219,22 @@ class JaxSampler:
   def num_rows(self, num_rollouts: int, cache_len: int, *, n: int = 1,
                prompt_len: int = 0) -> int:
     """Rows decoded at once for `num_rollouts` pairs (n per prompt) with
-    `cache_len` positions each, `prompt_len` of them the prompt's. All pairs
-    decode at once when their lockstep cache (each prompt's positions held once)
-    fits the KV budget, else as many rows of `cache_len` as it holds."""
-    caps = [num_rollouts]
-    if self._max_rows is not None:
-      caps.append(self._max_rows)
-    budget = self._kv_budget_gib
-    if budget is not None and lockstep_cache_bytes(
-        self._cfg, num_rollouts, n, prompt_len, cache_len - prompt_len) > budget * GIB:
-      caps.append(rows_for_budget(self._cfg, budget, cache_len))
-    rows = min(caps)
-    if rows < num_rollouts:  # every device decodes the same number of rows
-      rows = max(rows // self._row_multiple, 1) * self._row_multiple
-    return rows
+    `cache_len` positions each, `prompt_len` of them the prompt's
+    (`isojax.rollout.memory.rows_at_once` under this sampler's caps)."""
+    return rows_at_once(self._cfg, num_rollouts, cache_len, n=n, prompt_len=prompt_len,
+                        max_rows=self._max_rows, kv_budget_gib=self._kv_budget_gib,
+                        row_multiple=self._row_multiple)
+
+  def cache_layouts(self, num_prompts: int, n: int, longest_prompt: int,
+                    max_tokens: int) -> tuple[CacheLayout, ...]:
+    """The KV cache of each generate call (one after another) that a request of
+    `num_prompts` prompts, the longest `longest_prompt` tokens, makes: its
+    buckets, rows at once and their split over the mesh (what the run checks
+    against the device's memory)."""
+    return (cache_layout(self._cfg, num_prompts, n, longest_prompt, max_tokens,
+                         min_prompt_bucket=self._min_prompt_bucket, max_rows=self._max_rows,
+                         kv_budget_gib=self._kv_budget_gib,
+                         row_multiple=self._row_multiple),)
 
   # -- public API -----------------------------------------------------------
 
@@ -293,16 +288,16 @@ class JaxSampler:
                      vocab_size=self._vocab_size, max_model_len=self._max_len)
     greedy = temperature == 0
     k = 0 if (greedy or not top_k or top_k >= self._vocab_size) else int(top_k)
-    l_bucket = max(decode.next_pow2(max(len(p) for p in prompt_ids)), self._min_prompt_bucket)
-    cache_len = l_bucket + decode.next_pow2(max_tokens)
-    s = decode.Static(max_tokens=decode.next_pow2(max_tokens), greedy=greedy, top_k=k,
+    (layout,) = self.cache_layouts(len(prompt_ids), n, max(len(p) for p in prompt_ids),
+                                   max_tokens)
+    l_bucket, cache_len = layout.prompt_len, layout.cache_len
+    num_pairs, num_rows = layout.pairs, layout.rows
+    s = decode.Static(max_tokens=layout.completion_len, greedy=greedy, top_k=k,
                       use_top_p=(not greedy) and top_p < 1.0,
                       cache_block=self._cache_block, rows=self._rows,
                       cache_rows=self._cache_rows)
 
     b = len(prompt_ids) * n
-    num_pairs = _bucket_prompts(len(prompt_ids), n, self._row_multiple) * n
-    num_rows = self.num_rows(num_pairs, cache_len, n=n, prompt_len=l_bucket)
     prompt_QxL, mask_QxL = _left_pad(prompt_ids, l_bucket)
     stop_V = np.zeros((self._vocab_size,), bool)
     stop_V[list(self._eos_ids) + [int(t) for t in stop_token_ids]] = True
@@ -313,9 +308,9 @@ class JaxSampler:
 
     # Every pair has a row: one admission, the rows decode in lockstep after
     # their prompt's cache, shared by its n rows. Else rows are refilled.
-    lockstep = num_rows == num_pairs
+    lockstep = layout.lockstep
     if lockstep:
-      rows, out = self._jit_empty(self._cfg, s, num_rows, decode.next_pow2(max_tokens), num_pairs,
+      rows, out = self._jit_empty(self._cfg, s, num_rows, layout.completion_len, num_pairs,
                                   num_pairs // n, l_bucket)
     else:
       rows, out = self._jit_empty(self._cfg, s, num_rows, cache_len, num_pairs)

@@ -10,7 +10,9 @@ is the check a run makes before its first update.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -45,6 +47,96 @@ def lockstep_cache_bytes(cfg, rollouts: int, n: int, prompt_len: int,
   rollout's own `completion_len`."""
   return (-(-rollouts // n) * kv_bytes_per_row(cfg, prompt_len)
           + rollouts * kv_bytes_per_row(cfg, completion_len))
+
+
+def padded_prompts(num_prompts: int, n: int, row_multiple: int) -> int:
+  """The prompt count a request is padded to: a power of two, raised so that its
+  prompts x n rollouts split evenly over `row_multiple` devices."""
+  q = decode.next_pow2(num_prompts)
+  m = row_multiple // math.gcd(n, row_multiple)
+  return -(-q // m) * m
+
+
+def rows_at_once(cfg, rollouts: int, cache_len: int, *, n: int = 1, prompt_len: int = 0,
+                 max_rows: int | None = None, kv_budget_gib: float | None = None,
+                 row_multiple: int = 1) -> int:
+  """Rows decoded at once for `rollouts` pairs (n per prompt) with `cache_len`
+  positions each, `prompt_len` of them the prompt's: all of them when their
+  lockstep cache (each prompt's positions held once) fits the KV budget, else
+  as many rows of `cache_len` as it holds; at most `max_rows`; a multiple of
+  `row_multiple` (the devices rows are split over) below `rollouts`."""
+  caps = [rollouts]
+  if max_rows is not None:
+    caps.append(max_rows)
+  if kv_budget_gib is not None and lockstep_cache_bytes(
+      cfg, rollouts, n, prompt_len, cache_len - prompt_len) > kv_budget_gib * GIB:
+    caps.append(rows_for_budget(cfg, kv_budget_gib, cache_len))
+  rows = min(caps)
+  if rows < rollouts:  # every device decodes the same number of rows
+    rows = max(rows // row_multiple, 1) * row_multiple
+  return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+  """The KV cache of one generate call, as `JaxSampler` allocates it.
+
+  Attributes:
+    prompt_len, completion_len: the prompt bucket and max_tokens' bucket.
+    pairs: rollouts, the prompt count padded (`padded_prompts`) times n.
+    rows: rows decoded at once; all pairs (lockstep: each prompt's positions
+      held once, beside every row's completion) or fewer, of prompt_len +
+      completion_len positions each, refilled as they finish.
+    n: rollouts per prompt.
+    row_multiple: devices the rows (and prompts, when their count divides) are
+      split over.
+  """
+  prompt_len: int
+  completion_len: int
+  pairs: int
+  rows: int
+  n: int
+  row_multiple: int = 1
+
+  @property
+  def lockstep(self) -> bool:
+    return self.rows == self.pairs
+
+  @property
+  def cache_len(self) -> int:
+    return self.prompt_len + self.completion_len
+
+  def bytes_per_device(self, cfg) -> int:
+    """What one device holds of the cache (the admission's prompt cache, alive
+    while it prefills, aside)."""
+    m = self.row_multiple
+    if not self.lockstep:
+      return -(-self.rows // m) * kv_bytes_per_row(cfg, self.cache_len)
+    prompts = self.pairs // self.n
+    held = prompts // m if prompts % m == 0 else prompts  # split, else replicated
+    return (held * kv_bytes_per_row(cfg, self.prompt_len)
+            + -(-self.rows // m) * kv_bytes_per_row(cfg, self.completion_len))
+
+  def __str__(self) -> str:
+    per_device = f" over {self.row_multiple} devices" if self.row_multiple > 1 else ""
+    if self.lockstep:
+      return (f"{self.pairs // self.n} prompts x {self.prompt_len} + {self.rows} rows x "
+              f"{self.completion_len} positions{per_device}")
+    return f"{self.rows} rows x {self.cache_len} positions{per_device}"
+
+
+def cache_layout(cfg, num_prompts: int, n: int, longest_prompt: int, max_tokens: int, *,
+                 min_prompt_bucket: int = 16, max_rows: int | None = None,
+                 kv_budget_gib: float | None = None, row_multiple: int = 1) -> CacheLayout:
+  """The cache of a generate call of `num_prompts` prompts (the longest
+  `longest_prompt` tokens), n rollouts each, up to `max_tokens` new tokens."""
+  prompt_len = max(decode.next_pow2(longest_prompt), min_prompt_bucket)
+  completion_len = decode.next_pow2(max_tokens)
+  pairs = padded_prompts(num_prompts, n, row_multiple) * n
+  rows = rows_at_once(cfg, pairs, prompt_len + completion_len, n=n, prompt_len=prompt_len,
+                      max_rows=max_rows, kv_budget_gib=kv_budget_gib,
+                      row_multiple=row_multiple)
+  return CacheLayout(prompt_len, completion_len, pairs, rows, n, row_multiple)
 
 
 def rows_for_budget(cfg, kv_budget_gib: float, max_len: int) -> int:
@@ -104,56 +196,48 @@ def compiled_sampler_memory(model, s: decode.Static, *, rows: int, cache_len: in
   return {"admit": admit, "decode": steps}
 
 
-def check_memory_split(cfg, *, max_len: int, device_gib: float, trainer_gib: float,
-                       kv_budget_gib: float = 0.0, max_rows: int = 0,
-                       rollouts: int | Sequence[int] | None = None,
-                       sampler_weights_gib: float = 0.0) -> dict:
-  """Checks that the trainer's state and the sampler's cache fit on one device.
+def check_memory_split(cfg, *, device_gib: float, trainer_gib: float,
+                       caches: Sequence[CacheLayout], sampler_weights_gib: float = 0.0
+                       ) -> dict:
+  """Checks that the trainer's state and the sampler's caches fit on one device.
 
   Args:
     cfg: the model config (layers, kv heads, head_dim, dtype).
-    max_len: prompt + completion positions a cache row holds.
     device_gib: memory of one accelerator.
     trainer_gib: the trainer's per-device memory (e.g. the compiled update
       step's, as a dry run reports it).
-    kv_budget_gib: the sampler's budget per generate call (0 = none given:
-      max_rows, else every rollout of the call at once, sets its cache size).
-    max_rows: the sampler's row cap per call (0 = none).
-    rollouts: rollouts of a generate call (rows needed when nothing caps them),
-      or of each of several calls that decode at once (each has its own cache).
+    caches: the KV cache of each generate call that may decode at once
+      (`cache_layout`), each held whole.
     sampler_weights_gib: a copy of the parameters the sampler holds beside the
       trainer's (0: it decodes with the trainer's own).
 
   Returns:
     {"rows", "kv_gib", "trainer_gib", "sampler_weights_gib", "device_gib"}: the
-    split (rows: of all concurrent calls together).
+    split per device (rows: of all the calls together, over all devices).
   Raises:
     ValueError naming every number when trainer + sampler exceed the device.
   """
-  per_row = kv_bytes_per_row(cfg, max_len)
-  calls = [rollouts] if rollouts is None or isinstance(rollouts, int) else list(rollouts)
-  calls = [c for c in calls if c != 0]  # None: a call of unknown size; 0: no call
-  caps = [max_rows] if max_rows else []
-  if kv_budget_gib:
-    caps.append(rows_for_budget(cfg, kv_budget_gib, max_len))
-  if not calls or (None in calls and not caps):
-    raise ValueError("check_memory_split: give kv_budget_gib, max_rows or rollouts")
-  rows = sum(min(caps + ([c] if c else [])) for c in calls)  # each call's own cache
-  kv_gib = rows * per_row / GIB
+  kv_gib = sum(c.bytes_per_device(cfg) for c in caches) / GIB
   used = trainer_gib + sampler_weights_gib + kv_gib
   if used > device_gib:
     left = max(device_gib - trainer_gib - sampler_weights_gib, 0)
-    concurrent = len(calls)  # each call may fill its own budget at once
+    concurrent = len(caches)  # each call may fill its own budget at once
+    widest = max(caches, key=lambda c: c.cache_len)
+    per_row = kv_bytes_per_row(cfg, widest.cache_len)
+    devices = widest.row_multiple  # a call's budget and rows span its devices
+    fit_rows = int(left * GIB // per_row) // concurrent * devices
     copy = (f" + sampler's weight copy ({sampler_weights_gib:.2f} GiB)"
             if sampler_weights_gib else "")
     at_once = f", {concurrent} generate calls at once" if concurrent > 1 else ""
+    advice = (f"set sampler.kv_budget_gib <= {left * devices / concurrent:.2f} (or "
+              f"sampler.max_rows <= {fit_rows})" if fit_rows else
+              "not one cache row fits beside the trainer")
     raise ValueError(
-        f"trainer ({trainer_gib:.2f} GiB){copy} + sampler KV cache ({kv_gib:.2f} GiB = "
-        f"{rows} rows x {max_len} positions x {per_row / 2**20:.2f} MiB per row{at_once}) = "
-        f"{used:.2f} GiB > device memory {device_gib:.2f} GiB; set "
-        f"sampler.kv_budget_gib <= {left / concurrent:.2f} (or sampler.max_rows <= "
-        f"{int(left * GIB // per_row) // concurrent})")
-  return {"rows": rows, "kv_gib": kv_gib, "trainer_gib": trainer_gib,
+        f"trainer ({trainer_gib:.2f} GiB){copy} + sampler KV cache ({kv_gib:.2f} GiB per "
+        f"device: {'; '.join(map(str, caches))}; {per_row / 2**20:.2f} MiB per row of "
+        f"{widest.cache_len} positions{at_once}) = {used:.2f} GiB > device memory "
+        f"{device_gib:.2f} GiB; {advice}")
+  return {"rows": sum(c.rows for c in caches), "kv_gib": kv_gib, "trainer_gib": trainer_gib,
           "sampler_weights_gib": sampler_weights_gib, "device_gib": device_gib}
 
 
@@ -176,8 +260,8 @@ def per_device_gib(tree) -> float:
   return total / GIB
 
 
-def check_run_split(config, model_cfg, train_state, *, rollouts: int, max_len: int,
-                    eval_rollouts: int = 0, pipelined_params=None,
+def check_run_split(config, model_cfg, train_state, *, train_cache: CacheLayout,
+                    eval_cache: CacheLayout | None = None, pipelined_params=None,
                     device_memory_gib: float | None = None) -> dict | None:
   """The check a run makes before its first update, on one accelerator shared by
   the trainer and the in-process sampler.
@@ -186,24 +270,24 @@ def check_run_split(config, model_cfg, train_state, *, rollouts: int, max_len: i
   optimizer moments, reference parameters); the update step's activations come
   on top (`python -m isojax.main --dry_run` reports the compiled step). The
   sampler's share is the KV cache of its largest generate call, a training
-  batch's `rollouts` or an evaluation's `eval_rollouts`, capped by
-  `config.sampler.kv_budget_gib` / `max_rows`. With PipelineRL
-  (`pipelined_params`: the parameters) the sampler holds its own copy of them
-  (the update donates the trainer's while it decodes), and an evaluation
-  decodes while the producer samples: both caches count. Returns the split, or
-  None where it does not apply (another backend, or device memory unknown, as
-  on CPU).
+  batch's (`train_cache`) or an evaluation's (`eval_cache`), as the sampler
+  lays it out (`JaxSampler.cache_layouts`: buckets, the row cap of
+  `config.sampler.kv_budget_gib` / `max_rows`, rows split over the mesh). With
+  PipelineRL (`pipelined_params`: the parameters) the sampler holds its own
+  copy of them (the update donates the trainer's while it decodes), and an
+  evaluation decodes while the producer samples: both caches count. Returns
+  the split, or None where it does not apply (another backend, or device
+  memory unknown, as on CPU).
   """
   if config.sampler.backend != "jax":
     return None
   device_memory_gib = device_memory_gib or device_gib()
   if device_memory_gib is None:
     return None
-  pipelined = pipelined_params is not None
+  caches = [c for c in (train_cache, eval_cache) if c is not None]
+  if pipelined_params is None:  # one call at a time: the larger
+    caches = [max(caches, key=lambda c: c.bytes_per_device(model_cfg))]
   return check_memory_split(
-      model_cfg, max_len=max_len, device_gib=device_memory_gib,
-      trainer_gib=per_device_gib(train_state),
-      kv_budget_gib=float(config.sampler.get("kv_budget_gib", 0.0)),
-      max_rows=int(config.sampler.get("max_rows", 0)),
-      rollouts=(rollouts, eval_rollouts) if pipelined else max(rollouts, eval_rollouts),
-      sampler_weights_gib=per_device_gib(pipelined_params) if pipelined else 0.0)
+      model_cfg, device_gib=device_memory_gib, trainer_gib=per_device_gib(train_state),
+      caches=caches, sampler_weights_gib=(
+          0.0 if pipelined_params is None else per_device_gib(pipelined_params)))

@@ -208,6 +208,23 @@ def test_jax_sampler_interrupts_at_the_budget_and_continues_like_plain_generate(
   assert batch.loss_mask_BxT[cut, 8:8 + 3].all()
 
 
+def test_cache_layouts_bound_the_caches_of_both_calls(tiny, tokenizer):
+  """The run checks memory with these layouts: the thinking call's, then the
+  continuations' (every rollout continued at most, its prompt grown)."""
+  from tests.rollout.test_memory import caches_on_device_0
+  prompts = [tokenizer.encode(p) for p in ("R523000=", "S695697=", "603*9=")]
+  spec = Interruption(think_tokens=3, answer_tokens=4, phrase_ids=(18, 17))
+  sampler = InterruptingSampler(tiny, spec)
+  think, answer = sampler.cache_layouts(len(prompts), 2, max(map(len, prompts)), 9)
+  assert (think.completion_len, answer.completion_len, answer.n) == (4, 4, 1)
+  assert answer.pairs == 8 and answer.prompt_len == 16  # 6 rollouts, prompts <= 15
+  got = caches_on_device_0(tiny, lambda: sampler.generate(
+      prompts, n=2, max_tokens=9, temperature=1.0, seed=1))
+  cfg = tiny._cfg
+  assert len(got) == 2 and got[0] == think.bytes_per_device(cfg)
+  assert got[1] <= answer.bytes_per_device(cfg)
+
+
 def test_jax_sampler_context_is_checked_before_any_work(tiny):
   spec = Interruption(think_tokens=3, answer_tokens=4, phrase_ids=(18, 17))
   with pytest.raises(ValueError, match=r"has 56 tokens; .* that is 65 > the sampler's "

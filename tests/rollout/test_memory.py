@@ -1,5 +1,6 @@
 """The sampler's KV-cache sizing and the trainer + sampler memory-split check."""
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import pytest
@@ -31,73 +32,133 @@ def test_bytes_per_row_from_the_formula():
   assert memory.rows_for_budget(qwen, 24.0, 256 + 8192) == 24 * memory.GIB // per_row
 
 
+def _rows(cfg, rows, positions, row_multiple=1):
+  """A refilled cache of `rows` rows of `positions` (no prompt shared)."""
+  return memory.CacheLayout(prompt_len=16, completion_len=positions - 16, pairs=10**9,
+                            rows=rows, n=1, row_multiple=row_multiple)
+
+
 def test_memory_split_check_names_the_numbers():
   cfg = _cfg()
   per_row = memory.kv_bytes_per_row(cfg, 24)
-  ok = memory.check_memory_split(cfg, max_len=24, device_gib=1.0, trainer_gib=0.5,
-                                 rollouts=100)
+  ok = memory.check_memory_split(cfg, device_gib=1.0, trainer_gib=0.5,
+                                 caches=[_rows(cfg, 100, 24)])
   assert ok["rows"] == 100 and ok["kv_gib"] == pytest.approx(100 * per_row / memory.GIB)
+  rows = memory.rows_for_budget(cfg, 0.2, 24)
   with pytest.raises(ValueError, match=r"trainer \(0\.90 GiB\) \+ sampler KV cache "
-                     r"\(0\.20 GiB = \d+ rows x 24 positions.*> device memory 1\.00 GiB; "
+                     rf"\(0\.20 GiB per device: {rows} rows x 24 positions; 0\.01 MiB per row "
+                     r"of 24 positions\).*> device memory 1\.00 GiB; "
                      r"set sampler.kv_budget_gib <= 0\.10"):
-    memory.check_memory_split(cfg, max_len=24, device_gib=1.0, trainer_gib=0.9,
-                              kv_budget_gib=0.2, rollouts=10**9)
-  # max_rows caps the cache below the budget: fits.
-  fit = memory.check_memory_split(cfg, max_len=24, device_gib=1.0, trainer_gib=0.9,
-                                  kv_budget_gib=0.2, max_rows=16, rollouts=10**9)
-  assert fit["rows"] == 16
+    memory.check_memory_split(cfg, device_gib=1.0, trainer_gib=0.9,
+                              caches=[_rows(cfg, rows, 24)])
+  # Rows split over 8 devices: each holds an eighth; a budget spans all 8.
+  split = memory.check_memory_split(cfg, device_gib=1.0, trainer_gib=0.9,
+                                    caches=[_rows(cfg, rows, 24, row_multiple=8)])
+  assert split["kv_gib"] == pytest.approx(-(-rows // 8) * per_row / memory.GIB)
+  with pytest.raises(ValueError, match=r"over 8 devices.*kv_budget_gib <= 0\.08"):
+    memory.check_memory_split(cfg, device_gib=1.0, trainer_gib=0.99,
+                              caches=[_rows(cfg, rows, 24, row_multiple=8)])
+  with pytest.raises(ValueError, match=r"not one cache row fits beside the trainer"):
+    memory.check_memory_split(cfg, device_gib=1.0, trainer_gib=1.0,
+                              caches=[_rows(cfg, 1, 24)])
+
+
+def caches_on_device_0(sampler, generate) -> list[int]:
+  """Bytes of keys, values and valid masks of each cache JaxSampler `sampler`
+  allocates while `generate()` runs, on the first device."""
+  device, held = jax.devices()[0], []
+
+  def measured(*args):
+    rows, out = empty(*args)
+    cache = rows.cache
+    arrays = [*cache.k_BxKxHxS, *cache.v_BxKxSxH, cache.valid_BxS,
+              *cache.prefix_k_QxKxHxL, *cache.prefix_v_QxKxLxH, cache.prefix_valid_QxL]
+    held.append(sum(sh.data.nbytes for x in arrays if x is not None
+                    for sh in x.addressable_shards if sh.device == device))
+    return rows, out
+
+  empty, sampler._jit_empty = sampler._jit_empty, measured
+  try:
+    generate()
+  finally:
+    sampler._jit_empty = empty
+  return held
+
+
+@pytest.mark.parametrize("mesh, max_rows, lockstep", [
+    (None, None, {True}), (None, 4, {False}), ("fsdp8", None, {True}),
+    ("fsdp8", 8, {True, False})])
+def test_cache_layout_is_what_generate_allocates_on_a_device(mesh, max_rows, lockstep):
+  """Prompt counts and max_tokens round up to powers of two, a lockstep cache
+  holds each prompt once, a refilled one rows of prompt + completion, and rows
+  split over the mesh: the layout the run checks is the sampler's, byte for byte."""
+  from flax import nnx
+
+  from isojax import sharding
+  from isojax.models import Decoder
+  from isojax.rollout.jax_sampler import JaxSampler
+
+  cfg = _cfg(num_hidden_layers=1)
+  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  mesh = sharding.make_mesh(devices=jax.devices()[:8]) if mesh else None
+  sampler = JaxSampler(model, mesh=mesh, max_rows=max_rows)
+  for prompts, n, max_tokens in (([[1, 2, 3]] * 3, 2, 5), ([[4] * 20, [5]], 3, 9)):
+    (layout,) = sampler.cache_layouts(len(prompts), n, max(map(len, prompts)), max_tokens)
+    (got,) = caches_on_device_0(sampler, lambda: sampler.generate(
+        prompts, n=n, max_tokens=max_tokens, temperature=1.0))
+    assert got == layout.bytes_per_device(cfg), (prompts, n, layout)
+    lockstep.discard(layout.lockstep)
+  assert not lockstep  # both layouts met where expected
 
 
 def test_run_split_counts_the_train_state_on_the_device():
-  config = ml_collections.ConfigDict(
-      {"sampler": {"backend": "jax", "max_rows": 0, "kv_budget_gib": 0.0}})
+  config = ml_collections.ConfigDict({"sampler": {"backend": "jax"}})
   state = {"params": jnp.zeros((1024, 1024), jnp.float32),  # 4 MiB
            "opt": [jnp.zeros((1024, 512), jnp.float32)] * 2}  # 2 x 2 MiB
   cfg = _cfg()
   per_row = memory.kv_bytes_per_row(cfg, 64)
-  split = memory.check_run_split(config, cfg, state, rollouts=64, max_len=64,
+  batch = _rows(cfg, 64, 64)
+  split = memory.check_run_split(config, cfg, state, train_cache=batch,
                                  device_memory_gib=1.0)
   assert split["trainer_gib"] == pytest.approx(8 / 1024)
   assert split["kv_gib"] == pytest.approx(64 * per_row / memory.GIB)
   # 8 MiB of state + 64 rows x 32 KiB = 10 MiB > 9 MiB.
   with pytest.raises(ValueError, match=r"trainer \(0\.01 GiB\) \+ sampler KV cache "
-                     r"\(0\.00 GiB = 64 rows x 64 positions x 0\.03 MiB per row\)"):
-    memory.check_run_split(config, cfg, state, rollouts=64, max_len=64,
+                     r"\(0\.00 GiB per device: 64 rows x 64 positions; 0\.03 MiB per row"):
+    memory.check_run_split(config, cfg, state, train_cache=batch,
                            device_memory_gib=9 / 1024)
   config.sampler.backend = "vllm"  # the server's memory is not this device's
-  assert memory.check_run_split(config, cfg, state, rollouts=64, max_len=64,
+  assert memory.check_run_split(config, cfg, state, train_cache=batch,
                                 device_memory_gib=1.0) is None
 
 
 def test_run_split_counts_evaluation_and_pipelinerl():
-  """The largest generate call sets the cache (an evaluation may be larger than a
+  """The larger generate call sets the cache (an evaluation may be larger than a
   training batch); with PipelineRL the sampler's weight copy and two caches at
-  once (the producer's and an evaluation's) count, each capped by max_rows."""
-  config = ml_collections.ConfigDict(
-      {"sampler": {"backend": "jax", "max_rows": 0, "kv_budget_gib": 0.0}})
+  once (the producer's and an evaluation's) count."""
+  config = ml_collections.ConfigDict({"sampler": {"backend": "jax"}})
   params = {"w": jnp.zeros((1024, 1024), jnp.float32)}  # 4 MiB
   state = {"params": params, "opt": [jnp.zeros((1024, 1024), jnp.float32)] * 2}  # 12 MiB
   cfg = _cfg()
   per_row = memory.kv_bytes_per_row(cfg, 64) / memory.GIB
-  sync = memory.check_run_split(config, cfg, state, rollouts=64, eval_rollouts=200,
-                                max_len=64, device_memory_gib=1.0)
+  batch, evaluation = _rows(cfg, 64, 64), _rows(cfg, 200, 64)
+  sync = memory.check_run_split(config, cfg, state, train_cache=batch, eval_cache=evaluation,
+                                device_memory_gib=1.0)
   assert sync["rows"] == 200 and sync["sampler_weights_gib"] == 0
-  piped = memory.check_run_split(config, cfg, state, rollouts=64, eval_rollouts=200,
-                                 max_len=64, pipelined_params=params, device_memory_gib=1.0)
+  piped = memory.check_run_split(config, cfg, state, train_cache=batch,
+                                 eval_cache=evaluation, pipelined_params=params,
+                                 device_memory_gib=1.0)
   assert piped["rows"] == 264 and piped["kv_gib"] == pytest.approx(264 * per_row)
   assert piped["sampler_weights_gib"] == pytest.approx(4 / 1024)
-  config.sampler.max_rows = 100
-  capped = memory.check_run_split(config, cfg, state, rollouts=64, eval_rollouts=200,
-                                  max_len=64, pipelined_params=params, device_memory_gib=1.0)
-  assert capped["rows"] == 64 + 100
   # 12 MiB of state + a 4 MiB copy + 164 rows x 32 KiB (5.1 MiB) > 20 MiB: the
   # advice splits what is left (4 MiB, 127 rows) between the two calls.
   with pytest.raises(ValueError, match=r"trainer \(0\.01 GiB\) \+ sampler's weight copy "
-                     r"\(0\.00 GiB\) \+ sampler KV cache \(0\.01 GiB = 164 rows x 64 "
-                     r"positions x 0\.03 MiB per row, 2 generate calls at once\).*"
-                     r"sampler.max_rows <= 63\)"):
-    memory.check_run_split(config, cfg, state, rollouts=64, eval_rollouts=200, max_len=64,
-                           pipelined_params=params, device_memory_gib=20 / 1024)
+                     r"\(0\.00 GiB\) \+ sampler KV cache \(0\.01 GiB per device: 64 rows x "
+                     r"64 positions; 100 rows x 64 positions; 0\.03 MiB per row of 64 "
+                     r"positions, 2 generate calls at once\).*sampler.max_rows <= 63\)"):
+    memory.check_run_split(config, cfg, state, train_cache=batch,
+                           eval_cache=_rows(cfg, 100, 64), pipelined_params=params,
+                           device_memory_gib=20 / 1024)
 
 
 def test_compiled_sampler_holds_the_budgeted_cache_once():
