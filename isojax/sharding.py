@@ -39,6 +39,10 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
   """A (data, fsdp, tensor) mesh over `devices` (default: all); one size may be -1."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = [data, fsdp, tensor]
+  if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or (s < 1 and s != -1)
+         for s in sizes):
+    raise ValueError(f"mesh sizes must be ints >= 1 or -1 (the rest), got data={data} "
+                     f"fsdp={fsdp} tensor={tensor}")
   if sizes.count(-1) > 1:
     raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} "
                      f"tensor={tensor}")
@@ -89,6 +93,10 @@ def _fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> Partitio
   out = []
   for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
     axes_t = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    unknown = [a for a in axes_t if a not in mesh.shape]
+    if unknown:
+      raise ValueError(f"sharding rules name mesh axes {unknown} that the mesh lacks "
+                       f"(its axes: {list(mesh.shape)}); spec {spec} for shape {tuple(shape)}")
     size = math.prod(mesh.shape[a] for a in axes_t)
     out.append(axes if size and dim % size == 0 else None)
   return PartitionSpec(*out)

@@ -27,6 +27,11 @@ def test_make_mesh_sizes_and_errors():
     sharding.make_mesh(data=3, fsdp=-1)
   with pytest.raises(ValueError, match="at most one"):
     sharding.make_mesh(data=-1, fsdp=-1)
+  # Two negative sizes multiply to 8: still refused, by name.
+  with pytest.raises(ValueError, match=r"ints >= 1 or -1 \(the rest\), got data=-2 fsdp=-4"):
+    sharding.make_mesh(data=-2, fsdp=-4)
+  with pytest.raises(ValueError, match=r"got data=2.0 fsdp=-1"):
+    sharding.make_mesh(data=2.0)
 
 
 def test_logical_to_spec():
@@ -55,6 +60,10 @@ def test_state_shardings_follow_param_metadata_and_fall_back_when_indivisible():
   state1 = nnx.state(nnx.eval_shape(lambda: Decoder(cfg1, rngs=nnx.Rngs(0))))
   shard1 = sharding.state_shardings(state1, mesh)
   assert shard1["layers"][0]["attn"]["k_kernel"].spec == P("fsdp", None, None)
+  # A rule naming an axis the mesh lacks (a typo) is named, not a bare KeyError.
+  with pytest.raises(ValueError, match=r"mesh axes \['fsdq'\] that the mesh lacks \(its "
+                     r"axes: \['data', 'fsdp', 'tensor'\]\)"):
+    sharding.state_shardings(state, mesh, rules=(("embed", "fsdq"),))
   # Plain arrays (e.g. an optimizer step counter) are replicated.
   plain = sharding.state_shardings({"count": jnp.zeros(()), "m": jnp.zeros((8, 4))}, mesh)
   assert plain["count"].is_fully_replicated and plain["m"].is_fully_replicated
