@@ -231,11 +231,12 @@ class VLLMSampler:
       VLLMError / VLLMResponseError: server faults, naming the URL / field.
     """
     version = self._version  # before any request: a lower bound for all its tokens
+    request = dict(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                   top_k=top_k, stop_token_ids=stop_token_ids)
+    validate_request(prompt_ids, **request)  # what needs no server, before contacting it
     info = self.model_info()
-    vocab = info["hf_config"].get("vocab_size")
-    validate_request(prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature,
-                     top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
-                     vocab_size=vocab, max_model_len=info["max_model_len"])
+    validate_request(prompt_ids, **request, vocab_size=info["hf_config"].get("vocab_size"),
+                     max_model_len=info["max_model_len"])
     stops = sorted({*map(int, stop_token_ids), *self.eos_token_ids()})
     base = {"model": info["id"], "n": int(n), "max_tokens": int(max_tokens),
             "temperature": float(temperature), "top_p": float(top_p),
@@ -260,6 +261,11 @@ class VLLMSampler:
         _, pending = concurrent.futures.wait(
             pending, timeout=self.wait_log_s,
             return_when=concurrent.futures.FIRST_EXCEPTION)
+        cancelled = sum(f.cancelled() for f in futures)
+        if cancelled:
+          raise VLLMError(f"VLLMSampler.close() was called while generate waited: "
+                          f"{cancelled} of its {len(futures)} requests to {self.base_url} "
+                          f"were cancelled")
         failed = [f for f in futures if f.done() and f.exception() is not None]
         if failed:
           raise failed[0].exception()

@@ -511,6 +511,34 @@ def test_silent_server_fails_at_first_contact_with_a_log_line(silent_server, cap
              and "connect timeout" in r.getMessage() for r in caplog.records)
 
 
+def test_close_while_generate_waits_names_the_cancelled_requests(fake):
+  fake.routes[("POST", "/v1/completions")] = lambda b, q: (time.sleep(0.5),
+                                                           (200, fake.complete(b)))[1]
+  s = _sampler(fake.url, max_concurrency=1, wait_log_s=0.05)
+  raised = []
+
+  def generate():
+    try:
+      s.generate([[1], [2], [3]], n=1, max_tokens=2, temperature=1.0)
+    except Exception as e:  # pylint: disable=broad-except
+      raised.append(e)
+
+  waiting = threading.Thread(target=generate)
+  waiting.start()
+  time.sleep(0.2)  # the first request is being answered, two queued
+  s.close()
+  waiting.join(timeout=30)
+  assert len(raised) == 1 and isinstance(raised[0], VLLMError), raised
+  assert re.search(rf"close\(\) was called while generate waited: 2 of its 3 requests to "
+                   rf"{fake.url} were cancelled", str(raised[0]))
+
+
+def test_bad_arguments_fail_before_contacting_a_down_server():
+  s = _sampler("http://127.0.0.1:9", max_retries=5, backoff_s=10.0)  # ~5 min if contacted
+  with pytest.raises(ValueError, match="n must be a positive int"):
+    s.generate([[1, 2]], n=0, max_tokens=4, temperature=1.0)
+
+
 def test_slow_generate_logs_while_waiting(fake, caplog):
   def slow(body, q):
     time.sleep(0.6)
