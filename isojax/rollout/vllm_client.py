@@ -19,7 +19,8 @@ share their samples' random streams: each rollout is still an exact sample of
 its prompt, but rollouts of different prompts are dependent. A prompt is never
 sent twice in one request (it would get identical samples).
 
-Weight sync (`update_weights`) is in `isojax.rollout.weight_sync`. vLLM does
+Answers are checked field by field (`isojax.rollout.vllm_answers`). Weight sync
+(`update_weights`) is in `isojax.rollout.weight_sync`. vLLM does
 not say which tokens of a request came after a reload, so every token of a
 `generate` call carries the version label current when the call started
 (`Rollouts.version_BxT`): a lower bound on the weights that sampled it. With
@@ -42,8 +43,9 @@ import requests
 from absl import logging
 
 from isojax.rollout import weight_sync
-from isojax.rollout.base import (FINISH_LENGTH, FINISH_STOP, Rollouts, VLLMError,
-                                 VLLMResponseError, next_version, validate_request)
+from isojax.rollout.base import (Rollouts, VLLMError, VLLMResponseError, next_version,
+                                 validate_request)
+from isojax.rollout.vllm_answers import answer_field, parse_completion
 
 _SEED_STRIDE = 1_000_003
 _SEED_MOD = 2**62
@@ -173,13 +175,13 @@ class VLLMSampler:
     if self._model_info is None:
       body = self.request("GET", "/v1/models",
                           timeout_s=min(self.probe_timeout_s, self.request_timeout_s))
-      data = _field(body, "data", list, f"{self.base_url}/v1/models")
+      data = answer_field(body, "data", list, f"{self.base_url}/v1/models")
       if not data:
         raise VLLMResponseError(f"{self.base_url}/v1/models lists no model ('data' is empty)")
       model = data[0]
       url = f"{self.base_url}/v1/models"
-      info = {"id": _field(model, "id", str, url, "data[0]."),
-              "max_model_len": _field(model, "max_model_len", int, url, "data[0]."),
+      info = {"id": answer_field(model, "id", str, url, "data[0]."),
+              "max_model_len": answer_field(model, "max_model_len", int, url, "data[0]."),
               "root": model.get("root")}
       info["hf_config"] = _read_hf_config(info["root"])
       self._model_info = info
@@ -343,74 +345,6 @@ def chunk_prompts(prompts: list[list[int]], size: int) -> list[list[int]]:
   if current:
     chunks.append(current)
   return chunks
-
-
-def parse_completion(body: Any, *, prompts: list[list[int]], n: int, url: str
-                     ) -> tuple[list[list[int]], list[list[float]], list[str]]:
-  """Checks and unpacks one /v1/completions answer for a batch of prompts.
-
-  Returns (token ids, logprobs, finish reasons) for its len(prompts) * n
-  choices in prompt-major index order. Raises VLLMResponseError naming the
-  first missing or malformed field.
-  """
-  choices = _field(body, "choices", list, url)
-  b = len(prompts) * n
-  if len(choices) != b:
-    raise VLLMResponseError(f"vLLM answer from {url}: field 'choices' has "
-                            f"{len(choices)} entries, expected {len(prompts)} prompts "
-                            f"x n={n} = {b}")
-  by_index = {}
-  for c in choices:
-    idx = _field(c, "index", int, url, "choices[].")
-    if not 0 <= idx < b or idx in by_index:
-      raise VLLMResponseError(f"vLLM answer from {url}: field 'choices[].index' "
-                              f"has bad or repeated value {idx} (expected 0..{b - 1})")
-    by_index[idx] = c
-  tokens, logprobs, finish = [], [], []
-  for j in range(b):
-    c, where = by_index[j], f"choices[{j}]."
-    prompt = prompts[j // n]
-    if c.get("prompt_token_ids") is not None and list(c["prompt_token_ids"]) != prompt:
-      raise VLLMResponseError(
-          f"vLLM answer from {url}: field '{where}prompt_token_ids' does not match "
-          f"the prompt sent (the server re-tokenised it?)")
-    ids = _field(c, "token_ids", list, url, where)
-    lp_obj = _field(c, "logprobs", dict, url, where)
-    lps = _field(lp_obj, "token_logprobs", list, url, where + "logprobs.")
-    if len(lps) != len(ids):
-      raise VLLMResponseError(
-          f"vLLM answer from {url}: field '{where}logprobs.token_logprobs' has "
-          f"{len(lps)} entries but '{where}token_ids' has {len(ids)}")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-      raise VLLMResponseError(f"vLLM answer from {url}: field '{where}token_ids' "
-                              f"holds non-token values")
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool)
-               and not math.isnan(x) for x in lps):
-      raise VLLMResponseError(
-          f"vLLM answer from {url}: field '{where}logprobs.token_logprobs' holds "
-          f"null/NaN/non-numeric values (was the request sent with logprobs=0?)")
-    reason = c.get("finish_reason")
-    if reason not in (FINISH_STOP, FINISH_LENGTH):
-      raise VLLMResponseError(
-          f"vLLM answer from {url}: field '{where}finish_reason' is {reason!r}, "
-          f"expected 'stop' or 'length'")
-    tokens.append(ids)
-    logprobs.append([float(x) for x in lps])
-    finish.append(reason)
-  return tokens, logprobs, finish
-
-
-def _field(obj: Any, name: str, kind: type, url: str, where: str = "") -> Any:
-  if not isinstance(obj, dict):
-    raise VLLMResponseError(f"vLLM answer from {url}: expected a JSON object "
-                            f"holding field '{where}{name}', got {type(obj).__name__}")
-  if name not in obj or obj[name] is None:
-    raise VLLMResponseError(f"vLLM answer from {url}: field '{where}{name}' is missing")
-  value = obj[name]
-  if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-    raise VLLMResponseError(f"vLLM answer from {url}: field '{where}{name}' is "
-                            f"{type(value).__name__}, expected {kind.__name__}")
-  return value
 
 
 def _read_hf_config(root: str | None) -> dict:
