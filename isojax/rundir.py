@@ -136,14 +136,21 @@ def read_metrics(path: str | os.PathLike, *, tolerant: bool = False) -> MetricsL
 def last_record(run_dir: str | os.PathLike) -> dict | None:
   """The last complete record of the run's metrics.jsonl, or None.
 
-  Reads only the file's tail, so polling many runs of a long sweep stays cheap.
+  Reads only the file's tail, so polling many runs of a long sweep stays cheap;
+  a longer one when no whole line fits in it (a record of many validation sets).
   """
-  try:
-    lines = read_tail(os.path.join(run_dir, METRICS_FILE), _TAIL_BYTES).split(b"\n")
-  except OSError:
-    return None
-  for line in reversed(lines[:-1]):  # the last element is '' or a partial line
-    record = parse_record(line)
-    if record is not None:
-      return record
-  return None
+  size = _TAIL_BYTES
+  while True:
+    try:
+      tail = read_tail(os.path.join(run_dir, METRICS_FILE), size)
+    except OSError:
+      return None
+    whole = len(tail) < size  # the tail is the whole file
+    lines = tail.split(b"\n")[:-1]  # the last element is '' or a partial line
+    for line in reversed(lines if whole else lines[1:]):  # lines[0] may be cut
+      record = parse_record(line)
+      if record is not None:
+        return record
+    if whole:
+      return None
+    size *= 4

@@ -39,6 +39,10 @@ def test_last_record_reads_the_last_complete_line(tmp_path):
   _write(tmp_path, "".join(f'{{"step": {i}, "pad": "{"x" * 300}"}}\n' for i in range(100))
          + '{"step": 100, "tor')
   assert rundir.last_record(tmp_path)["step"] == 99
+  # Records longer than the tail read first (many validation sets' metrics).
+  _write(tmp_path, "".join(f'{{"step": {i}, "pad": "{"x" * 20_000}"}}\n' for i in range(3))
+         + '{"step": 3, "tor')
+  assert rundir.last_record(tmp_path)["step"] == 2
 
 
 def test_is_done_reads_the_done_file(tmp_path):
