@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from isojax.rollout.vllm_server import VLLMServer, stop_pid_file, stop_process_group
+from tests.rollout.test_vllm_server import _fake_venv
 
 # Named like vLLM's engine core (it sets its title to "VLLM::EngineCore"), which
 # is how stop_pid_file recognises a vLLM group whose API server is gone.
@@ -84,13 +85,7 @@ def _dead_leader_group(groups: list[int], child: list[str]) -> int:
 
 def _fake_server(tmp_path, script: str) -> tuple[str, str]:
   """(model_dir, venv) where the venv's `python` is a shell script: the API server."""
-  bin_dir = tmp_path / "venv" / "bin"
-  bin_dir.mkdir(parents=True)
-  (bin_dir / "python").write_text("#!/bin/sh\n" + script + "\n")
-  (bin_dir / "python").chmod(0o755)
-  (tmp_path / "model").mkdir()
-  (tmp_path / "model" / "config.json").write_text('{"max_position_embeddings": 64}')
-  return str(tmp_path / "model"), str(tmp_path / "venv")
+  return str(tmp_path / "model"), _fake_venv(tmp_path, script)
 
 
 def _engine_core_then(then: str) -> str:
