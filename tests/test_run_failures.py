@@ -134,20 +134,24 @@ def test_full_disk_while_checkpointing_is_one_message_and_resumable(tmp_path, mo
   assert steps == [0, 1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("max_lag,rows,concurrency", [
-    (0, 32, ""), (1, 8 + 32, ", 2 generate calls at once")])
+@pytest.mark.parametrize("max_lag,caches,concurrency", [
+    (0, r"8 prompts x 16 \+ 32 rows x 8 positions", ""),
+    (1, r"4 prompts x 16 \+ 8 rows x 8 positions; 8 prompts x 16 \+ 32 rows x 8 positions",
+     ", 2 generate calls at once")])
 def test_trainer_and_sampler_over_the_device_fail_before_the_first_update(
-    tmp_path, monkeypatch, max_lag, rows, concurrency):
+    tmp_path, monkeypatch, max_lag, caches, concurrency):
   """On an accelerator that cannot hold them (a device memory patched in: CPU
   reports none), the run stops before the first update naming the numbers. The
-  cache is the largest generate call's: the evaluation's 8 problems x k=4 rows
-  beside a batch of 8; with PipelineRL both decode at once, beside the sampler's
-  own copy of the weights."""
+  cache is the largest generate call's, laid out as the sampler will (each
+  prompt held once beside its rows): the evaluation's 8 problems x k=4 rows
+  beside a batch of 8; with PipelineRL both decode at once, beside the
+  sampler's own copy of the weights."""
   monkeypatch.setattr(memory, "device_gib", lambda: 1e-5)
   copy = r" \+ sampler's weight copy \(\d\.\d\d GiB\)" if max_lag else ""
   with pytest.raises(ValueError, match=rf"trainer \(\d\.\d\d GiB\){copy} \+ sampler KV "
-                     rf"cache \(\d\.\d\d GiB = {rows} rows x \d+ positions x \d\.\d\d MiB per "
-                     rf"row{concurrency}\) = .* > device memory 0\.00 GiB"):
+                     rf"cache \(\d\.\d\d GiB per device: {caches}; \d\.\d\d MiB per row of "
+                     rf"24 positions{concurrency}\) = .* > device memory 0\.00 GiB; not one "
+                     rf"cache row fits beside the trainer"):
     run.run(small_config(**{"rl.pipeline.max_lag": max_lag}), tmp_path / "run")
   assert not (tmp_path / "run" / rundir.CHECKPOINT_DIR).exists()
 
