@@ -60,8 +60,15 @@ from isojax.run_batches import (TRAIN_EVAL, VAL, VAL_EXTRA, GroupedBatches,
                                 NonFiniteLossError, SampledBatch, derive_seed, lag_metrics)
 from isojax.run_config import check_saved_config
 from isojax.run_plan import RunPlan, plan_run, resolved_config
-from isojax.run_setup import (OpenRun, RunParts, model_of, nonfinite_step_message, open_run,
-                              run_key, write_json)
+from isojax.run_setup import OpenRun, RunParts, model_of, open_run, run_key, write_json
+
+
+def nonfinite_step_message(step: int, skips: int, limit: int, last_ckpt: int | None) -> str:
+  return (f"stopping at step {step}: {skips} updates in a row had a non-finite loss or "
+          f"gradient and were skipped (config.max_consecutive_skips={limit}); the "
+          f"parameters are unchanged since the last good update. Last checkpoint: "
+          f"{'none' if last_ckpt is None else f'step {last_ckpt}'} (never holds NaN). "
+          f"Lower the learning rate or inspect the rewards/logprobs of these steps.")
 
 
 def evaluate_step(parts: RunParts, config) -> tuple[dict, np.ndarray | None]:

@@ -57,6 +57,7 @@ class RunParts:
   train_eval_problems: list
   prompt_ids: dict[str, list[int]]  # problem id -> prompt token ids (train set)
   prompt_width: int
+  eval_prompt_len: int  # the longest evaluation prompt (validation and training sets)
   max_tokens: int  # response-length cap (config.sampler.max_tokens, 0 resolved)
   pad_id: int
   stop_token_ids: tuple[int, ...]
@@ -77,14 +78,6 @@ class RunParts:
 def model_of(parts: RunParts, state) -> nnx.Module:
   """The Decoder with the train state's parameters (no copy)."""
   return nnx.merge(parts.graphdef, state.params, parts.rest)
-
-
-def nonfinite_step_message(step: int, skips: int, limit: int, last_ckpt: int | None) -> str:
-  return (f"stopping at step {step}: {skips} updates in a row had a non-finite loss or "
-          f"gradient and were skipped (config.max_consecutive_skips={limit}); the "
-          f"parameters are unchanged since the last good update. Last checkpoint: "
-          f"{'none' if last_ckpt is None else f'step {last_ckpt}'} (never holds NaN). "
-          f"Lower the learning rate or inspect the rewards/logprobs of these steps.")
 
 
 def model_path(config) -> pathlib.Path:
@@ -209,9 +202,9 @@ def build_parts(config, run_plan) -> RunParts:
   train, val_sets = load_problem_sets(config)
   context, max_tokens = model.cfg.max_position_embeddings, run_plan.max_tokens
   train, ids = fit_context(config, tokenizer, context, max_tokens, train, "training")
-  val_sets = {name: fit_context(config, tokenizer, context, max_tokens, problems,
-                                f"validation ({name})")[0]
-              for name, problems in val_sets.items()}
+  fitted = {name: fit_context(config, tokenizer, context, max_tokens, problems,
+                              f"validation ({name})") for name, problems in val_sets.items()}
+  val_sets = {name: kept for name, (kept, _) in fitted.items()}
   prompt_ids = {p.id: x for p, x in zip(train, ids)}
   if len(prompt_ids) != len(train):
     raise ValueError("training problems must have distinct ids")
@@ -236,6 +229,7 @@ def build_parts(config, run_plan) -> RunParts:
       val_sets=val_sets, train_eval_problems=train_eval,
       prompt_ids=prompt_ids,
       prompt_width=batching.prompt_bucket(max(len(x) for x in ids)),
+      eval_prompt_len=max(len(x) for x in ids + [x for _, v in fitted.values() for x in v]),
       max_tokens=run_plan.max_tokens,
       pad_id=int(tokenizer.pad_token_id or 0),
       stop_token_ids=() if eos is None else (int(eos),),
@@ -377,13 +371,15 @@ def _log_memory_split(config, parts: RunParts, state, point: budget_lib.BudgetPo
                       default=0)
   cfg = model_of(parts, state).cfg
 
-  def largest(num_prompts, n):  # of the calls a request makes one after another
-    calls = parts.sampler.cache_layouts(num_prompts, n, parts.prompt_width, parts.max_tokens)
+  def largest(num_prompts, n, longest):  # of the calls a request makes in turn
+    calls = parts.sampler.cache_layouts(num_prompts, n, longest, parts.max_tokens)
     return max(calls, key=lambda c: c.bytes_per_device(cfg))
 
   split = check_run_split(
-      config, cfg, state, train_cache=largest(point.bp, config.rl.n_est or config.n),
-      eval_cache=largest(eval_problems, config.eval.k) if eval_problems else None,
+      config, cfg, state,
+      train_cache=largest(point.bp, config.rl.n_est or config.n, parts.prompt_width),
+      eval_cache=(largest(eval_problems, config.eval.k, parts.eval_prompt_len)
+                  if eval_problems else None),
       pipelined_params=state.params if pipelined else None)
   if split is not None:
     logging.info("memory per device: trainer state %.2f GiB + sampler weights %.2f GiB + "

@@ -31,6 +31,7 @@ import pytest
 
 from experiments import tiny
 from isojax import checkpoint as ckpt_lib, run, run_setup, rundir
+from isojax.data import Problem, write_jsonl
 from isojax.rollout import memory
 from isojax.errors import DiskFullError, UnsafePathError
 from tests.config_overrides import set_fields
@@ -154,6 +155,16 @@ def test_trainer_and_sampler_over_the_device_fail_before_the_first_update(
                      rf"cache row fits beside the trainer"):
     run.run(small_config(**{"rl.pipeline.max_lag": max_lag}), tmp_path / "run")
   assert not (tmp_path / "run" / rundir.CHECKPOINT_DIR).exists()
+
+
+def test_the_memory_check_sizes_evaluation_by_the_validation_prompts(tmp_path, monkeypatch):
+  """Validation prompts longer than the training set's take a wider prompt bucket
+  in the evaluation's cache (32 positions here, against training's 16)."""
+  longer = tmp_path / "longer.jsonl"
+  write_jsonl([Problem(f"l{i}", "1+" * 10 + f"{i}=", str(10 + i)) for i in range(8)], longer)
+  monkeypatch.setattr(memory, "device_gib", lambda: 1e-5)
+  with pytest.raises(ValueError, match=r"per device: 8 prompts x 32 \+ 32 rows x 8 positions"):
+    run.run(small_config(**{"data.val": f"longer={longer}"}), tmp_path / "run")
 
 
 def test_main_prints_one_line_and_exits_2(tmp_path):
