@@ -88,8 +88,8 @@ class MetricsWriter:
     truncate_metrics(self.path, resume_step)
     self._file = files.open_append(self.path)
     if tensorboard:
-      # Imported where events are written: --dry_run and the step's benches reach
-      # this module through run_setup and must not need TensorBoard installed.
+      # Imported where events are written: importing isojax.run (as the tests
+      # and notebooks do) must not need TensorBoard installed.
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       # purge_step hides the events a killed run wrote after its last checkpoint,
       # or all of them on a fresh start (metrics.jsonl is emptied then too).

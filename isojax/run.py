@@ -47,7 +47,7 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from isojax import rundir, run_setup
+from isojax import rundir, run_open
 from isojax import budget as budget_lib
 from isojax import evaluate as ev
 from isojax import metrics as metrics_lib
@@ -60,7 +60,8 @@ from isojax.run_batches import (TRAIN_EVAL, VAL, VAL_EXTRA, GroupedBatches,
                                 NonFiniteLossError, SampledBatch, derive_seed, lag_metrics)
 from isojax.run_config import check_saved_config
 from isojax.run_plan import RunPlan, plan_run, resolved_config
-from isojax.run_setup import OpenRun, RunParts, model_of, open_run, run_key, write_json
+from isojax.run_open import OpenRun, open_run, run_key, write_json
+from isojax.run_setup import RunParts, model_of
 
 
 def nonfinite_step_message(step: int, skips: int, limit: int, last_ckpt: int | None) -> str:
@@ -148,7 +149,7 @@ def run(config, workdir: str | os.PathLike) -> dict:
   if last is None:  # resumed at the last step: nothing was left to do
     last = rundir.read_metrics(workdir / METRICS_FILE).records[-1]
   point = run_plan.point
-  if run_setup.writes_run_files():  # on the module: a test stands in for another host
+  if run_open.writes_run_files():  # on the module: a test stands in for another host
     with disk_full_as(workdir, DONE_FILE):
       write_json(workdir / DONE_FILE, {"step": point.m, "wall_s": time.time() - opened.t0,
                                        "last": last})

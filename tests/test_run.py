@@ -25,7 +25,7 @@ import pytest
 
 from experiments import tiny
 from isojax import assets, batching, checkpoint as ckpt_lib, run, run_batches
-from isojax import run_setup
+from isojax import run_open, run_setup
 from tests.config_overrides import set_fields
 from tests import run_records
 from tests.xla_cache import persistent_compilation_cache
@@ -392,7 +392,7 @@ def test_extra_eval_steps(tmp_path):
 def test_only_the_first_process_writes_the_run_files(trained, tmp_path, monkeypatch):
   # Another host of a multi-host run: it trains in step with the first (same
   # records) but leaves config.json, metrics.jsonl, TensorBoard and DONE to it.
-  monkeypatch.setattr(run_setup, "writes_run_files", lambda: False)
+  monkeypatch.setattr(run_open, "writes_run_files", lambda: False)
   workdir = tmp_path / "host1"
   last = run.run(tiny_config(), workdir)
   assert run_records.without_timing(last) == run_records.without_timing(run_records.records(trained[0])[-1])
