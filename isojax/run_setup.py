@@ -138,6 +138,7 @@ def make_step(config, run_plan, model, mesh, critic=None):
   defaults to an abstract one of `model`'s architecture (shapes are all the
   step needs).
   """
+  _check_sampled_batch(run_plan.point, mesh)
   kwargs = dict(batch_size=run_plan.point.batch, group_size=run_plan.point.n,
                 micro_batch_size=run_plan.micro_batch, mesh=mesh,
                 rules=sharding.DEFAULT_RULES, logits_chunk=config.rl.logits_chunk,
@@ -151,6 +152,21 @@ def make_step(config, run_plan, model, mesh, critic=None):
   return ppo.make_ppo_train_step(
       model, abstract_critic(model) if critic is None else critic, run_plan.loss,
       run_plan.value, run_plan.optim, run_plan.critic_optim, **kwargs)
+
+
+def _check_sampled_batch(point, mesh) -> None:
+  """A decoupled baseline's Bp * n_est rewards are split over the batch shards
+  like the trained rows; the step would refuse them only at the first update,
+  after a whole batch was sampled."""
+  if point.n_est is None:
+    return  # B itself: the step checks it against its micro-batches and shards
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  if point.sampled_batch % shards:
+    raise ValueError(
+        f"Bp*n_est = {point.bp}*{point.rollouts_per_problem} = {point.sampled_batch} "
+        f"baseline rollouts per update are not divisible by the {shards} batch shards "
+        f"(data x fsdp) of the mesh {dict(mesh.shape)}: choose config.rl.n_est so "
+        f"that Bp*n_est is a multiple of {shards}")
 
 
 def abstract_state(run_plan, model, mesh):

@@ -170,6 +170,17 @@ def test_n_est_below_n_is_refused(tmp_path):
   assert not (tmp_path / "r").exists()
 
 
+def test_n_est_indivisible_by_the_batch_shards_is_refused_before_sampling(
+    tmp_path, captured):
+  # B = 2 * 4 = 8 rows split over 8 devices, but 2 * 6 = 12 baseline rewards
+  # cannot be: refused at setup, not after the first batch was sampled.
+  config = _config("bp=2,n=4,budget=48", **{"rl.n_est": 6, "mesh.data": 8})
+  with pytest.raises(ValueError, match=r"Bp\*n_est = 2\*6 = 12 baseline rollouts per "
+                     r"update are not divisible by the 8 batch shards"):
+    run.run(config, tmp_path / "r")
+  assert captured["batches"] == []
+
+
 def test_difficulty_mixture_run(tmp_path, captured):
   c = difficulty_mix.get_config("smoke,mix=tri,bp=4,n=4,budget=48")
   c.data.num_val, c.data.num_train = 16, 40
