@@ -18,18 +18,22 @@ from __future__ import annotations
 import numpy as np
 
 
-def record_breaking_points(compute, reward, *, bin_width: float = 0.005) -> np.ndarray:
+def record_breaking_points(compute, reward, *, bin_width: float = 0.005,
+                           baseline: float | None = None) -> np.ndarray:
   """Indices of the earliest points whose reward bin beats every earlier point.
 
   Reward is discretised as floor(reward / bin_width); a point is a record when its bin
-  is higher than the bins of all points with smaller compute. Discretising makes
-  noise within one bin unable to create a record. Points at equal compute are taken
-  best first, so among ties only the highest can be a record. NaN points are ignored.
+  is higher than the bins of all points with smaller compute, and of `baseline`.
+  Discretising makes noise within one bin unable to create a record. Points at equal
+  compute are taken best first, so among ties only the highest can be a record. NaN
+  points are ignored.
 
   Args:
     compute: compute at each point (any order; several runs may be pooled).
     reward: reward at each point, same length.
     bin_width: the reward resolution, > 0 (the paper uses 0.005).
+    baseline: a reward observed before every point (the base model's, at compute
+      0), or None. A checkpoint no better than it is dominated by it.
 
   Returns:
     Indices into the inputs, in increasing compute order.
@@ -53,7 +57,10 @@ def record_breaking_points(compute, reward, *, bin_width: float = 0.005) -> np.n
   # The small offset keeps a reward sitting exactly on a bin edge (0.5 / 0.005) in
   # its bin despite float error in the division.
   bins = np.floor(reward[order] / bin_width + 1e-9)
-  best_before = np.concatenate([[-np.inf], np.maximum.accumulate(bins)[:-1]])
+  start = -np.inf
+  if baseline is not None and np.isfinite(baseline):
+    start = np.floor(baseline / bin_width + 1e-9)
+  best_before = np.concatenate([[start], np.maximum.accumulate(np.maximum(bins, start))[:-1]])
   return order[bins > best_before]
 
 
@@ -68,6 +75,12 @@ def _run_points(run, metric: str, unit: str, max_compute: float | None):
   if max_compute is not None:
     keep &= c <= max_compute
   return c[keep], r[keep]
+
+
+def base_reward(run, metric: str, unit: str = "rollouts") -> float | None:
+  """The run's `metric` before any training (its step-0 evaluation), or None."""
+  c, r = run.points(metric, unit)
+  return float(r[c <= 0].max()) if np.any(c <= 0) else None
 
 
 def _sorted_union(parts) -> tuple[np.ndarray, np.ndarray]:
@@ -93,11 +106,15 @@ def record_points(runs, metric: str, unit: str = "rollouts", *, bin_width: float
   """(compute, reward) of the record-breaking points of each run, united over `runs`.
 
   Each run contributes its own records (a run drawn twice by the bootstrap
-  contributes them twice); the union is sorted by (compute, -reward).
+  contributes them twice); the union is sorted by (compute, -reward). A run's
+  evaluation before training counts as observed (§4: a record exceeds "all
+  previously observed values"), so no checkpoint at or below the base model's bin
+  is a record.
   """
   parts = []
   for run in runs:
     c, r = _run_points(run, metric, unit, max_compute)
-    idx = record_breaking_points(c, r, bin_width=bin_width)
+    idx = record_breaking_points(c, r, bin_width=bin_width,
+                                 baseline=base_reward(run, metric, unit))
     parts.append((c[idx], r[idx]))
   return _sorted_union(parts)

@@ -102,3 +102,19 @@ def test_record_points_are_taken_per_run_then_united():
   # A run drawn twice (the bootstrap) contributes its records twice.
   c2, _ = record_points([runs[0], runs[0]], "val/avg@4")
   assert list(c2) == [10, 10, 20, 20]
+
+
+def test_the_base_models_evaluation_counts_as_observed():
+  # §4: a record beats "all previously observed values", the step-0 evaluation
+  # (the base model, at compute 0) included: a checkpoint at or below its bin is
+  # dominated by it.
+  c, r = [1, 2, 3, 4], [0.10, 0.152, 0.14, 0.20]
+  assert record_breaking_points(c, r).tolist() == [0, 1, 3]
+  assert record_breaking_points(c, r, baseline=0.15).tolist() == [3]
+  assert record_breaking_points(c, r, baseline=float("nan")).tolist() == [0, 1, 3]
+  run = FakeRun("a", [0, 10, 20, 30, 40], [0.15, 0.10, 0.152, 0.14, 0.20])
+  assert list(zip(*record_points([run], "val/avg@4"))) == [(40, 0.20)]
+  # Without a step-0 evaluation nothing came before the first checkpoint.
+  run = FakeRun("b", [10, 20, 30, 40], [0.10, 0.152, 0.14, 0.20])
+  assert list(zip(*record_points([run], "val/avg@4"))) == [(10, 0.1), (20, 0.152),
+                                                            (40, 0.2)]
