@@ -22,6 +22,9 @@ SIGMOID_B_RANGE = (0.02, 20.0)
 SIGMOID_CMID_MARGIN_DECADES = 2.0  # C_mid is searched this far beyond the data
 NSTAR_K_RANGE = (0.05, 100.0)
 NSTAR_X0_MARGIN_DECADES = 1.0
+# R0, A, B and C_mid free, plus one point so the residuals check the fit (one fewer
+# with R0 given).
+SIGMOID_MIN_POINTS = 5
 _GRID = (40, 64)  # (slope values, midpoint values)
 _BOUND_TOL = 1e-6
 _TINY = 1e-300
@@ -217,7 +220,7 @@ def fit_sigmoid(compute, reward, *, r0=None, weights=None) -> SigmoidFit:
   if r0 is not None and not (math.isfinite(r0) and 0.0 <= r0 <= 1.0):
     raise ValueError(f"fit_sigmoid: r0 must be in [0, 1], got {r0!r}")
   c, y, w = _validate(compute, reward, weights, "fit_sigmoid",
-                      min_points=(3 if r0 is not None else 4) + 1)
+                      min_points=SIGMOID_MIN_POINTS - (r0 is not None))
   logc = np.log(c)
   margin = SIGMOID_CMID_MARGIN_DECADES * math.log(10.0)
   slopes = np.geomspace(*SIGMOID_B_RANGE, _GRID[0])

@@ -44,7 +44,8 @@ class CurveSet:
   """Per-configuration fits of one metric against one compute unit.
 
   Attributes:
-    fits: curve key -> SigmoidFit, for keys with enough record points.
+    fits: curve key -> SigmoidFit, for keys with enough record points (with R0
+      fixed to the base model's reward, and flagged, when too few to fit R0).
     points: key -> (compute, reward) of every evaluation of the key's runs.
     records: key -> (compute, reward) of the record-breaking points of each run,
       united (the points the curve is fitted to).
@@ -63,11 +64,28 @@ class CurveSet:
 
 
 @functools.lru_cache(maxsize=4096)
-def _fit_records(compute_bytes: bytes, reward_bytes: bytes) -> fits_lib.SigmoidFit:
+def _fit_records(compute_bytes: bytes, reward_bytes: bytes,
+                 r0: float | None) -> fits_lib.SigmoidFit:
   # Bootstrap resamples refit the same record sets over and over (a configuration with
   # one run, or the same draw of its seeds); the fit is a pure function of the points,
   # so memoise it.
-  return fits_lib.fit_sigmoid(np.frombuffer(compute_bytes), np.frombuffer(reward_bytes))
+  return fits_lib.fit_sigmoid(np.frombuffer(compute_bytes), np.frombuffer(reward_bytes),
+                              r0=r0)
+
+
+def _base_r0(runs, metric: str, unit: str, num_records: int) -> float | None:
+  """R0 for a configuration with too few records to fit it: its runs' mean reward
+  before training, when they evaluated it. Otherwise (None) R0 is fitted.
+
+  Such configurations are typically the largest n (fewest updates, so fewest
+  evaluations) or runs on a hard set that rise by a few bins; leaving them out
+  would bias n* towards small n. R(C -> 0) = R0 is the base model's reward, which
+  the step-0 evaluation measures.
+  """
+  if num_records >= fits_lib.SIGMOID_MIN_POINTS:
+    return None
+  base = [b for run in runs if (b := records.base_reward(run, metric, unit)) is not None]
+  return float(np.clip(np.mean(base), 0.0, 1.0)) if base else None
 
 
 def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rollouts",
@@ -75,7 +93,9 @@ def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rol
   """Fits one sigmoid per configuration to the union of its runs' record points.
 
   Records are taken per run (`records.record_points`), never of the runs pooled
-  into one best-so-far curve, which would fit a maximum over seeds.
+  into one best-so-far curve, which would fit a maximum over seeds. A configuration
+  with fewer records than a free fit needs has R0 fixed to its base reward
+  (`_base_r0`), and a flag saying so.
 
   Args:
     runs: the runs to use (already restricted to one difficulty / Bp as wanted).
@@ -97,15 +117,20 @@ def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rol
     if points[k][0].size == 0:
       skipped[k] = f"no '{metric}' points with {unit} > 0"
       continue
+    r0 = _base_r0(groups[k], metric, unit, recs[k][0].size)
     try:
-      fit = _fit_records(recs[k][0].tobytes(), recs[k][1].tobytes())
+      fit = _fit_records(recs[k][0].tobytes(), recs[k][1].tobytes(), r0)
     except ValueError as e:
       skipped[k] = f"{recs[k][0].size} record-breaking point(s): {e}"
       continue
+    flags = fit.flags
+    if r0 is not None:
+      flags += (f"r0 = the base model's reward: {recs[k][0].size} record points are "
+                f"too few to fit it",)
     # The curve is supported up to the last evaluation, not just the last record:
     # the evaluations after it show the plateau the fit predicts.
     fits[k] = dataclasses.replace(
-        fit, compute_range=(fit.compute_range[0], float(points[k][0].max())))
+        fit, compute_range=(fit.compute_range[0], float(points[k][0].max())), flags=flags)
   return CurveSet(metric=metric, unit=unit, bin_width=bin_width, fits=fits,
                   points=points, records=recs, skipped=skipped,
                   n_runs={k: len(v) for k, v in groups.items()})

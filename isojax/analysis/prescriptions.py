@@ -24,6 +24,7 @@ import dataclasses
 import math
 
 from isojax.analysis import fits as fits_lib
+from isojax.analysis.frontier import key_n
 from isojax.analysis.plan import plan
 
 MAX_SPREAD = 8.0  # refuse to extrapolate where n*'s interval spans more than this
@@ -39,6 +40,8 @@ class LawChoice:
     bp: problems per batch of every prescription.
     joint: whether the law is the joint (Bp, n, M) study's (App. C).
     reason: one sentence: which law and why this Bp.
+    unfitted_n: the n of configurations of the law's sweep left out of its
+      frontier (too few record points, `frontier.CurveSet.skipped`).
   """
 
   label: str
@@ -46,6 +49,7 @@ class LawChoice:
   bp: int
   joint: bool
   reason: str
+  unfitted_n: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,22 +136,28 @@ def choose_law(sweeps, runs, *, primary, primary_bp: int | None, bp: int | None 
       else:
         why = f"Bp={bp} as asked"
       return LawChoice("joint", joint.law, bp, True,
-                       f"the joint (Bp, n, M) study's n*(C) law (App. C); {why}")
+                       f"the joint (Bp, n, M) study's n*(C) law (App. C); {why}",
+                       _unfitted_n(joint))
     caveat = " (the joint study's law could not be fitted)"
   own = by_label.get(f"bp={bp}") if bp is not None else None
   if own is not None and own is not primary:
     return LawChoice(own.label, own.law, bp, False,
-                     f"the fixed-Bp n*(C) law measured at Bp={bp}, as asked{caveat}")
+                     f"the fixed-Bp n*(C) law measured at Bp={bp}, as asked{caveat}",
+                     _unfitted_n(own))
   if primary.law is None:
     return None
   if bp is None or bp == primary_bp:
     return LawChoice(primary.label, primary.law, primary_bp, False,
                      f"the fixed-Bp n*(C) law measured at Bp={primary_bp} (§4.1), at "
-                     f"its own Bp{caveat}")
+                     f"its own Bp{caveat}", _unfitted_n(primary))
   return LawChoice(primary.label, primary.law, bp, False,
                    f"the fixed-Bp n*(C) law measured at Bp={primary_bp}, used at Bp={bp} "
                    f"as asked: no runs measured it there, and where n* saturates "
-                   f"depends on Bp (App. B){caveat}")
+                   f"depends on Bp (App. B){caveat}", _unfitted_n(primary))
+
+
+def _unfitted_n(sweep) -> tuple[int, ...]:
+  return tuple(sorted({key_n(k) for k in sweep.curves.skipped}))
 
 
 def default_budgets(law: fits_lib.NStarFit) -> list[float]:
@@ -218,11 +228,16 @@ def prescribe(choice: LawChoice, budgets, *, b_max=None, intervals=None,
     if refusal:
       out.append(Prescription(point=None, note=refusal, refused=True, **common))
       continue
-    note = ("no bootstrap interval: the extrapolation is unchecked"
-            if extrapolated and interval is None else "")
+    notes = ["no bootstrap interval: the extrapolation is unchecked"
+             if extrapolated and interval is None else ""]
     try:
-      out.append(Prescription(point=plan(c, choice.law, bp=choice.bp, b_max=b_max),
-                              note=note, **common))
+      point = plan(c, choice.law, bp=choice.bp, b_max=b_max)
+      above = [n for n in choice.unfitted_n if n > point.n]
+      if above:
+        notes.append(f"n={above} had too few record points to be fitted, so the law "
+                     f"never saw them: n* may be larger (evaluate those runs more often, "
+                     f"or use a finer reward bin)")
+      out.append(Prescription(point=point, note="; ".join(filter(None, notes)), **common))
     except ValueError as e:
       out.append(Prescription(point=None, note=str(e), **common))
   return tuple(out)

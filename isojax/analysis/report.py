@@ -346,10 +346,11 @@ def _procedure_md(analysis: Analysis) -> str:
   law = (f"the running average of n* over {o.law_window:g} decades (Fig. 7)"
          if o.law_points == "running_average" else
          "the compute where the frontier enters each higher reward bin (Fig. 15)")
-  return (f"Procedure: record-breaking points per run (reward bin {o.bin_width:g}); one "
-          f"sigmoid per configuration on the union of its runs' records, held at its "
-          f"last evaluation's value beyond it; frontier = {tie}; n*(C) law fitted to "
-          f"{law}.")
+  return (f"Procedure: record-breaking points per run (reward bin {o.bin_width:g}, the "
+          f"base model's evaluation counted as observed); one sigmoid per configuration "
+          f"on the union of its runs' records (R0 = the base model's reward when four "
+          f"are too few to fit it), held at its last evaluation's value beyond it; "
+          f"frontier = {tie}; n*(C) law fitted to {law}.")
 
 
 def report_markdown(analysis: Analysis, figures=()) -> str:

@@ -54,11 +54,17 @@ def write_run(path, config: dict, rows: list[dict], *, raw_lines=()):
 
 
 def run_rows(bp, n, m, curve, *, rng=None, noise=0.0, run_sigma=0.0, rho=0.0,
-             n_evals=40, hist_bins=0, hist_layout="list"):
-  """Metric rows at log-spaced steps up to m; rewards = curve(C) + noise, in [0, 1]."""
+             n_evals=40, hist_bins=0, hist_layout="list", base_eval=False):
+  """Metric rows at log-spaced steps up to m; rewards = curve(C) + noise, in [0, 1].
+
+  base_eval: start with the step-0 evaluation the trainer logs (the base model's
+  reward, curve(C -> 0)).
+  """
   steps = np.unique(np.round(np.geomspace(1, m, n_evals)).astype(int))
+  if base_eval:
+    steps = np.concatenate([[0], steps])
   c = steps * bp * n
-  clean = curve(c)
+  clean = curve(np.maximum(c, 1e-12))
   offset = rng.normal(0.0, run_sigma) if run_sigma else 0.0
   ar = np.zeros(steps.size)
   for i in range(steps.size):
@@ -93,7 +99,7 @@ def _beta_cdf(x, a, b):
 
 def make_sweep(root, *, configs, budget, curve=true_reward, seeds=(0,), noise=0.0,
                run_sigma=0.0, rho=0.0, n_evals=40, difficulty=None, layout="top",
-               rng_seed=0, hist_bins=0, hist_layout="list"):
+               rng_seed=0, hist_bins=0, hist_layout="list", base_eval=False):
   """One run per (config, seed); each spends `budget` rollouts (M = budget//(bp n)).
 
   layout: "top" puts bp/n/m at the top of config.json, "budget" nests them.
@@ -109,7 +115,7 @@ def make_sweep(root, *, configs, budget, curve=true_reward, seeds=(0,), noise=0.
       config.update(budget_cfg if layout == "top" else {"budget": budget_cfg})
       rows = run_rows(bp, n, m, lambda c: curve(bp, n, c), rng=rng, noise=noise,
                       run_sigma=run_sigma, rho=rho, n_evals=n_evals,
-                      hist_bins=hist_bins, hist_layout=hist_layout)
+                      hist_bins=hist_bins, hist_layout=hist_layout, base_eval=base_eval)
       name = f"{difficulty or 'mix'}_bp{bp}_n{n}_s{seed}"
       paths.append(write_run(os.path.join(root, name), config, rows))
   return paths

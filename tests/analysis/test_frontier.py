@@ -231,3 +231,26 @@ def test_too_few_records_are_skipped_with_a_reason(tmp_path):
   assert "need at least 5" in curves.skipped[4]
   with pytest.raises(ValueError, match="no fitted curves"):
     frontier(curves.fits)
+
+
+def test_four_records_fit_with_r0_at_the_base_models_reward(tmp_path):
+  # Five evaluations after training, the first still in the base model's bin: four
+  # records (the largest n of a sweep has the fewest evaluations). Too few to fit R0
+  # as well, so R0 is the step-0 evaluation's reward, and the other three parameters
+  # come from the records. Before, the configuration was left out.
+  fake_runs.make_sweep(tmp_path, configs=[(8, 16), (8, 64)], budget=8 * 64 * 400,
+                       n_evals=5, base_eval=True)
+  curves = fit_curves(read_runs(tmp_path).runs, metric=METRIC)
+  assert curves.skipped == {}
+  for n, fit in curves.fits.items():
+    truth = fake_runs.TRUE_PARAMS[n]
+    assert fit.n_points == 4 and fit.r0_fixed
+    assert fit.r0 == pytest.approx(truth["r0"], abs=1e-9)
+    assert [fit.a, fit.b, fit.c_mid] == pytest.approx(
+        [truth["a"], truth["b"], truth["c_mid"]], rel=1e-3)
+    assert any("r0 = the base model's reward: 4 record points" in f for f in fit.flags)
+  # With enough records R0 is fitted, as before.
+  fake_runs.make_sweep(tmp_path / "many", configs=[(8, 16)], budget=8 * 64 * 400,
+                       n_evals=8, base_eval=True)
+  (fit,) = fit_curves(read_runs(tmp_path / "many").runs, metric=METRIC).fits.values()
+  assert not fit.r0_fixed and fit.flags == ()

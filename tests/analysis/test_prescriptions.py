@@ -124,6 +124,18 @@ def test_resamples_without_a_law_leave_the_upper_end_unknown():
   assert pr.refused and "[10, inf]" in pr.note
 
 
+def test_a_larger_n_the_law_never_saw_is_named():
+  # A configuration left out of the frontier (too few records) at an n above the
+  # prescribed one: the law cannot have picked it, so the prescription says so.
+  choice = LawChoice("bp=32", law(), bp=32, joint=False, reason="test",
+                     unfitted_n=(2, 1024))
+  small, large = prescribe(choice, [1e3, 1e6])
+  assert small.point.n == 4 and "n=[1024] had too few record points" in small.note
+  assert large.point.n == 64 and "n=[1024]" in large.note
+  below = LawChoice("bp=32", law(), bp=32, joint=False, reason="test", unfitted_n=(2,))
+  assert prescribe(below, [1e6])[0].note == ""
+
+
 def test_infeasible_point_is_reported_not_raised():
   choice = LawChoice("bp=32", law(), bp=1024, joint=False, reason="test")
   (pr,) = prescribe(choice, [1e6], b_max=4096)
