@@ -28,8 +28,9 @@ the Qwen2.5-1.5B shape with 512 rollouts x 8192 new tokens inside a KV budget
 (`--kv_budget_gib`, continuous batching; `--long_prompts` x 8 rollouts; run
 once, its compilation included); `--shapes 1.5b` runs only the latter. Each
 line prints tokens/s, ms per decode step, the HBM-bandwidth bound from the
-bytes a step reads (weights + the filled cache blocks, `--hbm_gbps`) and the
-peak device memory.
+bytes a step must read (every weight and every cached position once; the device's
+bandwidth, or `--hbm_gbps`), the fraction of it reached, and the peak device
+memory.
 
 `--memory_check` compiles the 1.5B x 512 x 8192 sampler from shapes only (no
 weights) with the KV budget and prints XLA's memory analysis: what one device must
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import tempfile
@@ -184,27 +186,37 @@ def bench_vllm(path, prompts, n, max_tokens, repeats):
 
 
 def _decode_bound_s(cfg, rows, prompt_len, max_tokens, hbm_gbps, waves=1, prompts=None):
-  """Seconds the HBM bandwidth allows: every decode step reads all weights and the
-  filled cache blocks of every row (KVCache.attend reads whole blocks). With
-  `prompts` (every rollout has its row: lockstep), each prompt's cache is read
-  once for its rows, and the rows' own cache holds their completions only."""
-  from isojax.models.kv_cache import block_size  # pylint: disable=g-import-not-at-top
-  from isojax.rollout.memory import kv_bytes_per_row  # pylint: disable=g-import-not-at-top
+  """Seconds the HBM bandwidth allows for the decode steps: the bytes a step must
+  read at the least, every weight once and every cached position once (keys and
+  values of every layer), over the bandwidth. With `prompts` (every rollout has its
+  row: lockstep) each prompt's positions are read once for all its rows; otherwise
+  every row holds its prompt. The sampler reads more than this (whole cache blocks,
+  or power-of-two extents when rows are refilled), so bound / time is the fraction
+  of the roofline reached, not of what this implementation could reach."""
+  from isojax.models.kv_cache import KVCache  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   d, f, v, l = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
   qkvo = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * d
   weights = (l * (qkvo + 3 * d * f) + v * d) * jnp.dtype(cfg.param_dtype).itemsize
-  filled = lambda n, blk: -(-n // blk) * blk  # slots of the blocks holding n
+  per_slot = KVCache.bytes_per_slot(l, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+  # Step i attends over the prompt and the i + 1 completion positions written so far.
   if prompts:
-    own, blk_p = block_size(max_tokens), block_size(prompt_len)
-    per_slot = kv_bytes_per_row(cfg, own) / own
-    slots = sum(prompts * filled(prompt_len, blk_p) + rows * filled(i + 1, own)
-                for i in range(max_tokens))
+    slots = sum(prompts * prompt_len + rows * (i + 1) for i in range(max_tokens))
   else:
-    blk = block_size(prompt_len + max_tokens)
-    per_slot = kv_bytes_per_row(cfg, blk) / blk
-    slots = sum(filled(prompt_len + i, blk) for i in range(max_tokens)) * rows
+    slots = sum(rows * (prompt_len + i + 1) for i in range(max_tokens))
   return waves * (max_tokens * weights + slots * per_slot) / (hbm_gbps * 1e9)
+
+
+# HBM bandwidth (GB/s) by device kind, first match: the --hbm_gbps default.
+HBM_GBPS = (("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
+            ("A100-SXM4-80GB", 2039.0), ("A100", 1555.0))
+
+
+def hbm_gbps(device_kind: str, asked: float | None) -> float | None:
+  """--hbm_gbps if given, else the bandwidth of `device_kind` (None if unknown)."""
+  if asked is not None:
+    return asked
+  return next((gbps for name, gbps in HBM_GBPS if name in device_kind), None)
 
 
 @contextlib.contextmanager
@@ -238,7 +250,9 @@ def bench_gpu(args):
   from isojax.models import Decoder, ModelConfig, save_pretrained  # pylint: disable=g-import-not-at-top
   from isojax.rollout.jax_sampler import JaxSampler  # pylint: disable=g-import-not-at-top
   dev = jax.devices()[0]
-  print(f"device: {dev.device_kind}; HBM bound at {args.hbm_gbps:g} GB/s")
+  gbps = hbm_gbps(dev.device_kind, args.hbm_gbps)
+  print(f"device: {dev.device_kind}; HBM bound at "
+        + (f"{gbps:g} GB/s" if gbps else "an unknown bandwidth (pass --hbm_gbps)"))
   shapes = [("0.5b", 64, 8, 512, None),
             ("1.5b", args.long_prompts, 8, 8192, args.kv_budget_gib)]
   shrink = {}
@@ -264,8 +278,9 @@ def bench_gpu(args):
     with compile_clock() as compiling:
       best, _, tokens = time_runs(run, 1 if long else args.repeats, warmup=not long)
     waves = -(-prompts_n * n // rows)
-    bound = _decode_bound_s(cfg, rows, 128, max_tokens, args.hbm_gbps, waves,
-                            prompts=prompts_n if rows == prompts_n * n else None)
+    bound = math.nan if gbps is None else _decode_bound_s(
+        cfg, rows, 128, max_tokens, gbps, waves,
+        prompts=prompts_n if rows == prompts_n * n else None)
     peak = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / GIB
     print(f"{size:<7}{prompts_n * n:>9}{max_tokens:>6}{rows:>6}{best:>9.2f}"
           f"{tokens / best:>10.0f}{1e3 * best / (waves * max_tokens):>9.2f}{bound:>9.2f}"
@@ -351,7 +366,9 @@ def main(argv=None):
   ap.add_argument("--long_prompts", type=int, default=64,
                   help="--gpu: prompts (x n=8) of the 1.5B x 8192-token request")
   ap.add_argument("--device_gib", type=float, default=80.0)
-  ap.add_argument("--hbm_gbps", type=float, default=3350.0, help="H100 SXM: 3350")
+  ap.add_argument("--hbm_gbps", type=float, default=None,
+                  help="HBM bandwidth in GB/s (default: the device's, e.g. H100 SXM "
+                  "3350, H200 4800)")
   args = ap.parse_args(argv)
   if args.memory_check:
     memory_check(args)

@@ -9,8 +9,8 @@ Prints
     optimiser update, metrics) over all B*T positions;
   * achieved FLOP/s as a ratio to this machine's fp32 matmul FLOP/s, measured
     here on a 2048^3 matmul (best of several). FLOPs are *model* FLOPs: 3x the
-    forward (dense matmuls incl. lm head, plus full T x T attention scores and
-    mixing), nothing for recomputation or elementwise work (XLA's own
+    forward (dense matmuls incl. lm head, plus attention scores and mixing as
+    computed: all T x T up to `attention.BLOCK` positions, the causal blocks above), nothing for recomputation or elementwise work (XLA's own
     cost_analysis is not used: it counts a scan body once, not per micro-batch);
   * the ratio to PyTorch ``transformers`` forward+backward of the same loss on
     the same batch and the same weights (written with ``save_pretrained`` and
@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from isojax.models import Decoder, ModelConfig, save_pretrained
+from isojax.models.attention import BLOCK
 from isojax.rl import Batch, LossConfig, OptimConfig, init_train_state, make_train_step
 
 
@@ -60,9 +61,13 @@ def matmul_fn(n=2048):
 def model_flops(cfg: ModelConfig, B, T):
   """Training FLOPs of one step over B x T positions (3 x forward)."""
   D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-  NH, KH, H = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+  NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
   dense = cfg.num_layers * (D * NH + 2 * D * KH + NH * D + 3 * D * F) + D * V
-  attn = cfg.num_layers * 2 * T * NH  # QK^T and PV, full T x T as computed
+  # QK^T and PV as computed: all T x T scores up to one block, then the blocked
+  # kernel's causal blocks (query block i visits i + 1 key blocks).
+  blocks = -(-T // BLOCK)
+  width = T if T <= BLOCK else BLOCK * (blocks + 1) / 2
+  attn = cfg.num_layers * 2 * width * NH
   return 3 * 2 * B * T * (dense + attn)
 
 
