@@ -17,6 +17,7 @@ import time
 import pytest
 
 from isojax import budget, sweep
+from isojax.sweep import points as sweep_points
 from isojax.sweep import slurm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,6 +116,24 @@ def test_expand_points_rejects_bad_input():
     sweep.expand_points([4], [2], b_max=64, budgets=[100], seeds=[])
   with pytest.raises(ValueError, match="b_max"):
     sweep.expand_points([64], [64], b_max=16, budgets=[1e6])
+
+
+def test_a_fixed_batch_study_runs_only_its_line(monkeypatch):
+  # §4.2: B = Bp * n is fixed, so of the Bp x n grid only the line Bp * n = B is the
+  # study; the rest would run (and mislabel) points of other batch sizes.
+  points = sweep.expand_points([2, 4, 8], [2, 4, 8], b_max=64, budgets=[512], batch=16)
+  assert [(p.point.bp, p.point.n) for p in points] == [(2, 8), (4, 4), (8, 2)]
+  with pytest.raises(ValueError, match=r"no feasible budget point on the fixed batch "
+                     r"Bp\*n = 3"):
+    sweep.expand_points([2, 4], [2, 4], b_max=64, budgets=[512], batch=3)
+  assert sweep_points.dropped_points([2, 4, 8], [2, 4, 8], b_max=8, budgets=[512], batch=16) == [
+      f"Bp={bp} n={n} C=512: infeasible budget point: Bp*n = {bp}*{n} = 16 exceeds "
+      f"b_max = 8" for bp, n in ((2, 8), (4, 4), (8, 2))]
+  # An experiment file's fixed B (config.sweep.batch) sets the line.
+  monkeypatch.chdir(REPO)
+  plan, config = sweep.plan_sweep("experiments/easy_fixed_batch.py", "runs/t")
+  assert {sp.point.batch for sp in plan.points} == {config.sweep.batch} == {8192}
+  assert len(plan.points) == len(config.sweep.n_values) and not plan.dropped
 
 
 def test_command_passes_the_point_through_unchanged():

@@ -37,13 +37,14 @@ class SweepPoint:
 
 def expand_points(bp_values: Iterable, n_values: Iterable, *, b_max, budgets,
                   seeds: Iterable[int] = (0,), min_n: int = 1, estimator: str = "",
-                  n_est: int | None = None) -> list[SweepPoint]:
+                  n_est: int | None = None, batch: int | None = None) -> list[SweepPoint]:
   """All feasible (Bp, n, M) points of the grid (via `budget.sweep_grid`) x seeds.
 
   Args:
     min_n: the fewest rollouts per problem the run's advantage estimator (named
       `estimator`, for messages) is defined for; smaller n are infeasible.
     n_est: the config's decoupled baseline (rl.n_est), which sets M as the run does.
+    batch: a fixed-batch study's B (§4.2): only the pairs on its line Bp * n = B.
 
   Raises:
     ValueError: for an empty seed list, or when no point fits (naming the numbers).
@@ -58,21 +59,29 @@ def expand_points(bp_values: Iterable, n_values: Iterable, *, b_max, budgets,
                      f"estimator needs")
   grid = budget_lib.sweep_grid(bp_values, n_values, b_max=b_max, budget=budgets,
                               n_est=n_est)
+  if batch:
+    grid = [p for p in grid if p.batch == batch]
+    if not grid:
+      raise ValueError(f"no feasible budget point on the fixed batch Bp*n = {batch} of "
+                       f"Bp={list(bp_values)} x n={n_values}")
   return [SweepPoint(p, s) for p in grid if p.n >= min_n for s in seeds]
 
 
 def dropped_points(bp_values: Iterable, n_values: Iterable, *, b_max, budgets,
-                   min_n: int = 1, estimator: str = "",
-                   n_est: int | None = None) -> list[str]:
+                   min_n: int = 1, estimator: str = "", n_est: int | None = None,
+                   batch: int | None = None) -> list[str]:
   """Why each (Bp, n, C) of the grid that `expand_points` leaves out is infeasible,
   one line each in `BudgetPoint.feasible`'s words, e.g. 'Bp=64 n=8 C=256: infeasible
-  budget point: Bp*n = 64*8 = 512 exceeds b_max = 256'."""
+  budget point: Bp*n = 64*8 = 512 exceeds b_max = 256'. With a fixed `batch`, pairs
+  off its line are not the study's and are not listed."""
   budgets = list(budgets) if isinstance(budgets, Sequence) and not isinstance(
       budgets, str) else [budgets]
   out = []
   for c in sorted({float(x) for x in budgets}):
     for bp in sorted({int(x) for x in bp_values}):
       for n in sorted({int(x) for x in n_values}):
+        if batch and bp * n != batch:
+          continue
         why = []
         try:
           budget_lib.BudgetPoint.feasible(c, bp=bp, n=n, n_est=n_est, b_max=b_max)
@@ -276,10 +285,12 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
   # problem whatever n is; the run checks n_est itself.
   n_est = int(rl.get("n_est") or 0) or None
   min_n = 1 if n_est else _min_n(estimator)
+  # A fixed-batch study (§4.2) runs the pairs on its line Bp * n = B only.
+  batch = int(grid.get("batch") or 0) or None
   points = expand_points(bp, n, b_max=b_max, budgets=budgets, seeds=seeds, min_n=min_n,
-                         estimator=estimator, n_est=n_est)
+                         estimator=estimator, n_est=n_est, batch=batch)
   dropped = dropped_points(bp, n, b_max=b_max, budgets=budgets, min_n=min_n,
-                           estimator=estimator, n_est=n_est)
+                           estimator=estimator, n_est=n_est, batch=batch)
   run = (runner,) if runner.endswith(".py") else ("-m", runner)
   return Sweep(config=config_path, root=root, points=tuple(points), runner=run,
                extra_args=tuple(extra_args), python=python,
