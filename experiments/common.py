@@ -278,13 +278,14 @@ def smoke_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return c
 
 
-def fix_batch(c: ml_collections.ConfigDict, batch: int,
-              bp: int = 0) -> ml_collections.ConfigDict:
+def fix_batch(c: ml_collections.ConfigDict, batch: int, bp: int = 0,
+              bp_values=None) -> ml_collections.ConfigDict:
   """Makes `c` a point of a fixed-batch study (§4.2): B = Bp * n = `batch`.
 
-  Sets c.bp = batch / c.n, records B in c.sweep.batch and keeps in
-  c.sweep.bp_values only the Bp of the grid's n with Bp * n == B exactly (so a
-  launcher expanding bp_values x n_values stays on the study's line). Returns `c`.
+  Sets c.bp = batch / c.n and records B in c.sweep.batch: the sweep launcher runs
+  only the pairs on the line Bp * n = B. c.sweep.n_values keeps the grid's n
+  whose Bp = B / n is whole and, when `bp_values` is given, among them (the
+  study's Bp range); c.sweep.bp_values holds those Bp. Returns `c`.
 
   Raises:
     ValueError: naming the numbers, if c.n does not divide `batch`, or if a given
@@ -295,5 +296,7 @@ def fix_batch(c: ml_collections.ConfigDict, batch: int,
                      + (f", bp={bp}" if bp else ""))
   c.sweep.batch = batch
   c.bp = batch // c.n
-  c.sweep.bp_values = [batch // n for n in c.sweep.n_values if batch % n == 0]
+  c.sweep.n_values = [n for n in c.sweep.n_values if batch % n == 0 and (
+      bp_values is None or batch // n in bp_values)]
+  c.sweep.bp_values = [batch // n for n in c.sweep.n_values]
   return c

@@ -39,6 +39,7 @@ def get_config(arg=None):
   c.rl.kl_coef = 1e-3
   c.rl.entropy_coef = 1e-3
   c.sweep.study, c.sweep.split = "fixed_batch", "easy"
+  bp_values = None  # at smoke scale: every Bp on the line
   if a.smoke:
     common.smoke_scale(c)
     c.b_max = 256
@@ -49,7 +50,10 @@ def get_config(arg=None):
     # App. B, Figs. 18-19 fix B at 4096, 8192 and 16384.
     c.n, c.budget, default_batch = a.n or 64, a.budget or 2e6, 8192
     c.sweep.n_values = list(budget.PAPER_N_VALUES)  # 8 .. 2048
+    # The paper's Bp grid (§4), with Bp = 8 and 16 added on the easy set (§4.2).
+    bp_values = (8, 16) + budget.PAPER_BP_VALUES
   # B = Bp * n is fixed: batch= (else bp * n when bp= is given) sets Bp = B / n.
-  common.fix_batch(c, a.batch or (a.bp * c.n if a.bp else default_batch), bp=a.bp)
+  common.fix_batch(c, a.batch or (a.bp * c.n if a.bp else default_batch), bp=a.bp,
+                   bp_values=bp_values)
   c.sweep.budgets = [c.budget]
   return c

@@ -108,6 +108,19 @@ def test_fixed_batch_sets_bp_from_batch(monkeypatch):
     _load("experiments/easy_fixed_batch.py:batch=8192,n=64,bp=32")
 
 
+def test_fixed_batch_sweeps_cover_the_papers_bp_grid(monkeypatch):
+  # §4: Bp in 2^5 .. 2^10; §4.2 adds Bp = 8 and 16 on the easy set. On B = 8192
+  # that is n = 8 .. 1024 (easy) and n = 8 .. 256 (hard), each n with its Bp.
+  monkeypatch.chdir(ROOT)
+  for split, bps in (("easy", [8, 16, 32, 64, 128, 256, 512, 1024]),
+                     ("hard", [32, 64, 128, 256, 512, 1024])):
+    c = _load(f"experiments/{split}_fixed_batch.py")
+    assert sorted(c.sweep.bp_values) == bps
+    assert sorted(c.sweep.n_values) == [8192 // bp for bp in reversed(bps)]
+  smoke = _load("experiments/easy_fixed_batch.py:smoke")  # every Bp on the line
+  assert smoke.sweep.n_values == [2, 4, 8, 16] and smoke.sweep.bp_values == [16, 8, 4, 2]
+
+
 def test_bad_arguments_are_named(monkeypatch):
   monkeypatch.chdir(ROOT)
   with pytest.raises(Exception, match="unknown config argument 'bq'"):
