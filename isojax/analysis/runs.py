@@ -246,24 +246,46 @@ def _run_dirs(root: str) -> list[str]:
   return sorted(found)
 
 
+# How far a run goes (config.json's budget point, also at top level): runs that
+# differ only in these follow one trajectory, the shorter a prefix of the longer.
+_LENGTH_FIELDS = ("requested", "m", "compute")
+
+
+def _trajectory(config: Mapping) -> str:
+  """`config` without its length fields, as a key."""
+  out = {k: v for k, v in config.items() if k not in _LENGTH_FIELDS}
+  if isinstance(out.get("budget"), Mapping):
+    out["budget"] = {k: v for k, v in out["budget"].items() if k not in _LENGTH_FIELDS}
+  return json.dumps(out, sort_keys=True)
+
+
 def _drop_copies(runs: list[Run], problems: list[LoadProblem]) -> list[Run]:
-  """One run per (whole config, seed included): two directories with the same
-  config.json are two copies of one run, and counting both would weigh it twice.
-  The copy that got furthest (most metric rows; then the first by name) is kept."""
-  by_config: dict[str, list[Run]] = {}
+  """One run per trajectory (the whole config, seed included, but for its length).
+
+  Two directories with the same config.json are two copies of one run. Runs that
+  differ only in their budget (`launch/sweep.py --budget=1024,4096`) are one run
+  stopped at two points: the same data order, schedule and random draws, so the
+  shorter is a prefix of the longer. Counting both would weigh one run twice and
+  pass it off as two seeds (§4 reads one run at every compute). The run that got
+  furthest (most metric rows; then the first by name) is kept.
+  """
+  by_trajectory: dict[str, list[Run]] = {}
   for r in runs:
-    by_config.setdefault(json.dumps(r.config, sort_keys=True), []).append(r)
+    by_trajectory.setdefault(_trajectory(r.config), []).append(r)
   keep = []
-  for copies in by_config.values():
+  for copies in by_trajectory.values():
     kept = min(copies, key=lambda r: (-len(r.rows), r.name))
     keep.append(kept)
     for r in copies:
-      if r is not kept:
-        problems.append(LoadProblem(
-            r.path, "duplicate_run",
-            f"same config and seed ({r.get('seed')}) as {kept.name}: a copy of one run, "
-            f"left out so it is not counted twice (kept {kept.name}, {len(kept.rows)} "
-            f"metric rows; this copy has {len(r.rows)})"))
+      if r is kept:
+        continue
+      what = ("a copy of one run" if r.config == kept.config else
+              "the same run stopped earlier (only the budget differs)")
+      problems.append(LoadProblem(
+          r.path, "duplicate_run",
+          f"same config and seed ({r.get('seed')}) as {kept.name}: {what}, left out so "
+          f"it is not counted twice (kept {kept.name}, {len(kept.rows)} metric rows; "
+          f"this one has {len(r.rows)})"))
   return keep
 
 
@@ -272,7 +294,7 @@ def read_runs(root: str | os.PathLike) -> LoadResult:
 
   Runs are sorted by their path relative to `root`, so results never depend on the
   order the filesystem lists them. Copies of one run (the same config.json, seed
-  included) are reported and counted once.
+  included, or one differing only in its budget) are reported and counted once.
 
   Raises:
     ValueError: if `root` is not a directory.

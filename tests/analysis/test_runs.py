@@ -163,7 +163,7 @@ def test_copies_of_one_run_are_flagged_and_counted_once(tmp_path):
           if p.kind == "duplicate_run"}
   assert set(dups) == {"zz_backup/n16", "a_partial"}
   assert "kept sweep/mix_bp8_n16_s0" in dups["zz_backup/n16"]
-  assert "this copy has 10" in dups["a_partial"]
+  assert "a copy of one run" in dups["a_partial"] and "this one has 10" in dups["a_partial"]
   # Counted once: the fits equal those without the copies.
   alone = fit_curves(read_runs(tmp_path / "sweep").runs, metric="val/avg@4")
   both = fit_curves(result.runs, metric="val/avg@4")
@@ -172,6 +172,18 @@ def test_copies_of_one_run_are_flagged_and_counted_once(tmp_path):
   fake_runs.make_sweep(tmp_path / "seed1", configs=configs[:1], budget=8 * 64 * 500,
                        seeds=(1,), noise=0.01, n_evals=30)
   assert len(read_runs(tmp_path).runs) == len(configs) + 1
+  # The same run at a smaller budget (`launch/sweep.py --budget=A,B`) stops on the
+  # longer one's trajectory: one run, not a second seed (both layouts of config.json).
+  for layout in ("top", "budget"):
+    for length, budget in (("short", 8 * 64 * 100), ("long", 8 * 64 * 500)):
+      fake_runs.make_sweep(tmp_path / f"{layout}_{length}", configs=configs[:1],
+                           budget=budget, noise=0.01, n_evals=30, layout=layout)
+  result = read_runs(tmp_path)
+  dups = {os.path.relpath(p.path, tmp_path): p.detail for p in result.problems
+          if p.kind == "duplicate_run"}
+  for layout in ("top", "budget"):
+    assert f"{layout}_short/mix_bp8_n4_s0" not in {r.name for r in result.runs}
+    assert "only the budget differs" in dups[f"{layout}_short/mix_bp8_n4_s0"]
 
 
 def test_run_directories_of_older_layouts_still_load_and_analyse(tmp_path):
