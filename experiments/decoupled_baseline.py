@@ -16,6 +16,10 @@ Laptop scale (tiny base model, Bp = 8, n = 16 / 4 / 4 of 16):
 
   python -m isojax.main --config=experiments/decoupled_baseline.py:smoke,setting=decoupled --workdir=/tmp/isojax/decoupled_baseline/decoupled
 
+A setting's runs at several budgets or seeds (one sweep root per setting):
+
+  python launch/sweep.py --config=experiments/decoupled_baseline.py:setting=decoupled --root=runs/decoupled_baseline/decoupled --budget=5e5,2e6
+
 Args: setting (large | small | decoupled), bp, budget, smoke (n is the setting's). The decoupled runs
 carry the analysis label data.difficulty = "easy_decoupled" (the others "easy"), so
 the analysis never pools a 64-of-256 run with a plain n = 64 one; compare the
@@ -37,17 +41,17 @@ SMOKE_BP = 8
 def get_config(arg=None):
   """One setting's budget point of the easy n-vs-M study."""
   a, rest = common.split_arg(arg, setting="decoupled", bp=0, n=0, smoke=False)
-  if a.n:
-    raise ValueError(f"n={a.n}: n is set by setting= ({sorted(SETTINGS)})")
   settings = SMOKE_SETTINGS if a.smoke else SETTINGS
   if a.setting not in settings:
     raise ValueError(f"setting={a.setting!r}; expected one of {sorted(settings)}")
   n, n_est = settings[a.setting]
+  if a.n and a.n != n:  # the sweep launcher passes the setting's own n back
+    raise ValueError(f"n={a.n}: setting={a.setting} trains n={n} (n is the setting's)")
   bp = a.bp or (SMOKE_BP if a.smoke else PAPER_BP)
   c = easy_n_vs_m.get_config(",".join(
       [rest, f"bp={bp},n={n}"] + (["smoke"] if a.smoke else [])).strip(","))
   c.rl.n_est = n_est
   c.data.difficulty = "easy_decoupled" if n_est else "easy"
   c.sweep.study = "decoupled_baseline"
-  c.sweep.n_values = sorted({v for v, _ in settings.values()})
+  c.sweep.bp_values, c.sweep.n_values = [bp], [n]  # one setting per sweep
   return c

@@ -185,8 +185,9 @@ def test_axis_files(monkeypatch):
   assert (dec.point.bp, dec.point.n, dec.point.n_est, dec.point.m) == (128, 64, 256, 61)
   large = run.plan_run(_load("experiments/decoupled_baseline.py:setting=large,budget=2e6"))
   assert (large.point.n, large.point.m) == (256, 61)  # same M as decoupled
-  with pytest.raises(Exception, match="n is set by setting="):
+  with pytest.raises(Exception, match=r"n=8: setting=decoupled trains n=64"):
     _load("experiments/decoupled_baseline.py:n=8")
+  assert _load("experiments/decoupled_baseline.py:n=64").n == 64  # the sweep's echo
   for mix, weights in (("hard", "extremely_hard:1.0"),
                        ("tri", "extremely_hard:0.5,easy_pass128:0.25,very_easy:0.25")):
     c = _load(f"experiments/difficulty_mix.py:mix={mix}")
