@@ -23,7 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from isojax import errors, sweep  # noqa: E402  (needs the repo root on sys.path)
 from isojax.sweep import slurm  # noqa: E402
 
-_CONFIG = flags.DEFINE_string("config", None, "Experiment file, e.g. experiments/tiny.py.")
+_CONFIG = flags.DEFINE_string(
+    "config", None, "Experiment file, e.g. experiments/tiny.py, with the study's own "
+    "argument if any (experiments/data_size.py:d=500).")
 _ROOT = flags.DEFINE_string("root", None, "Sweep root; each point runs in <root>/<name>.")
 _BP = flags.DEFINE_list("bp", None, "Problems per batch Bp (default: sweep.bp_values).")
 _N = flags.DEFINE_list("n", None, "Rollouts per problem n (default: sweep.n_values).")

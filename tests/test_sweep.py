@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from isojax import budget, sweep
+from isojax import budget, run_plan, sweep
 from isojax.sweep import points as sweep_points
 from isojax.sweep import slurm
 
@@ -136,6 +136,23 @@ def test_a_fixed_batch_study_runs_only_its_line(monkeypatch):
   assert len(plan.points) == len(config.sweep.n_values) and not plan.dropped
 
 
+def test_a_study_argument_reaches_every_point(monkeypatch):
+  # A study's own argument (App. G's setting=, data_size's d=, ...) goes to every
+  # point beside the launcher's bp, n and budget, and sets the grid's defaults.
+  monkeypatch.chdir(REPO)
+  plan, config = sweep.plan_sweep("experiments/decoupled_baseline.py:setting=decoupled,smoke",
+                                  "runs/t", budgets=[2048, 4096])
+  assert config.rl.n_est == 16 and len(plan.points) == 2
+  for sp in plan.points:
+    spec = next(a for a in plan.command(sp) if a.startswith("--config="))
+    path, _, arg = spec.removeprefix("--config=").partition(":")
+    assert arg == f"setting=decoupled,smoke,{sp.config_arg()}"
+    point = run_plan.plan_run(sweep_points.load_experiment(path, arg)).point
+    assert point == sp.point and point.n_est == 16
+  with pytest.raises(ValueError, match=r"n=4 is set by the launcher"):
+    sweep.plan_sweep("experiments/data_size.py:d=500,n=4", "runs/t")
+
+
 def test_command_passes_the_point_through_unchanged():
   sp = sweep.SweepPoint(budget.BudgetPoint(bp=8, n=4, m=31), seed=2)
   s = sweep.Sweep(config=TINY, root="runs/x", points=(sp,), python="py",
@@ -154,7 +171,8 @@ def test_plan_reads_grid_defaults_from_the_experiment_file(monkeypatch):
   expected = budget.sweep_grid(config.sweep.bp_values, config.sweep.n_values,
                                b_max=config.b_max, budget=config.sweep.budgets)
   assert [sp.point for sp in plan.points] == expected
-  with pytest.raises(ValueError, match="experiment file alone"):
+  with pytest.raises(ValueError, match=r"bp=8 is set by the launcher for each point; "
+                     r"use --bp, --n and --budget"):
     sweep.plan_sweep(TINY + ":bp=8", "runs/t")
   with pytest.raises(ValueError, match="does not exist"):
     sweep.plan_sweep("experiments/nope.py", "runs/t")

@@ -214,7 +214,8 @@ class Sweep:
   """What a launcher runs: one experiment file, a root and its points.
 
   Attributes:
-    config: the experiment file, as passed to `--config=FILE:ARG`.
+    config: the experiment file, with the study's own argument when it has one
+      (`experiments/data_size.py:d=500`); each point adds bp, n and budget.
     root: the sweep root; each point runs in `root/<point name>`.
     points: the runs.
     runner: what follows the interpreter in a run command; tests inject a fake.
@@ -242,7 +243,8 @@ class Sweep:
 
   def command(self, sp: SweepPoint) -> list[str]:
     """The full argv that trains one point."""
-    return [self.python, *self.runner, f"--config={self.config}:{sp.config_arg()}",
+    sep = "," if ":" in os.path.basename(self.config) else ":"
+    return [self.python, *self.runner, f"--config={self.config}{sep}{sp.config_arg()}",
             f"--workdir={self.run_dir(sp)}", f"--config.seed={sp.seed}",
             *self.extra_args]
 
@@ -253,7 +255,9 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
   """A `Sweep` of an experiment file; grids not given come from its `config.sweep`.
 
   Args:
-    config_path: the experiment file (no `:arg`; the launcher sets bp, n, budget).
+    config_path: the experiment file, optionally with the study's own argument
+      (`FILE:setting=decoupled`), which may not set bp, n or budget: the launcher
+      sets them for each point.
     root: the sweep root.
     bp, n, budgets, b_max: the grid; None = the config's sweep.bp_values,
       sweep.n_values, sweep.budgets and b_max.
@@ -266,10 +270,9 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
     (sweep, config) where config is `get_config("")` of the file.
   """
   check_run_args(extra_args)
-  if ":" in os.path.basename(config_path):
-    raise ValueError(f"--config={config_path!r}: pass the experiment file alone; the "
-                     "launcher sets bp, n and budget for each point")
-  config = apply_overrides(load_experiment(config_path, ""), extra_args)
+  path, arg = _split_config(config_path)
+  config = apply_overrides(load_experiment(path, arg), extra_args)
+  config_path = f"{path}:{arg}" if arg else path
   grid = config.get("sweep", {})
   bp = grid.get("bp_values") if bp is None else bp
   n = grid.get("n_values") if n is None else n
@@ -295,6 +298,22 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
   return Sweep(config=config_path, root=root, points=tuple(points), runner=run,
                extra_args=tuple(extra_args), python=python,
                dropped=tuple(dropped)), config
+
+
+# What the launcher sets in each point's `--config=FILE:ARG` (`SweepPoint.config_arg`).
+POINT_ARGS = ("bp", "n", "budget")
+
+
+def _split_config(config_path: str) -> tuple[str, str]:
+  """(file, study argument) of `--config=FILE[:ARG]`; ARG may not set a point's keys."""
+  head, base = os.path.split(config_path)
+  base, _, arg = base.partition(":")
+  items = [x.strip() for x in arg.split(",") if x.strip()]
+  taken = [x for x in items if x.partition("=")[0].strip() in POINT_ARGS]
+  if taken:
+    raise ValueError(f"--config={config_path!r}: {', '.join(taken)} is set by the "
+                     f"launcher for each point; use --bp, --n and --budget")
+  return os.path.join(head, base), ",".join(items)
 
 
 def _min_n(estimator: str) -> int:
