@@ -9,7 +9,8 @@ caveat said).
 Which law (`choose_law`):
   * the runs hold a joint study (at least two Bp values, each run at two or more n):
     the joint frontier's law, with Bp the smallest of the study none of whose runs
-    was unstable (skipped an update or logged a non-finite value), or the Bp asked;
+    was unstable (skipped an update, logged a non-finite value, or collapsed: lost
+    most of its gain by its end), or the Bp asked;
   * otherwise the law of the fixed-Bp sweep at the Bp asked (if the runs have one),
     else the primary sweep's law at its own Bp.
 
@@ -85,21 +86,45 @@ def is_joint_study(runs) -> bool:
   return sum(len(v) >= 2 for v in ns.values()) >= 2
 
 
-def unstable_bps(runs, unstable_runs=frozenset()) -> dict[int, list[str]]:
-  """Bp -> names of its runs that skipped an update ("train/skipped" > 0) or are named
-  in `unstable_runs` (e.g. runs whose non-finite values were dropped at loading)."""
+# A run collapsed when its last evaluations (the last quarter, at least 3) lost more
+# than this fraction of its best gain over the base model...
+COLLAPSE_FRACTION = 0.5
+# ...and that gain was at least this much reward (a smaller one is not told apart
+# from evaluation noise).
+COLLAPSE_MIN_GAIN = 0.05
+
+
+def collapsed(run, metric: str) -> bool:
+  """Whether `run` learned and then lost most of it (the playbook's instability:
+  entropy or length explosion, a reward that falls back, §3 and App. A). Its
+  record points keep the peak, so its fitted curve would not show it."""
+  c, r = run.points(metric, "rollouts")
+  base, after = r[c <= 0], r[c > 0]
+  if base.size == 0 or after.size < 3:
+    return False
+  gain = float(after.max() - base.max())
+  end = float(after[-max(3, after.size // 4):].mean())
+  return bool(gain >= COLLAPSE_MIN_GAIN
+              and end < base.max() + (1 - COLLAPSE_FRACTION) * gain)
+
+
+def unstable_bps(runs, unstable_runs=frozenset(), metric: str | None = None
+                 ) -> dict[int, list[str]]:
+  """Bp -> names of its runs that skipped an update ("train/skipped" > 0), are named
+  in `unstable_runs` (e.g. runs whose non-finite values were dropped at loading) or,
+  given `metric`, `collapsed` on it."""
   out: dict[int, list[str]] = {}
   for r in runs:
     skipped = any(isinstance(v := row.get("train/skipped"), (int, float)) and v > 0
                   for row in r.rows)
-    if skipped or r.name in unstable_runs:
+    if skipped or r.name in unstable_runs or (metric and collapsed(r, metric)):
       out.setdefault(r.bp, []).append(r.name)
   return out
 
 
-def _smallest_stable_bp(runs, unstable_runs) -> tuple[int, str]:
+def _smallest_stable_bp(runs, unstable_runs, metric) -> tuple[int, str]:
   bps = sorted({r.bp for r in runs})
-  bad = unstable_bps(runs, unstable_runs)
+  bad = unstable_bps(runs, unstable_runs, metric)
   stable = [b for b in bps if b not in bad]
   if stable:
     skipped = f" (unstable runs at Bp={sorted(b for b in bad if b < stable[0])})" if any(
@@ -132,7 +157,7 @@ def choose_law(sweeps, runs, *, primary, primary_bp: int | None, bp: int | None 
   if is_joint_study(runs):
     if joint is not None:
       if bp is None:
-        bp, why = _smallest_stable_bp(runs, unstable_runs)
+        bp, why = _smallest_stable_bp(runs, unstable_runs, primary.metric)
       else:
         why = f"Bp={bp} as asked"
       return LawChoice("joint", joint.law, bp, True,

@@ -2,6 +2,7 @@
 stable Bp, the law named everywhere, and no extrapolation from a law that does not pin
 n* down."""
 
+import dataclasses
 import json
 import os
 
@@ -11,11 +12,24 @@ import pytest
 from isojax.analysis import (LawChoice, NStarFit, analyze, choose_law, fits_dict, prescribe,
                              read_runs, report_markdown)
 from isojax.analysis.bootstrap import BootstrapResult, Interval
-from isojax.analysis.prescriptions import is_joint_study, n_star_interval
+from isojax.analysis.prescriptions import collapsed, is_joint_study, n_star_interval
 
 from . import fake_runs
 
 GRID = [(bp, n) for bp in (4, 8, 16) for n in (4, 8, 16, 32, 64)]
+METRIC = "val/avg@4"
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeRun:
+  """What `collapsed` reads: points(metric, unit) -> (compute, value)."""
+
+  compute: list
+  reward: list
+
+  def points(self, metric, unit):
+    del metric, unit
+    return np.asarray(self.compute, float), np.asarray(self.reward, float)
 
 
 def law(compute_range=(1e3, 1e6), **kw):
@@ -23,15 +37,19 @@ def law(compute_range=(1e3, 1e6), **kw):
   return NStarFit(rms=0.0, r2=1.0, n_points=50, compute_range=compute_range, **p)
 
 
-def _write_grid(root, configs, unstable=()):
-  """A sweep on `configs`; the runs of (bp, n) in `unstable` skip one update."""
+def _write_grid(root, configs, unstable=(), collapse=()):
+  """A sweep on `configs`; the runs of (bp, n) in `unstable` skip one update, those
+  in `collapse` fall back to the base model's reward over their last third."""
   rng = np.random.default_rng(0)
   for bp, n in configs:
     m = 8 * 64 * 500 // (bp * n)
     curve = lambda c, bp=bp, n=n: fake_runs.true_reward(bp, n, c)  # noqa: E731
-    rows = fake_runs.run_rows(bp, n, m, curve, rng=rng, n_evals=40)
+    rows = fake_runs.run_rows(bp, n, m, curve, rng=rng, n_evals=40, base_eval=True)
     if (bp, n) in unstable:
       rows[len(rows) // 2]["train/skipped"] = 1.0
+    if (bp, n) in collapse:
+      for row in rows[-len(rows) // 3:]:
+        row["val/avg@4"] = rows[0]["val/avg@4"]
     for row in rows:
       row.setdefault("train/skipped", 0.0)
     fake_runs.write_run(os.path.join(root, f"bp{bp}_n{n}"),
@@ -57,6 +75,29 @@ def test_joint_study_prescribes_from_the_joint_law_at_the_smallest_stable_bp(tmp
   assert (fits["prescription_law"]["label"], fits["prescription_law"]["bp"]) == ("joint", 8)
   assert all(p["law"] == "joint" for p in fits["prescriptions"])
   assert f"From {choice.reason}." in report_markdown(analysis)
+
+
+def test_a_run_that_collapses_makes_its_bp_unstable(tmp_path):
+  # No skipped update, no NaN: the run learned, then fell back to the base model
+  # (§3's instability). Its records keep the peak, so only the run itself shows it.
+  _write_grid(tmp_path, GRID, collapse={(4, 64)})
+  runs = list(read_runs(tmp_path).runs)
+  assert [r.name for r in runs if collapsed(r, "val/avg@4")] == ["bp4_n64"]
+  g = analyze(runs, n_boot=0, budgets=[2e5]).groups[0]
+  assert g.law_choice.bp == 8 and "[4]" in g.law_choice.reason
+
+
+def test_what_counts_as_a_collapse():
+  def run(rewards, base=0.30):
+    return FakeRun([0] + list(range(1, len(rewards) + 1)), [base] + rewards)
+  rise = [0.35, 0.45, 0.55, 0.55, 0.55]
+  assert not collapsed(run(rise + [0.54, 0.55, 0.55]), METRIC)  # a plateau
+  assert collapsed(run(rise + [0.40, 0.35, 0.30]), METRIC)  # lost 0.25 of 0.25
+  # Lost less than half of the gain: stable; a gain under 0.05 is noise.
+  assert not collapsed(run(rise + [0.43, 0.43, 0.43]), METRIC)
+  assert collapsed(run(rise + [0.42, 0.42, 0.42]), METRIC)
+  assert not collapsed(run([0.31, 0.34, 0.30, 0.30, 0.30]), METRIC)
+  assert not collapsed(FakeRun(list(range(1, 9)), rise + [0.3] * 3), METRIC)  # no base
 
 
 def test_bp_asked_for_is_used_with_the_joint_law(tmp_path):
