@@ -94,8 +94,12 @@ def lock_holder(path: str | os.PathLike, unknown: str = "unknown") -> str:
 def write_atomic(path: str | os.PathLike, data: str | bytes, *, fsync: bool = True) -> None:
   """Writes `data` to `path` via `path.tmp` + rename, never through a link.
 
-  A stale `path.tmp` left by a killed writer is overwritten (it is a regular
-  file of ours); a link there is refused.
+  With `fsync`, the data and then the rename reach the disk before it returns:
+  a rename is a change to the directory, which a crash can lose unless the
+  directory is synced too (a run's checkpoints would then lie beside no
+  config.json, and the run could not resume). A stale `path.tmp` left by a
+  killed writer is overwritten (it is a regular file of ours); a link there is
+  refused.
   """
   path = os.fspath(path)
   tmp = path + ".tmp"
@@ -106,6 +110,23 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, *, fsync: bool = Tr
     if fsync:
       os.fsync(f.fileno())
   os.replace(tmp, path)
+  if fsync:
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+  """Syncs a directory's entries to disk; a no-op where the platform or the
+  filesystem cannot (no directory fds, or fsync refused on one)."""
+  try:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
 
 
 def make_dir(path: str | os.PathLike) -> None:

@@ -24,6 +24,23 @@ def test_write_atomic_replaces_the_file(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["config.json"]
 
 
+def test_write_atomic_syncs_the_data_then_the_rename(tmp_path, monkeypatch):
+  # A rename is a change to the directory: without syncing it a crash can leave
+  # the old file (or none), whatever was synced of the data.
+  synced, replaced = [], []
+  fsync, replace = os.fsync, os.replace
+  monkeypatch.setattr(os, "fsync", lambda fd: synced.append(
+      (os.path.realpath(f"/proc/self/fd/{fd}"), bool(replaced))) or fsync(fd))
+  monkeypatch.setattr(os, "replace", lambda a, b: replaced.append(b) or replace(a, b))
+  path = tmp_path / "config.json"
+  files.write_atomic(path, "one\n")
+  assert synced == [(str(path) + ".tmp", False), (str(tmp_path), True)]
+  synced.clear()
+  files.write_atomic(path, "two\n", fsync=False)
+  assert synced == [] and path.read_text() == "two\n"
+  files.fsync_dir(tmp_path / "missing")  # nothing to sync: no error
+
+
 def test_write_atomic_refuses_a_link_at_the_temp_name(tmp_path, victim):
   (tmp_path / "config.json.tmp").symlink_to(victim)
   with pytest.raises(UnsafePathError, match=r"config\.json\.tmp -> .*victim\.txt"):
