@@ -23,7 +23,7 @@ import re
 
 import numpy as np
 
-from isojax.analysis import allocation
+from isojax.analysis import allocation, records
 from isojax.analysis import fits as fits_lib
 from isojax.analysis import law_points as law_points_lib
 from isojax.analysis import prescriptions as rx
@@ -302,7 +302,8 @@ def analyze_group(runs, *, metric: str, difficulty=None,
   runs = sorted(runs, key=lambda r: r.name)
   primary_bp = _primary_bp(runs)
   specs, problems = _sweep_specs(runs, metric)
-  problems = evaluation_gaps(runs, metric) + problems
+  problems = (evaluation_gaps(runs, metric)
+              + records.coarse_bin_warning(runs, metric, opts.bin_width) + problems)
   sweeps = _run_sweeps(runs, specs, opts)
   for s in sweeps:
     problems.extend(s.problems)

@@ -118,3 +118,32 @@ def record_points(runs, metric: str, unit: str = "rollouts", *, bin_width: float
                                  baseline=base_reward(run, metric, unit))
     parts.append((c[idx], r[idx]))
   return _sorted_union(parts)
+
+
+# A reward bin is coarse for runs whose median rise spans fewer bins than this.
+MIN_BINS_PER_RISE = 10
+
+
+def coarse_bin_warning(runs, metric: str, bin_width: float) -> list[str]:
+  """One line for the report when `bin_width` is coarse for `runs` (else none).
+
+  A run's records are at most its rise over the base model in bins, so a bin near
+  the rise leaves each configuration a handful of records and curves that cannot be
+  fitted; the paper tailors the bin to the task's difficulty (App. A, Fig. 15).
+  """
+  rises = []
+  for run in runs:
+    c, r = run.points(metric, "rollouts")
+    if np.any(c > 0):
+      start = r[c <= 0].max() if np.any(c <= 0) else r[c > 0][0]
+      rises.append(float(r[c > 0].max() - start))
+  if not rises:
+    return []
+  rise = float(np.median(rises))
+  if not 0 < rise < MIN_BINS_PER_RISE * bin_width:
+    return []  # fine enough, or nothing learned (no bin helps)
+  finer = 10 ** np.floor(np.log10(rise / (2 * MIN_BINS_PER_RISE)))
+  return [f"reward bin {bin_width:g} is coarse for these runs: their median rise in "
+          f"{metric} is {rise:.3g} ({rise / bin_width:.1f} bins), so each run has few "
+          f"record points; the paper tailors the bin to difficulty (App. A): try "
+          f"--bin-width {finer:g}"]

@@ -7,6 +7,10 @@ import numpy as np
 import pytest
 
 from isojax.analysis import record_breaking_points, record_points
+from isojax.analysis import analyze, read_runs
+from isojax.analysis.records import coarse_bin_warning
+
+from . import fake_runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,3 +122,23 @@ def test_the_base_models_evaluation_counts_as_observed():
   run = FakeRun("b", [10, 20, 30, 40], [0.10, 0.152, 0.14, 0.20])
   assert list(zip(*record_points([run], "val/avg@4"))) == [(10, 0.1), (20, 0.152),
                                                             (40, 0.2)]
+
+
+def test_a_bin_near_the_runs_rise_is_named_with_a_finer_one():
+  # Hard-set runs rising 0.02 over the base model: at most 4 records each at 0.005.
+  runs = [FakeRun(f"r{i}", [0, 10, 20, 30], [0.045, 0.05, 0.058, 0.065]) for i in range(3)]
+  (line,) = coarse_bin_warning(runs, "val/avg@4", 0.005)
+  assert "median rise in val/avg@4 is 0.02 (4.0 bins)" in line
+  assert "try --bin-width 0.001" in line
+  assert coarse_bin_warning(runs, "val/avg@4", 0.001) == []  # 20 bins
+  flat = [FakeRun("f", [0, 10], [0.05, 0.04])]  # nothing learned: no bin helps
+  assert coarse_bin_warning(flat, "val/avg@4", 0.005) == []
+
+
+def test_the_analysis_names_a_coarse_bin(tmp_path):
+  def curve(bp, n, c):  # a hard set: the reward rises 0.02 over the whole budget
+    return fake_runs.sigmoid(c, a=0.065, b=1.2, c_mid=2e3 * n, r0=0.045)
+  fake_runs.make_sweep(tmp_path, configs=fake_runs.bp8_configs(), budget=8 * 64 * 500,
+                       curve=curve, base_eval=True)
+  (group,) = analyze(list(read_runs(tmp_path).runs), n_boot=0).groups
+  assert any(p.startswith("reward bin 0.005 is coarse for these runs") for p in group.problems)
