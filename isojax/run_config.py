@@ -2,11 +2,16 @@
 
 A rerun resumes only the run its workdir holds: every field of the saved
 config.json must equal the new resolved config's, or the rerun is refused,
-naming the fields. One difference is not a different run: a field added to the
-run schema (`experiments/common.py`) after a run started is absent from that
-run's config.json. `ADDED_FIELDS` declares, for each such field, the value
-that does what isojax did before the field existed; a saved config that lacks
-the field resumes when the new config holds exactly that value.
+naming the fields. Two kinds of difference are not a different run:
+  * a field added to the run schema (`experiments/common.py`) after a run started
+    is absent from that run's config.json. `ADDED_FIELDS` declares, for each such
+    field, the value that does what isojax did before the field existed; a saved
+    config that lacks the field resumes when the new config holds exactly that
+    value;
+  * `RUNTIME_FIELDS` say where the run's services are and how long to wait for
+    them, not what it computes: a rerun may change them (a requeued SLURM task's
+    vLLM server listens on another port).
+config.json is then rewritten with the new config.
 """
 
 from __future__ import annotations
@@ -61,6 +66,15 @@ ADDED_FIELDS: dict[str, Any] = {
 }
 
 
+# Fields a rerun may change: where the vLLM server and its weight snapshots are,
+# how long to wait for it, and how many checkpoints to keep. None changes what the
+# run computes.
+RUNTIME_FIELDS = frozenset({
+    "sampler.vllm_url", "sampler.vllm_weights_dir", "sampler.vllm_connect_timeout_s",
+    "sampler.vllm_probe_timeout_s", "sampler.vllm_request_timeout_s", "keep_checkpoints",
+})
+
+
 def check_run_dir(workdir: pathlib.Path, resolved: dict) -> list[str]:
   """`check_saved_config` of the run directory's config.json, if it has one.
 
@@ -85,10 +99,11 @@ def check_saved_config(path: pathlib.Path, resolved: dict) -> list[str]:
     resolved: the new run's resolved config (`run_plan.resolved_config`).
 
   Returns:
-    the `ADDED_FIELDS` that the saved config lacks and `resolved` holds at their
-    declared value (sorted; empty when the two configs are equal): the caller
-    rewrites config.json with `resolved` once the run has started, so that the
-    next rerun compares like with like.
+    the fields config.json should be rewritten for (sorted; empty when the two
+    configs are equal): the `ADDED_FIELDS` that the saved config lacks and
+    `resolved` holds at their declared value, and the `RUNTIME_FIELDS` that
+    changed. The caller rewrites config.json with `resolved` once the run has
+    started, so that the next rerun compares like with like.
 
   Raises:
     ValueError: naming the fields that differ (a field either lacks counts,
@@ -99,6 +114,9 @@ def check_saved_config(path: pathlib.Path, resolved: dict) -> list[str]:
   lacking, diff, hints = [], [], []
   for key in sorted(saved.keys() | new.keys()):
     if saved.get(key) == new.get(key):
+      continue
+    if key in RUNTIME_FIELDS and key in new:
+      lacking.append(key)
       continue
     if key not in saved and key in new and key in ADDED_FIELDS:
       if new[key] == json.dumps(ADDED_FIELDS[key]):

@@ -91,7 +91,8 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
   unlock = (lambda: None) if lock is None else functools.partial(os.close, lock)
   closes = [unlock]  # what a failure below must undo, newest first
   try:
-    lacking = check_run_dir(workdir, resolved)  # fields the saved config.json predates
+    # Fields the saved config.json predates, or runtime fields this rerun changed.
+    lacking = check_run_dir(workdir, resolved)
     logging.info("budget point %s: B=%d, C=%d rollouts, lr=%.3g", point.name,
                  point.batch, point.compute, run_plan.lr)
     t0 = time.time()
@@ -115,10 +116,11 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
     # Only a run that really started (model, data, sampler and state loaded) records
     # its config: a failed start (a bad model path) must not hold its config against
     # the corrected command in the same workdir. A config.json from before fields
-    # were added is rewritten whole (atomically), so the next rerun compares all.
+    # were added, or with other runtime fields, is rewritten whole (atomically), so
+    # the next rerun compares all.
     if writes_files and (lacking or not (workdir / CONFIG_FILE).exists()):
       if lacking:
-        logging.info("%s predates the fields %s: rewritten with them", CONFIG_FILE, lacking)
+        logging.info("%s rewritten with this run's %s", CONFIG_FILE, lacking)
       with disk_full_as(workdir, CONFIG_FILE):
         write_json(workdir / CONFIG_FILE, resolved)
     writer = metrics_lib.MetricsWriter(workdir, resume_step=start, enabled=writes_files)

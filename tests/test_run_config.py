@@ -15,7 +15,7 @@ import pytest
 
 from experiments import common
 from isojax import run, run_plan
-from isojax.run_config import ADDED_FIELDS, check_saved_config, flat_config
+from isojax.run_config import ADDED_FIELDS, RUNTIME_FIELDS, check_saved_config, flat_config
 from tests import run_records
 from tests.test_run_failures import small_config
 
@@ -136,10 +136,12 @@ def test_a_run_from_before_two_fields_resumes_with_their_values(tmp_path, monkey
     return update_on(parts, state, sampled, **kw)
 
   monkeypatch.setattr(run, "update_on", counted)
-  last = run.run(small_config(), workdir)
+  # Where the services are may change too (a requeued task's vLLM port).
+  runtime = {"sampler.vllm_url": "http://127.0.0.1:8123", "keep_checkpoints": 3}
+  last = run.run(small_config(**runtime), workdir)
   assert updates == [3, 4] and last["step"] == 4  # continued from checkpoint 2
   assert [r["step"] for r in run_records.records(workdir)] == [0, 1, 2, 3, 4]
-  config = small_config()
+  config = small_config(**runtime)
   assert json.loads((workdir / "config.json").read_text()) == run_plan.resolved_config(
       config, run_plan.plan_run(config))
   assert not list(workdir.glob("*.tmp"))
@@ -148,3 +150,17 @@ def test_a_run_from_before_two_fields_resumes_with_their_values(tmp_path, monkey
   old = _strip_fields(workdir)
   assert run.run(small_config(), workdir) == last and updates == [3, 4]
   assert (workdir / "config.json").read_bytes() == old
+
+
+def test_a_rerun_may_change_where_its_services_are_not_what_it_computes(tmp_path):
+  old = _schema()
+  new = _schema()
+  new["sampler"]["vllm_url"] = "http://10.0.0.2:8001"
+  new["sampler"]["vllm_request_timeout_s"] = 1200.0
+  new["keep_checkpoints"] += 1
+  assert RUNTIME_FIELDS <= flat_config(new).keys()
+  assert check_saved_config(_saved(tmp_path, old), new) == [
+      "keep_checkpoints", "sampler.vllm_request_timeout_s", "sampler.vllm_url"]
+  new["sampler"]["temperature"] = 0.7
+  with pytest.raises(ValueError, match=r"differs in \['sampler\.temperature'\]\); use"):
+    check_saved_config(_saved(tmp_path, old), new)
