@@ -98,6 +98,8 @@ def test_what_counts_as_a_collapse():
   assert collapsed(run(rise + [0.42, 0.42, 0.42]), METRIC)
   assert not collapsed(run([0.31, 0.34, 0.30, 0.30, 0.30]), METRIC)
   assert not collapsed(FakeRun(list(range(1, 9)), rise + [0.3] * 3), METRIC)  # no base
+  # One noisy high evaluation is not a peak to fall from.
+  assert not collapsed(run([0.32, 0.40, 0.33, 0.34, 0.33, 0.34]), METRIC)
 
 
 def test_bp_asked_for_is_used_with_the_joint_law(tmp_path):
