@@ -89,12 +89,13 @@ def is_joint_study(runs) -> bool:
 
 
 # A run collapsed when its last evaluations (the mean of the last quarter, at least
-# 3) lost more than this fraction of its best gain over the base model (the best
-# mean of 3 consecutive evaluations: a single noisy high is not a peak)...
+# 3) lost more than this fraction of its gain over the base model before them (the
+# best mean of 3 consecutive earlier evaluations: a single noisy high is no peak)...
 COLLAPSE_FRACTION = 0.5
 # ...and that gain was at least this much reward (a smaller one is not told apart
-# from evaluation noise). With evaluation noise of sd 0.02, a healthy run rising
-# 0.05 is called collapsed in 0.2% of draws (30 evaluations).
+# from evaluation noise). Healthy runs (a sigmoid rise, 30 evaluations, noise of
+# sd 0.02 on each) are called collapsed in at most 4% of draws (a rise of 0.05),
+# under 0.5% from a rise of 0.1; a run still rising at its end never is.
 COLLAPSE_MIN_GAIN = 0.05
 
 
@@ -104,10 +105,12 @@ def collapsed(run, metric: str) -> bool:
   record points keep the peak, so its fitted curve would not show it."""
   c, r = run.points(metric, "rollouts")
   base, after = r[c <= 0], r[c > 0]
-  if base.size == 0 or after.size < 3:
+  tail = max(3, after.size // 4)
+  if base.size == 0 or after.size < tail + 3:
     return False
-  gain = float(np.convolve(after, np.ones(3) / 3, mode="valid").max() - base.max())
-  end = float(after[-max(3, after.size // 4):].mean())
+  before = np.convolve(after[:-tail], np.ones(3) / 3, mode="valid")
+  gain = float(before.max() - base.max())
+  end = float(after[-tail:].mean())
   return bool(gain >= COLLAPSE_MIN_GAIN
               and end < base.max() + (1 - COLLAPSE_FRACTION) * gain)
 
@@ -186,7 +189,9 @@ def choose_law(sweeps, runs, *, primary, primary_bp: int | None, bp: int | None 
 
 
 def _unfitted_n(sweep) -> tuple[int, ...]:
-  return tuple(sorted({key_n(k) for k in sweep.curves.skipped}))
+  """The n of the sweep's skipped curves that no fitted curve has (at another Bp)."""
+  fitted = {key_n(k) for k in sweep.curves.fits}
+  return tuple(sorted({key_n(k) for k in sweep.curves.skipped} - fitted))
 
 
 def default_budgets(law: fits_lib.NStarFit) -> list[float]:

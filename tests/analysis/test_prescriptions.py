@@ -5,6 +5,7 @@ n* down."""
 import dataclasses
 import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ import pytest
 from isojax.analysis import (LawChoice, NStarFit, analyze, choose_law, fits_dict, prescribe,
                              read_runs, report_markdown)
 from isojax.analysis.bootstrap import BootstrapResult, Interval
-from isojax.analysis.prescriptions import collapsed, is_joint_study, n_star_interval
+from isojax.analysis.prescriptions import (_unfitted_n, collapsed, is_joint_study,
+                                           n_star_interval)
 
 from . import fake_runs
 
@@ -100,6 +102,9 @@ def test_what_counts_as_a_collapse():
   assert not collapsed(FakeRun(list(range(1, 9)), rise + [0.3] * 3), METRIC)  # no base
   # One noisy high evaluation is not a peak to fall from.
   assert not collapsed(run([0.32, 0.40, 0.33, 0.34, 0.33, 0.34]), METRIC)
+  # Nor is a run still rising steeply at its end (log-spaced evaluations): its last
+  # quarter averages below its last evaluation, but nothing came before to fall from.
+  assert not collapsed(run([0.30] * 12 + [0.32, 0.36, 0.45, 0.60]), METRIC)
 
 
 def test_bp_asked_for_is_used_with_the_joint_law(tmp_path):
@@ -177,6 +182,10 @@ def test_a_larger_n_the_law_never_saw_is_named():
   assert large.point.n == 64 and "n=[1024]" in large.note
   below = LawChoice("bp=32", law(), bp=32, joint=False, reason="test", unfitted_n=(2,))
   assert prescribe(below, [1e6])[0].note == ""
+  # In a joint study an n skipped at one Bp but fitted at another was seen by the law.
+  curves = types.SimpleNamespace(fits={(8, 64): None, (4, 4): None},
+                                 skipped={(4, 64): "3 records", (4, 128): "2 records"})
+  assert _unfitted_n(types.SimpleNamespace(curves=curves)) == (128,)
 
 
 def test_infeasible_point_is_reported_not_raised():
