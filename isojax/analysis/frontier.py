@@ -73,9 +73,14 @@ def _fit_records(compute_bytes: bytes, reward_bytes: bytes,
                               r0=r0)
 
 
+# The flag of a curve whose R0 is the base model's reward (`_base_r0`).
+R0_FROM_BASE = "r0 = the base model's reward"
+
+
 def _base_r0(runs, metric: str, unit: str, num_records: int) -> float | None:
-  """R0 for a configuration with too few records to fit it: its runs' mean reward
-  before training, when they evaluated it. Otherwise (None) R0 is fitted.
+  """R0 for a configuration with too few records (at distinct compute) to fit it:
+  its runs' mean reward before training, when they evaluated it. Otherwise (None)
+  R0 is fitted.
 
   Such configurations are typically the largest n (fewest updates, so fewest
   evaluations) or runs on a hard set that rise by a few bins; leaving them out
@@ -117,7 +122,7 @@ def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rol
     if points[k][0].size == 0:
       skipped[k] = f"no '{metric}' points with {unit} > 0"
       continue
-    r0 = _base_r0(groups[k], metric, unit, recs[k][0].size)
+    r0 = _base_r0(groups[k], metric, unit, np.unique(recs[k][0]).size)
     try:
       fit = _fit_records(recs[k][0].tobytes(), recs[k][1].tobytes(), r0)
     except ValueError as e:
@@ -125,7 +130,7 @@ def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rol
       continue
     flags = fit.flags
     if r0 is not None:
-      flags += (f"r0 = the base model's reward: {recs[k][0].size} record points are "
+      flags += (f"{R0_FROM_BASE}: {np.unique(recs[k][0]).size} record points are "
                 f"too few to fit it",)
     # The curve is supported up to the last evaluation, not just the last record:
     # the evaluations after it show the plateau the fit predicts.
@@ -323,4 +328,5 @@ def extrapolation_check(runs, *, c_cut: float, metric: str, key: str | Callable 
       if both.any() else math.nan,
       heldout_rmse=float(np.sqrt(np.mean(held**2))) if held.size else math.nan,
       n_heldout=int(held.size), lost=tuple(k for k in full.fits if k not in cut.fits),
-      flagged=tuple(k for k, f in cut.fits.items() if f.flags))
+      flagged=tuple(k for k, f in cut.fits.items()
+                    if any(not x.startswith(R0_FROM_BASE) for x in f.flags)))

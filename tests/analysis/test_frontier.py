@@ -249,6 +249,19 @@ def test_four_records_fit_with_r0_at_the_base_models_reward(tmp_path):
     assert [fit.a, fit.b, fit.c_mid] == pytest.approx(
         [truth["a"], truth["b"], truth["c_mid"]], rel=1e-3)
     assert any("r0 = the base model's reward: 4 record points" in f for f in fit.flags)
+  # An extrapolation check does not call a cut curve with R0 fixed "at a bound".
+  fake_runs.make_sweep(tmp_path / "cut", configs=[(8, 16), (8, 64)], budget=8 * 64 * 400,
+                       n_evals=6, base_eval=True)
+  runs = read_runs(tmp_path / "cut").runs
+  cut = fit_curves(runs, metric=METRIC, max_compute=2e5)
+  assert cut.fits and all(f.r0_fixed for f in cut.fits.values())
+  assert extrapolation_check(runs, c_cut=2e5, metric=METRIC).flagged == ()
+  # Two seeds with records at the same compute: four distinct compute values are
+  # still too few to fit R0 as well.
+  fake_runs.make_sweep(tmp_path / "seeds", configs=[(8, 16)], budget=8 * 64 * 400,
+                       n_evals=5, base_eval=True, seeds=(0, 1))
+  (fit,) = fit_curves(read_runs(tmp_path / "seeds").runs, metric=METRIC).fits.values()
+  assert fit.n_points == 8 and fit.r0_fixed
   # With enough records R0 is fitted, as before.
   fake_runs.make_sweep(tmp_path / "many", configs=[(8, 16)], budget=8 * 64 * 400,
                        n_evals=8, base_eval=True)
