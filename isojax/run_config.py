@@ -8,9 +8,10 @@ naming the fields. Two kinds of difference are not a different run:
     field, the value that does what isojax did before the field existed; a saved
     config that lacks the field resumes when the new config holds exactly that
     value;
-  * `RUNTIME_FIELDS` say where the run's services are and how long to wait for
-    them, not what it computes: a rerun may change them (a requeued SLURM task's
-    vLLM server listens on another port).
+  * `rundir.RUNTIME_FIELDS` say where the run's services are and how long to
+    wait for them, and the `sweep.` fields which study the run is a point of, not
+    what it computes: a rerun may change them (a requeued SLURM task's vLLM
+    server listens on another port; a study's grid may grow).
 config.json is then rewritten with the new config.
 """
 
@@ -22,7 +23,7 @@ import shlex
 from typing import Any
 
 from isojax.rollout.interruption import DEFAULT_PHRASE
-from isojax.rundir import CHECKPOINT_DIR, CONFIG_FILE, read_json_object
+from isojax.rundir import CHECKPOINT_DIR, CONFIG_FILE, is_runtime_field, read_json_object
 
 # Fields of the run schema added after isojax wrote its first config.json, each
 # with the value its absence means: what the code did before the field existed.
@@ -66,15 +67,6 @@ ADDED_FIELDS: dict[str, Any] = {
 }
 
 
-# Fields a rerun may change: where the vLLM server and its weight snapshots are,
-# how long to wait for it, and how many checkpoints to keep. None changes what the
-# run computes.
-RUNTIME_FIELDS = frozenset({
-    "sampler.vllm_url", "sampler.vllm_weights_dir", "sampler.vllm_connect_timeout_s",
-    "sampler.vllm_probe_timeout_s", "sampler.vllm_request_timeout_s", "keep_checkpoints",
-})
-
-
 def check_run_dir(workdir: pathlib.Path, resolved: dict) -> list[str]:
   """`check_saved_config` of the run directory's config.json, if it has one.
 
@@ -101,8 +93,8 @@ def check_saved_config(path: pathlib.Path, resolved: dict) -> list[str]:
   Returns:
     the fields config.json should be rewritten for (sorted; empty when the two
     configs are equal): the `ADDED_FIELDS` that the saved config lacks and
-    `resolved` holds at their declared value, and the `RUNTIME_FIELDS` that
-    changed. The caller rewrites config.json with `resolved` once the run has
+    `resolved` holds at their declared value, and the runtime fields that
+    changed (`rundir.is_runtime_field`). The caller rewrites config.json with `resolved` once the run has
     started, so that the next rerun compares like with like.
 
   Raises:
@@ -115,7 +107,7 @@ def check_saved_config(path: pathlib.Path, resolved: dict) -> list[str]:
   for key in sorted(saved.keys() | new.keys()):
     if saved.get(key) == new.get(key):
       continue
-    if key in RUNTIME_FIELDS and key in new:
+    if is_runtime_field(key) and key in new:
       lacking.append(key)
       continue
     if key not in saved and key in new and key in ADDED_FIELDS:

@@ -30,6 +30,22 @@ CHECKPOINT_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
 RUN_LOCK_FILE = ".run.lock"
 
+# config.json fields that do not change what a run computes, so a rerun may change
+# them (isojax.run_config) and copies of one run may differ in them (the analysis):
+# where the vLLM server and its weight snapshots are, how long to wait for it, how
+# many checkpoints to keep...
+RUNTIME_FIELDS = frozenset({
+    "sampler.vllm_url", "sampler.vllm_weights_dir", "sampler.vllm_connect_timeout_s",
+    "sampler.vllm_probe_timeout_s", "sampler.vllm_request_timeout_s", "keep_checkpoints",
+})
+# ...and the study the run is a point of (the launcher's grid; experiments/common.py).
+STUDY_PREFIX = "sweep."
+
+
+def is_runtime_field(key: str) -> bool:
+  """Whether a dotted config.json field may differ between reruns of one run."""
+  return key in RUNTIME_FIELDS or key.startswith(STUDY_PREFIX)
+
 # How much of metrics.jsonl `last_record` reads: many lines of any real run.
 _TAIL_BYTES = 8192
 

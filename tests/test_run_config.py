@@ -15,7 +15,8 @@ import pytest
 
 from experiments import common
 from isojax import run, run_plan
-from isojax.run_config import ADDED_FIELDS, RUNTIME_FIELDS, check_saved_config, flat_config
+from isojax.run_config import ADDED_FIELDS, check_saved_config, flat_config
+from isojax.rundir import RUNTIME_FIELDS
 from tests import run_records
 from tests.test_run_failures import small_config
 
@@ -158,9 +159,11 @@ def test_a_rerun_may_change_where_its_services_are_not_what_it_computes(tmp_path
   new["sampler"]["vllm_url"] = "http://10.0.0.2:8001"
   new["sampler"]["vllm_request_timeout_s"] = 1200.0
   new["keep_checkpoints"] += 1
+  new["sweep"]["budgets"] = [1e6, 2e6]  # the study's grid grew
   assert RUNTIME_FIELDS <= flat_config(new).keys()
   assert check_saved_config(_saved(tmp_path, old), new) == [
-      "keep_checkpoints", "sampler.vllm_request_timeout_s", "sampler.vllm_url"]
+      "keep_checkpoints", "sampler.vllm_request_timeout_s", "sampler.vllm_url",
+      "sweep.budgets"]
   new["sampler"]["temperature"] = 0.7
   with pytest.raises(ValueError, match=r"differs in \['sampler\.temperature'\]\); use"):
     check_saved_config(_saved(tmp_path, old), new)
