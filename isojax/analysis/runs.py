@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from isojax.rundir import CONFIG_FILE, METRICS_FILE, read_json_object, read_metrics
+from isojax.rundir import (CONFIG_FILE, METRICS_FILE, is_runtime_field, read_json_object,
+                           read_metrics)
 
 # Compute axes a curve can be drawn against: rollouts (the IsoCompute playbook's),
 # generated tokens (its App. E), updates M = rollouts / (Bp * n), and device-hours
@@ -247,16 +248,19 @@ def _run_dirs(root: str) -> list[str]:
 
 
 # How far a run goes (config.json's budget point, also at top level): runs that
-# differ only in these follow one trajectory, the shorter a prefix of the longer.
+# differ only in these (and in fields that change nothing it computes) follow one
+# trajectory, the shorter a prefix of the longer.
 _LENGTH_FIELDS = ("requested", "m", "compute")
 
 
 def _trajectory(config: Mapping) -> str:
-  """`config` without its length fields, as a key."""
-  out = {k: v for k, v in config.items() if k not in _LENGTH_FIELDS}
-  if isinstance(out.get("budget"), Mapping):
-    out["budget"] = {k: v for k, v in out["budget"].items() if k not in _LENGTH_FIELDS}
-  return json.dumps(out, sort_keys=True)
+  """`config` without its length fields and runtime fields, as a key."""
+  def keep(prefix: str, tree: Mapping) -> dict:
+    return {k: keep(f"{prefix}{k}.", v) if isinstance(v, Mapping) else v
+            for k, v in tree.items()
+            if not (k in _LENGTH_FIELDS and prefix in ("", "budget."))
+            and not is_runtime_field(f"{prefix}{k}")}
+  return json.dumps(keep("", config), sort_keys=True)
 
 
 def _drop_copies(runs: list[Run], problems: list[LoadProblem]) -> list[Run]:

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import pathlib
 import random
 import shutil
 
@@ -174,10 +175,15 @@ def test_copies_of_one_run_are_flagged_and_counted_once(tmp_path):
   assert len(read_runs(tmp_path).runs) == len(configs) + 1
   # The same run at a smaller budget (`launch/sweep.py --budget=A,B`) stops on the
   # longer one's trajectory: one run, not a second seed (both layouts of config.json).
+  # The sweep's grid and a vLLM task's port differ between them too.
   for layout in ("top", "budget"):
     for length, budget in (("short", 8 * 64 * 100), ("long", 8 * 64 * 500)):
-      fake_runs.make_sweep(tmp_path / f"{layout}_{length}", configs=configs[:1],
-                           budget=budget, noise=0.01, n_evals=30, layout=layout)
+      (path,) = fake_runs.make_sweep(tmp_path / f"{layout}_{length}", configs=configs[:1],
+                                     budget=budget, noise=0.01, n_evals=30, layout=layout)
+      config = json.loads((pathlib.Path(path) / "config.json").read_text())
+      config["sweep"] = {"budgets": [budget], "study": "n_vs_m"}
+      config["sampler"] = {"vllm_url": f"http://127.0.0.1:{budget}", "temperature": 0.6}
+      (pathlib.Path(path) / "config.json").write_text(json.dumps(config))
   result = read_runs(tmp_path)
   dups = {os.path.relpath(p.path, tmp_path): p.detail for p in result.problems
           if p.kind == "duplicate_run"}
