@@ -151,6 +151,13 @@ def test_a_study_argument_reaches_every_point(monkeypatch):
     assert point == sp.point and point.n_est == 16
   with pytest.raises(ValueError, match=r"n=4 is set by the launcher"):
     sweep.plan_sweep("experiments/data_size.py:d=500,n=4", "runs/t")
+  # The file ends at ".py:": an argument may hold paths.
+  assert sweep_points._split_config("exp/x.py:d=runs/a:b, smoke") == (
+      "exp/x.py", "d=runs/a:b,smoke")
+  assert sweep_points._split_config("exp/x.py:") == ("exp/x.py", "")
+  sp = sweep.SweepPoint(budget.BudgetPoint(bp=8, n=4, m=31))
+  study = sweep.Sweep(config="exp/x.py:d=runs/a", root="r", points=(sp,), python="py")
+  assert study.command(sp)[3] == "--config=exp/x.py:d=runs/a,bp=8,n=4,budget=992"
 
 
 def test_command_passes_the_point_through_unchanged():

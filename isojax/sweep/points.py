@@ -243,7 +243,7 @@ class Sweep:
 
   def command(self, sp: SweepPoint) -> list[str]:
     """The full argv that trains one point."""
-    sep = "," if ":" in os.path.basename(self.config) else ":"
+    sep = "," if ".py:" in self.config else ":"
     return [self.python, *self.runner, f"--config={self.config}{sep}{sp.config_arg()}",
             f"--workdir={self.run_dir(sp)}", f"--config.seed={sp.seed}",
             *self.extra_args]
@@ -267,7 +267,7 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
       set what the launcher sets per point (`check_run_args`).
 
   Returns:
-    (sweep, config) where config is `get_config("")` of the file.
+    (sweep, config) where config is `get_config(ARG)` of the file.
   """
   check_run_args(extra_args)
   path, arg = _split_config(config_path)
@@ -305,15 +305,18 @@ POINT_ARGS = ("bp", "n", "budget")
 
 
 def _split_config(config_path: str) -> tuple[str, str]:
-  """(file, study argument) of `--config=FILE[:ARG]`; ARG may not set a point's keys."""
-  head, base = os.path.split(config_path)
-  base, _, arg = base.partition(":")
+  """(file, study argument) of `--config=FILE[:ARG]`; ARG may not set a point's keys.
+
+  The file is a .py (its name ends where ".py:" is), so ARG may hold "/" and ":".
+  """
+  path, sep, arg = config_path.partition(".py:")
+  path = path + ".py" if sep else config_path.rstrip(":")
   items = [x.strip() for x in arg.split(",") if x.strip()]
   taken = [x for x in items if x.partition("=")[0].strip() in POINT_ARGS]
   if taken:
     raise ValueError(f"--config={config_path!r}: {', '.join(taken)} is set by the "
                      f"launcher for each point; use --bp, --n and --budget")
-  return os.path.join(head, base), ",".join(items)
+  return path, ",".join(items)
 
 
 def _min_n(estimator: str) -> int:
