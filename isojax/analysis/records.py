@@ -134,12 +134,17 @@ def coarse_bin_warning(runs, metric: str, bin_width: float) -> list[str]:
   rises = []
   for run in runs:
     c, r = run.points(metric, "rollouts")
-    if np.any(c > 0):
-      start = r[c <= 0].max() if np.any(c <= 0) else r[c > 0][0]
-      rises.append(float(r[c > 0].max() - start))
-  if not rises:
-    return []
-  rise = float(np.median(rises))
+    after = r[c > 0]
+    if after.size >= 3:
+      start = r[c <= 0].max() if np.any(c <= 0) else after[0]
+      # A run learned when its last third of evaluations sits above its start by more
+      # than 3 sd of their noise (estimated from second differences, which a smooth
+      # rise leaves near 0): a flat noisy run learned nothing a finer bin can show.
+      last = after[-max(1, after.size // 3):]
+      noise = np.median(np.abs(np.diff(after, 2))) / (0.6745 * np.sqrt(6))
+      learned = last.mean() - start > 3 * noise * np.sqrt(1 + 1 / last.size)
+      rises.append(float(after.max() - start) if learned else 0.0)
+  rise = float(np.median(rises)) if rises else 0.0
   if not 0 < rise < MIN_BINS_PER_RISE * bin_width:
     return []  # fine enough, or nothing learned (no bin helps)
   finer = 10 ** np.floor(np.log10(rise / (2 * MIN_BINS_PER_RISE)))

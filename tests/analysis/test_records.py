@@ -131,8 +131,13 @@ def test_a_bin_near_the_runs_rise_is_named_with_a_finer_one():
   assert "median rise in val/avg@4 is 0.02 (4.0 bins)" in line
   assert "try --bin-width 0.001" in line
   assert coarse_bin_warning(runs, "val/avg@4", 0.001) == []  # 20 bins
-  flat = [FakeRun("f", [0, 10], [0.05, 0.04])]  # nothing learned: no bin helps
+  flat = [FakeRun("f", [0, 10, 20, 30], [0.05, 0.04, 0.045, 0.04])]  # nothing learned
   assert coarse_bin_warning(flat, "val/avg@4", 0.005) == []
+  # Nor is noise around a flat line a rise (no finer bin would help).
+  rng = np.random.default_rng(0)
+  noisy = [FakeRun(f"n{i}", list(range(31)), 0.3 + rng.normal(0, 0.005, 31))
+           for i in range(5)]
+  assert coarse_bin_warning(noisy, "val/avg@4", 0.005) == []
 
 
 def test_the_analysis_names_a_coarse_bin(tmp_path):
