@@ -208,16 +208,21 @@ def _decode_bound_s(cfg, rows, prompt_len, max_tokens, hbm_gbps, waves=1, prompt
   return waves * (max_tokens * weights + slots * per_slot) / (hbm_gbps * 1e9)
 
 
-# HBM bandwidth (GB/s) by device kind, first match: the --hbm_gbps default.
-HBM_GBPS = (("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
-            ("A100-SXM4-80GB", 2039.0), ("A100", 1555.0))
+# HBM bandwidth (GB/s) by the words of a device kind ("NVIDIA H100 80GB HBM3"), the
+# first entry whose words all appear: the --hbm_gbps default. GH200 comes with two
+# memories (4000 or 4900 GB/s), so it is left to --hbm_gbps.
+HBM_GBPS = ((("GH200",), None), (("H200",), 4800.0), (("H100", "NVL"), 3900.0),
+            (("H100", "PCIe"), 2000.0), (("H100",), 3350.0),
+            (("A100", "80GB", "PCIe"), 1935.0), (("A100-SXM4-80GB",), 2039.0),
+            (("A100",), 1555.0))
 
 
 def hbm_gbps(device_kind: str, asked: float | None) -> float | None:
   """--hbm_gbps if given, else the bandwidth of `device_kind` (None if unknown)."""
   if asked is not None:
     return asked
-  return next((gbps for name, gbps in HBM_GBPS if name in device_kind), None)
+  words = set(device_kind.replace("-", " ").split()) | set(device_kind.split())
+  return next((gbps for names, gbps in HBM_GBPS if set(names) <= words), None)
 
 
 @contextlib.contextmanager
