@@ -264,12 +264,14 @@ def _trajectory(config: Mapping) -> str:
 
 
 def _drop_copies(runs: list[Run], problems: list[LoadProblem]) -> list[Run]:
-  """One run per trajectory (the whole config, seed included, but for its length).
+  """One run per trajectory (the whole config, seed included, but for its length
+  and the fields that change nothing it computes, `rundir.is_runtime_field`).
 
   Two directories with the same config.json are two copies of one run. Runs that
-  differ only in their budget (`launch/sweep.py --budget=1024,4096`) are one run
-  stopped at two points: the same data order, schedule and random draws, so the
-  shorter is a prefix of the longer. Counting both would weigh one run twice and
+  differ only in their budget (`launch/sweep.py --budget=1024,4096`, which also
+  writes each budget list into sweep.budgets) are one run stopped at two points:
+  the same data order, schedule and random draws, so the shorter is a prefix of
+  the longer. Counting both would weigh one run twice and
   pass it off as two seeds (§4 reads one run at every compute). The run that got
   furthest (most metric rows; then the first by name) is kept.
   """
