@@ -94,8 +94,9 @@ def check_saved_config(path: pathlib.Path, resolved: dict) -> list[str]:
     the fields config.json should be rewritten for (sorted; empty when the two
     configs are equal): the `ADDED_FIELDS` that the saved config lacks and
     `resolved` holds at their declared value, and the runtime fields that
-    changed (`rundir.is_runtime_field`). The caller rewrites config.json with `resolved` once the run has
-    started, so that the next rerun compares like with like.
+    changed (`rundir.is_runtime_field`). The caller rewrites config.json with
+    `resolved` once the run has started, so that the next rerun compares like
+    with like.
 
   Raises:
     ValueError: naming the fields that differ (a field either lacks counts,

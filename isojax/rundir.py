@@ -46,6 +46,7 @@ def is_runtime_field(key: str) -> bool:
   """Whether a dotted config.json field may differ between reruns of one run."""
   return key in RUNTIME_FIELDS or key.startswith(STUDY_PREFIX)
 
+
 # How much of metrics.jsonl `last_record` reads: many lines of any real run.
 _TAIL_BYTES = 8192
 

@@ -130,8 +130,8 @@ def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rol
       continue
     flags = fit.flags
     if r0 is not None:
-      flags += (f"{R0_FROM_BASE}: {np.unique(recs[k][0]).size} record points are "
-                f"too few to fit it",)
+      flags += (f"{R0_FROM_BASE}: records at {np.unique(recs[k][0]).size} compute "
+                f"values are too few to fit it",)
     # The curve is supported up to the last evaluation, not just the last record:
     # the evaluations after it show the plateau the fit predicts.
     fits[k] = dataclasses.replace(

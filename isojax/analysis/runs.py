@@ -271,9 +271,9 @@ def _drop_copies(runs: list[Run], problems: list[LoadProblem]) -> list[Run]:
   differ only in their budget (`launch/sweep.py --budget=1024,4096`, which also
   writes each budget list into sweep.budgets) are one run stopped at two points:
   the same data order, schedule and random draws, so the shorter is a prefix of
-  the longer. Counting both would weigh one run twice and
-  pass it off as two seeds (§4 reads one run at every compute). The run that got
-  furthest (most metric rows; then the first by name) is kept.
+  the longer. Counting both would weigh one run twice and pass it off as two
+  seeds (§4 reads one run at every compute). The run that got furthest (most
+  metric rows; then the first by name) is kept.
   """
   by_trajectory: dict[str, list[Run]] = {}
   for r in runs:
@@ -285,8 +285,8 @@ def _drop_copies(runs: list[Run], problems: list[LoadProblem]) -> list[Run]:
     for r in copies:
       if r is kept:
         continue
-      what = ("a copy of one run" if r.config == kept.config else
-              "the same run stopped earlier (only the budget differs)")
+      what = ("a copy of one run" if r.m == kept.m else
+              f"the same run planned to stop at M={r.m} instead of {kept.m}")
       problems.append(LoadProblem(
           r.path, "duplicate_run",
           f"same config and seed ({r.get('seed')}) as {kept.name}: {what}, left out so "

@@ -248,7 +248,8 @@ def test_four_records_fit_with_r0_at_the_base_models_reward(tmp_path):
     assert fit.r0 == pytest.approx(truth["r0"], abs=1e-9)
     assert [fit.a, fit.b, fit.c_mid] == pytest.approx(
         [truth["a"], truth["b"], truth["c_mid"]], rel=1e-3)
-    assert any("r0 = the base model's reward: 4 record points" in f for f in fit.flags)
+    assert any("r0 = the base model's reward: records at 4 compute values" in f
+               for f in fit.flags)
   # An extrapolation check does not call a cut curve with R0 fixed "at a bound".
   fake_runs.make_sweep(tmp_path / "cut", configs=[(8, 16), (8, 64)], budget=8 * 64 * 400,
                        n_evals=6, base_eval=True)

@@ -189,7 +189,8 @@ def test_copies_of_one_run_are_flagged_and_counted_once(tmp_path):
           if p.kind == "duplicate_run"}
   for layout in ("top", "budget"):
     assert f"{layout}_short/mix_bp8_n4_s0" not in {r.name for r in result.runs}
-    assert "only the budget differs" in dups[f"{layout}_short/mix_bp8_n4_s0"]
+    assert ("the same run planned to stop at M=1600 instead of 8000"
+            in dups[f"{layout}_short/mix_bp8_n4_s0"])
 
 
 def test_run_directories_of_older_layouts_still_load_and_analyse(tmp_path):
