@@ -122,7 +122,8 @@ def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rol
     if points[k][0].size == 0:
       skipped[k] = f"no '{metric}' points with {unit} > 0"
       continue
-    r0 = _base_r0(groups[k], metric, unit, np.unique(recs[k][0]).size)
+    distinct = np.unique(recs[k][0]).size  # records at distinct compute
+    r0 = _base_r0(groups[k], metric, unit, distinct)
     try:
       fit = _fit_records(recs[k][0].tobytes(), recs[k][1].tobytes(), r0)
     except ValueError as e:
@@ -130,8 +131,8 @@ def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rol
       continue
     flags = fit.flags
     if r0 is not None:
-      flags += (f"{R0_FROM_BASE}: records at {np.unique(recs[k][0]).size} compute "
-                f"values are too few to fit it",)
+      flags += (f"{R0_FROM_BASE}: records at {distinct} compute values are too few "
+                f"to fit it",)
     # The curve is supported up to the last evaluation, not just the last record:
     # the evaluations after it show the plateau the fit predicts.
     fits[k] = dataclasses.replace(

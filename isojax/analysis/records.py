@@ -136,7 +136,8 @@ def coarse_bin_warning(runs, metric: str, bin_width: float) -> list[str]:
     c, r = run.points(metric, "rollouts")
     after = r[c > 0]
     if after.size >= 3:
-      start = r[c <= 0].max() if np.any(c <= 0) else after[0]
+      start = base_reward(run, metric)
+      start = after[0] if start is None else start
       # A run learned when its last third of evaluations sits above its start by more
       # than 3 sd of their noise (estimated from second differences, which a smooth
       # rise leaves near 0): a flat noisy run learned nothing a finer bin can show.
