@@ -38,8 +38,9 @@ from isojax.analysis.runs import (LoadProblem, LoadResult, Run, RunLoadWarning, 
 
 __all__ = [
     "Analysis", "BootstrapResult", "CurveSet", "ExtrapolationCheck", "FixedBatch",
-    "Frontier", "FrontierFit", "FrontierOptions", "GroupAnalysis", "Interval", "LawChoice", "LawPoints",
-    "LoadProblem", "LoadResult", "NStarFit", "Prescription", "Run", "RunLoadWarning",
+    "Frontier", "FrontierFit", "FrontierOptions", "GroupAnalysis", "Interval", "LawChoice",
+    "LawPoints", "LoadProblem", "LoadResult", "NStarFit", "Prescription", "RecipeComparison",
+    "RecipeExtrapolation", "RecipeFit", "Run", "RunLoadWarning",
     "Sensitivity", "SigmoidFit", "analyze", "batch_sizes",
     "bin_points", "bootstrap", "choose_law", "compare_recipes", "eval_metrics",
     "extrapolation_check",

@@ -1,7 +1,6 @@
 """Loading run directories: tolerant of broken runs, and every problem reported."""
 
 import json
-import math
 import os
 import pathlib
 import random
