@@ -5,7 +5,6 @@ import struct
 import time
 
 import numpy as np
-import pytest
 
 from isojax import metrics as metrics_lib
 

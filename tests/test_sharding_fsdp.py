@@ -11,7 +11,7 @@ from isojax import sharding as shd
 from isojax.models import Decoder
 from isojax.rl import LossConfig, OptimConfig, abstract_batch, abstract_train_state
 from isojax.rl import make_train_step
-from tests.rl.test_step import B, N, assert_trees_close, run, tiny_config
+from tests.rl.test_step import N, assert_trees_close, run, tiny_config
 
 
 @pytest.fixture(scope="module")
