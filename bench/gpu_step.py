@@ -12,7 +12,8 @@ per-layer remat, the fp32 lm head in chunks. For every (model, length) it prints
   * tokens/s of the jitted step (forward, backward, AdamW update) over all B*T
     positions of a batch whose rows are all real tokens;
   * model TFLOP/s: 6 x (dense matmul FLOPs + causal attention, half of T x T)
-    per token, nothing for recomputation; MFU against the H100's 989 TFLOP/s
+    per token, the lm head only where it is computed (the chunks holding
+    completion tokens), nothing for recomputation; MFU against the H100's 989 TFLOP/s
     dense bf16 spec and against a bf16 matmul measured in this run; beside it
     the MFU of PaLM's formula (Chowdhery et al. 2022, App. B: attention over
     all T x T), the convention most published MFU figures use;
@@ -80,14 +81,28 @@ def bf16_matmul_tflops(n, repeats=5):
   return 2 * n ** 3 / best_of(lambda: f(a, b).block_until_ready(), repeats)[0] / 1e12
 
 
-def model_flops(cfg: ModelConfig, B, T, causal=True):
-  """Training FLOPs of one step: 3 x forward. Attention scores are counted
-  causally (T^2 / 2 per head), or over all T^2 with causal=False (PaLM's MFU)."""
+def model_flops(cfg: ModelConfig, B, T, head_positions, causal=True):
+  """Training FLOPs of one step: 3 x forward. The lm head counts only at the
+  `head_positions` it is computed for (`head_positions_computed`); attention
+  scores causally (T^2 / 2 per head), or over all T^2 with causal=False (PaLM's MFU)."""
   D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
   NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  dense = cfg.num_layers * (D * NH + 2 * D * KH + NH * D + 3 * D * F) + D * V
+  layers = cfg.num_layers * (D * NH + 2 * D * KH + NH * D + 3 * D * F)
   attn = cfg.num_layers * 2 * NH * (T / 2 if causal else T)
-  return 3 * 2 * B * T * (dense + attn)
+  return 3 * 2 * (B * T * (layers + attn) + head_positions * D * V)
+
+
+def head_positions_computed(batch, chunk):
+  """Positions the chunked lm head computes: every position of each chunk that
+  holds a trained one (`isojax.rl.logprobs` skips the others; position t-1
+  predicts token t)."""
+  need_BxS = np.asarray(batch.loss_mask_BxT)[:, 1:] > 0
+  B, S = need_BxS.shape
+  if chunk >= S:  # one unchunked head over every position
+    return B * S
+  n_chunks = -(-S // chunk)
+  need_S = np.pad(need_BxS.any(axis=0), (0, n_chunks * chunk - S))
+  return B * chunk * int(need_S.reshape(n_chunks, chunk).any(axis=1).sum())
 
 
 def full_batch(B, T, V, seed=0):
@@ -229,8 +244,9 @@ def main():
                         attention=args.attention, max_position_embeddings=max(lengths))
     B = args.batch
     batch = full_batch(B, T, cfg.vocab_size)
-    flops = model_flops(cfg, B, T)
-    palm_mfu = model_flops(cfg, B, T, causal=False) / H100_BF16_TFLOPS / 1e12
+    head = head_positions_computed(batch, args.chunk)
+    flops = model_flops(cfg, B, T, head)
+    palm_mfu = model_flops(cfg, B, T, head, causal=False) / H100_BF16_TFLOPS / 1e12
     print(f"\n{name}: {cfg.num_layers} layers, d={cfg.hidden_size}; batch {B} x {T}, "
           f"micro-batch {args.micro}, remat {cfg.remat}, head chunk {args.chunk}, "
           f"attention {args.attention}")
