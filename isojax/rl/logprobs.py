@@ -149,8 +149,9 @@ def token_logp_entropy(model, input_ids_BxT, attention_mask_BxT, loss_mask_BxT, 
     chunk: positions per lm-head chunk (each chunk covers all B rows); None
       computes all logits at once.
     temperature: the sampling temperature. The policy that produced the
-      rollouts is softmax(logits / T), so the trainer scores tokens under the
-      same distribution; otherwise the sampler/trainer ratio (TIS weights, the
+      rollouts is softmax(logits / T) (with top-p and top-k off, as a run
+      requires for training), so the trainer scores tokens under the same
+      distribution; otherwise the sampler/trainer ratio (TIS weights, the
       logprob-gap metric) is off even fully on-policy.
 
   Returns:

@@ -59,8 +59,8 @@ class LossConfig:
       (sequence-level geometric-mean ratio s_i, clipped; every token of a
       sequence carries s_i, so with agg="seq_mean_token_mean" this is exactly
       the GSPO objective, whose clip ranges are ~1e-3, not 0.2).
-      With one on-policy update per batch (old_logp == logp, as isojax's
-      update step uses it) the ratio is 1, no clip binds, and CISPO and
+      With one on-policy update per batch (old_logp == logp: the update
+      step's default ``old_logp="current"``) the ratio is 1, no clip binds, and CISPO and
       PPO-clip give the same gradient, -A * grad log pi per token (PPO-clip's
       grad of -r A is -A r grad log pi, and r = 1); they differ only on a
       stale batch (old_logp != logp: several updates per batch, or pi_old a
@@ -121,6 +121,10 @@ class LossConfig:
         raise ValueError(f"LossConfig.{field}={getattr(self, field)} must be >= 0")
     if self.clip_dual is not None and not self.clip_dual > 1:
       raise ValueError(f"LossConfig.clip_dual={self.clip_dual} must be > 1 or None")
+    if self.clip_dual is not None and self.kind.startswith("cispo"):
+      raise ValueError(f"LossConfig.clip_dual={self.clip_dual} caps the clipped surrogate "
+                       f"of ppo_clip and gspo; kind={self.kind!r} has none (it would be "
+                       f"ignored): set clip_dual=None")
     if self.tis_cap is not None and not self.tis_cap > 0:
       raise ValueError(f"LossConfig.tis_cap={self.tis_cap} must be > 0 or None")
 
@@ -181,16 +185,16 @@ class LossConfig:
     ``zero_var_filter="all"``, none otherwise. NumPy arrays in, NumPy out: the
     run counts the rollouts it paid for and did not train on.
     """
-    flat_Bp = zero_variance_groups(rewards_B, group_size=group_size,
-                                   baseline_rewards_B=baseline_rewards_B)
-    return flat_Bp & self.drops_zero_variance
+    zero_var_Bp = zero_variance_groups(rewards_B, group_size=group_size,
+                                       baseline_rewards_B=baseline_rewards_B)
+    return zero_var_Bp & self.drops_zero_variance
 
 
 # LossConfig fields that act only through the ratio pi / pi_old.
 RATIO_FIELDS = ("clip_low", "clip_high", "clip_dual")
 # Metrics of the ratio pi / pi_old: identically 0 when old_logp is the same
 # forward pass under stop_gradient (one on-policy update per batch).
-RATIO_METRICS = ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl_old")
+RATIO_METRICS = (*(f.replace("clip_", "clip_frac_") for f in RATIO_FIELDS), "approx_kl_old")
 
 
 def _read_field(source, name):
@@ -213,7 +217,8 @@ def _wsum(w_BxT, x_BxT):
 
 def _ratio_metrics(logp_BxT, old_logp_BxT, flags, on_BxT, diag_BxT):
   """clip_frac_* of the PG loss's clip flags and approx_kl_old (``RATIO_METRICS``)."""
-  m = {f"clip_frac_{name[5:]}": _wsum(diag_BxT, flags.get(name, jnp.zeros_like(on_BxT)))
+  m = {name.replace("clip_", "clip_frac_"): _wsum(diag_BxT,
+                                                  flags.get(name, jnp.zeros_like(on_BxT)))
        for name in RATIO_FIELDS}
   log_r_BxT = logp_BxT - old_logp_BxT
   m["approx_kl_old"] = jax.lax.stop_gradient(
@@ -221,10 +226,10 @@ def _ratio_metrics(logp_BxT, old_logp_BxT, flags, on_BxT, diag_BxT):
   return m
 
 
-def _sampler_metrics(old_logp_BxT, sampler_logp_BxT, on_BxT, diag_BxT, cfg):
-  """TIS weights [B, T] (min(exp(old - sampler), tis_cap)) and the sampler metrics."""
-  is_BxT = jnp.exp(old_logp_BxT - sampler_logp_BxT)
-  gap_BxT = jnp.abs(old_logp_BxT - sampler_logp_BxT)
+def _sampler_metrics(trainer_logp_BxT, sampler_logp_BxT, on_BxT, diag_BxT, cfg):
+  """TIS weights [B, T] (min(exp(trainer - sampler), tis_cap)) and the sampler metrics."""
+  is_BxT = jnp.exp(trainer_logp_BxT - sampler_logp_BxT)
+  gap_BxT = jnp.abs(trainer_logp_BxT - sampler_logp_BxT)
   tis_BxT = is_BxT if cfg.tis_cap is None else jnp.minimum(is_BxT, cfg.tis_cap)
   m = {"tis_weight_mean": _wsum(diag_BxT, tis_BxT),
        "tis_weight_max": jnp.max(jnp.where(on_BxT, tis_BxT, 0.0), initial=0.0),
@@ -270,11 +275,11 @@ def weighted_policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, weights: Token
   sampler_logp_BxT, ref_logp_BxT = clean(sampler_logp_BxT), clean(ref_logp_BxT)
   entropy_BxT = clean(entropy_BxT)
   old_logp_BxT = sg(sampler_logp_BxT if old_is_sampler else old_logp_BxT)
-  # Per rollout [B] (group baselines) or per token [B, T] (a critic's GAE).
-  adv_Bx1 = sg(jnp.asarray(adv_B, jnp.float32))
-  adv_Bx1 = adv_Bx1 if adv_Bx1.ndim == 2 else adv_Bx1[:, None]
+  # Per rollout [B] -> [B, 1] (group baselines), or per token [B, T] (a critic's GAE).
+  adv_BxT = sg(jnp.asarray(adv_B, jnp.float32))
+  adv_BxT = adv_BxT if adv_BxT.ndim == 2 else adv_BxT[:, None]
 
-  pg_BxT, flags = PG_LOSSES[cfg.kind](logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg)
+  pg_BxT, flags = PG_LOSSES[cfg.kind](logp_BxT, old_logp_BxT, adv_BxT, mask_BxT, cfg)
   m = _ratio_metrics(logp_BxT, old_logp_BxT, flags, on_BxT, weights.diag_BxT)
   if sampler_logp_BxT is not None:
     trainer_logp_BxT = sg(logp_BxT) if old_is_sampler else old_logp_BxT

@@ -3,8 +3,9 @@ table keyed by name: ``PG_LOSSES`` (ppo_clip / cispo / cispo_two_sided / gspo,
 see ``isojax.rl.losses.LossConfig.kind``) and ``KL_ESTIMATORS`` (k1 / k2 / k3).
 ``isojax.rl.losses`` aggregates them into the loss.
 
-A PG loss takes (logp, old_logp, adv_Bx1, mask, cfg), ``cfg`` any object with
-the clip fields of ``LossConfig``, and returns the per-token loss and its clip
+A PG loss takes (logp, old_logp, adv_BxT, mask, cfg), ``cfg`` any object with
+the clip fields of ``LossConfig``; ``adv_BxT`` is [B, 1] (one advantage per
+rollout) or [B, T] (per token: a critic's GAE), broadcast against the tokens. It returns the per-token loss and its clip
 flags ({name: bool [B, T]}, named as ``losses.RATIO_FIELDS``).
 """
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 __all__ = ["KL_ESTIMATORS", "PG_LOSSES"]
 
 
-def _clipped_surrogate(ratio_BxT, adv_Bx1, cfg):
+def _clipped_surrogate(ratio_BxT, adv_BxT, cfg):
   """-min(r A, clip(r) A), optionally dual-clipped at -c A for A < 0.
 
   The branch is chosen with `where` on the clip flags, not with min/max: at a
@@ -26,31 +27,31 @@ def _clipped_surrogate(ratio_BxT, adv_Bx1, cfg):
   the unclipped one.
   """
   lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
-  neg, pos = adv_Bx1 < 0, adv_Bx1 > 0
+  neg, pos = adv_BxT < 0, adv_BxT > 0
   flags = {"clip_low": neg & (ratio_BxT < lo), "clip_high": pos & (ratio_BxT > hi)}
-  bound_Bx1 = jnp.where(pos, hi, lo)
-  loss_BxT = jnp.where(flags["clip_low"] | flags["clip_high"], -adv_Bx1 * bound_Bx1,
-                       -adv_Bx1 * ratio_BxT)
+  bound_BxT = jnp.where(pos, hi, lo)
+  loss_BxT = jnp.where(flags["clip_low"] | flags["clip_high"], -adv_BxT * bound_BxT,
+                       -adv_BxT * ratio_BxT)
   if cfg.clip_dual is not None:
-    cap_BxT = -adv_Bx1 * cfg.clip_dual
+    cap_BxT = -adv_BxT * cfg.clip_dual
     flags["clip_dual"] = neg & (loss_BxT > cap_BxT)
     loss_BxT = jnp.where(flags["clip_dual"], cap_BxT, loss_BxT)
   return loss_BxT, flags
 
 
-def _ppo_clip(logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg):
-  return _clipped_surrogate(jnp.exp(logp_BxT - old_logp_BxT), adv_Bx1, cfg)
+def _ppo_clip(logp_BxT, old_logp_BxT, adv_BxT, mask_BxT, cfg):
+  return _clipped_surrogate(jnp.exp(logp_BxT - old_logp_BxT), adv_BxT, cfg)
 
 
-def _gspo(logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg):
+def _gspo(logp_BxT, old_logp_BxT, adv_BxT, mask_BxT, cfg):
   # s_i = exp(mean_t log(pi/pi_old)): one ratio per sequence, given to its tokens.
   len_Bx1 = jnp.maximum(mask_BxT.sum(axis=1, keepdims=True), 1.0)
   log_s_Bx1 = ((logp_BxT - old_logp_BxT) * mask_BxT).sum(axis=1, keepdims=True) / len_Bx1
   ratio_BxT = jnp.broadcast_to(jnp.exp(log_s_Bx1), logp_BxT.shape)
-  return _clipped_surrogate(ratio_BxT, adv_Bx1, cfg)
+  return _clipped_surrogate(ratio_BxT, adv_BxT, cfg)
 
 
-def _cispo(logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg, *, two_sided=False):
+def _cispo(logp_BxT, old_logp_BxT, adv_BxT, mask_BxT, cfg, *, two_sided=False):
   """-sg(w) A log pi with w = min(r, 1 + clip_high) (or clipped on both sides)."""
   del mask_BxT
   hi = 1.0 + cfg.clip_high
@@ -61,10 +62,10 @@ def _cispo(logp_BxT, old_logp_BxT, adv_Bx1, mask_BxT, cfg, *, two_sided=False):
     lo = 1.0 - cfg.clip_low
     weight_BxT = jnp.maximum(weight_BxT, lo)
     flags["clip_low"] = ratio_BxT < lo
-  return -weight_BxT * adv_Bx1 * logp_BxT, flags
+  return -weight_BxT * adv_BxT * logp_BxT, flags
 
 
-# name -> fn(logp, old_logp, adv_Bx1, mask, cfg) -> (token loss_BxT, {flag: bool_BxT})
+# name -> fn(logp, old_logp, adv_BxT, mask, cfg) -> (token loss_BxT, {flag: bool_BxT})
 PG_LOSSES: dict[str, Callable] = {
     "ppo_clip": _ppo_clip,
     "cispo": _cispo,

@@ -10,7 +10,7 @@
 Inside the step (``isojax.rl.step``'s pieces where the logic is the same):
   1. the batch's aggregation weights (policy and value loss) in its prompt-major
      order (``_ppo_rows``), then the policy step's micro-batch layout
-     (``step._micro_batches``: rows sorted by length, trimmed to a bucket);
+     (``step.micro_batches``: rows sorted by length, trimmed to a bucket);
   2. the critic's values of the whole batch, micro-batch by micro-batch without
      gradient (``_critic_values``): they are the baselines of GAE and the "old
      values" of the clipped value loss (every batch gets one update, so old =
@@ -18,8 +18,8 @@ Inside the step (``isojax.rl.step``'s pieces where the logic is the same):
   3. GAE advantages and returns over the whole batch (whitened if asked), with
      no host round trip. Rows are independent and whitening is a batch total,
      so this runs in the layout's row order (``_with_advantages``);
-  4. gradient accumulation (``step._accumulate``) over micro-batches of policy
-     loss (``step._micro_loss_fn``, per-token advantages) + value loss; the two
+  4. gradient accumulation (``step.accumulate``) over micro-batches of policy
+     loss (``step.micro_loss_fn``, per-token advantages) + value loss; the two
      parameter sets are disjoint, so each gets exactly its own loss's gradient;
   5. one AdamW update of each (``_guarded_joint_update``). While ``step <
      value_cfg.critic_warmup`` only the critic moves (policy parameters and
@@ -51,8 +51,8 @@ from isojax.rl.optim import OptimConfig, lr_schedule, make_optimizer
 from isojax.rl.state import TrainState, default_mesh
 # PPO differs from the policy step in the values pass, per-token advantages, the
 # joint update of two optimisers and critic warm-up; the rest is shared.
-from isojax.rl.step import (TrainRows, TrainStep, _accumulate, _batch_metrics, _check_sizes,
-                            _micro_batches, _micro_loss_fn, jit_step)
+from isojax.rl.step import (TrainRows, TrainStep, accumulate, batch_metrics, check_step_args,
+                            micro_batches, micro_loss_fn, jit_step)
 from isojax.rl.value import (VALUE_ESTIMATORS, ValueConfig, ValueWeights, value_advantages,
                              value_metrics, value_weights, weighted_value_loss)
 
@@ -221,10 +221,10 @@ def _with_advantages(micro: PPORows, values_BxT, loss_cfg: LossConfig,
 
 def _critic_batch_metrics(batch: Batch, rows: PPORows, micro: PPORows, positions,
                           group_size: int):
-  """``step._batch_metrics`` of the batch, and the critic's values against the returns."""
+  """``step.batch_metrics`` of the batch, and the critic's values against the returns."""
   mask_BxT, adv_BxT = _flatten_micro(micro.loss_mask), _flatten_micro(micro.adv)
   zero_var_Bp = zero_variance_groups(rows.rewards, group_size=group_size)
-  metrics = {**_batch_metrics(batch, rows, zero_var_Bp, positions),
+  metrics = {**batch_metrics(batch, rows, zero_var_Bp, positions),
              # The advantages are per token, so their mean is over the trained tokens.
              "adv_abs_mean": jnp.sum(jnp.abs(adv_BxT)) / jnp.maximum(jnp.sum(mask_BxT), 1.0),
              **value_metrics(_flatten_micro(micro.old_values),
@@ -244,7 +244,7 @@ def _schedule_metrics(schedule, critic_schedule, warmup: int, step):
 def _joint_micro_loss_fn(policy_loss, values_fn, value_cfg: ValueConfig):
   """``((params, critic_params), ref_params, rows [R, L]) -> (loss, metrics)``.
 
-  The policy loss (``step._micro_loss_fn``, per-token advantages) plus the
+  The policy loss (``step.micro_loss_fn``, per-token advantages) plus the
   value loss. The two parameter sets are disjoint, so the gradient of the sum
   gives each exactly its own loss's gradient.
   """
@@ -312,10 +312,10 @@ def _guarded_joint_update(tx, critic_tx, warmup: int, state: PPOTrainState, grad
 def _joint_gradients(micro_loss, state: PPOTrainState, micro: PPORows, bucket_K, lengths,
                      state_sharding):
   """Summed gradients of (policy, critic) in their parameter dtypes, and the metrics."""
-  # ``step._accumulate`` differentiates ``params``: here the (policy, critic) pair.
+  # ``step.accumulate`` differentiates ``params``: here the (policy, critic) pair.
   trainable = TrainState(params=(state.params, state.critic_params), opt_state=None,
                          step=state.step, ref_params=state.ref_params)
-  (grads, critic_grads), metrics = _accumulate(
+  (grads, critic_grads), metrics = accumulate(
       micro_loss, trainable, micro, bucket_K, lengths,
       (state_sharding.params, state_sharding.critic_params))
   # Back to the parameter dtypes so the optimiser states keep theirs.
@@ -351,7 +351,7 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
   mesh = default_mesh(mesh)
   rows_per_micro = batch_size if micro_batch_size is None else micro_batch_size
   _check_value_config(loss_cfg)
-  _check_sizes(batch_size=batch_size, group_size=group_size, rows_per_micro=rows_per_micro,
+  check_step_args(batch_size=batch_size, group_size=group_size, rows_per_micro=rows_per_micro,
                mesh=mesh, temperature=temperature, length_buckets=length_buckets,
                old_logp="current")  # on-policy: the critic's step takes no stale batches
   n_micro = batch_size // rows_per_micro
@@ -361,7 +361,7 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
   critic_schedule = lr_schedule(critic_optim, batch_size)
   graphdef, _, rest = nnx.split(policy, nnx.Param, ...)
   critic_graphdef, _, critic_rest = nnx.split(critic, nnx.Param, ...)
-  policy_loss = _micro_loss_fn(graphdef, rest, loss_cfg, logits_chunk=logits_chunk,
+  policy_loss = micro_loss_fn(graphdef, rest, loss_cfg, logits_chunk=logits_chunk,
                                temperature=temperature, old_logp="current")
   values_fn = _values_fn(critic_graphdef, critic_rest)
   micro_loss = _joint_micro_loss_fn(policy_loss, values_fn, value_cfg)
@@ -373,7 +373,7 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       rows = _ppo_rows(batch, loss_cfg, group_size)
       lengths = layout.bucket_lengths(batch.input_ids_BxT.shape[1], length_buckets)
-      micro, bucket_K = _micro_batches(rows, lengths, n_micro, micro_sh)
+      micro, bucket_K = micro_batches(rows, lengths, n_micro, micro_sh)
       values_BxT = _critic_values(values_fn, state.critic_params, micro, bucket_K, lengths)
       micro = _with_advantages(micro, values_BxT, loss_cfg, value_cfg, micro_sh)
       grads, critic_grads, metrics = _joint_gradients(micro_loss, state, micro, bucket_K,

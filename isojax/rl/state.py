@@ -18,7 +18,7 @@ from isojax.rl.losses import LossConfig
 from isojax.rl.optim import OptimConfig, make_optimizer
 
 __all__ = ["TrainState", "abstract_train_state", "default_mesh", "init_train_state",
-           "state_shardings"]
+           "train_state_shardings"]
 
 
 @flax.struct.dataclass
@@ -37,7 +37,7 @@ def _opt_and_ref(params, tx, with_ref):
                     step=jnp.zeros((), jnp.int32), ref_params=ref)
 
 
-def state_shardings(model, tx, with_ref, mesh, rules):
+def train_state_shardings(model, tx, mesh, rules, *, with_ref):
   """Shardings of the ``TrainState`` tree for ``model`` and optimiser ``tx`` on ``mesh``
   (``ref_params`` included when ``with_ref``), from the parameters' logical axes."""
   params = nnx.state(model, nnx.Param)
@@ -61,7 +61,7 @@ def init_train_state(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCo
   mesh = default_mesh(mesh)
   tx = make_optimizer(optim_cfg, batch_size=batch_size)
   with_ref = loss_cfg.kl_coef > 0
-  shardings = state_shardings(model, tx, with_ref, mesh, rules)
+  shardings = train_state_shardings(model, tx, mesh, rules, with_ref=with_ref)
   params = jax.device_put(nnx.state(model, nnx.Param), shardings.params, may_alias=False)
   return jax.device_put(_opt_and_ref(params, tx, with_ref), shardings, may_alias=False)
 
@@ -77,7 +77,7 @@ def abstract_train_state(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: Opt
   mesh = default_mesh(mesh)
   tx = make_optimizer(optim_cfg, batch_size=batch_size)
   with_ref = loss_cfg.kl_coef > 0
-  shardings = state_shardings(model, tx, with_ref, mesh, rules)
+  shardings = train_state_shardings(model, tx, mesh, rules, with_ref=with_ref)
   shapes = jax.eval_shape(lambda p: _opt_and_ref(p, tx, with_ref),
                           nnx.state(model, nnx.Param))
   leaves, treedef = jax.tree.flatten(shapes)

@@ -12,7 +12,7 @@ Inside the step:
   2. gradient accumulation with ``lax.scan`` over micro-batches; each
      micro-batch's loss is a weighted sum with the whole-batch weights, so the
      summed gradient equals the full-batch gradient for any micro-batch size (up
-     to float rounding) (``_micro_batches``, ``_accumulate``);
+     to float rounding) (``micro_batches``, ``accumulate``);
   3. old log-probs (``old_logp``, static): with "current" (the default: every
      batch gets exactly one update, on-policy) the policy that sampled the
      batch is, up to sampler/trainer numerics handled by TIS, the current
@@ -24,8 +24,8 @@ Inside the step:
      0, are not reported (a run refuses clip settings other than the defaults
      then: ``LossConfig.check_on_policy``). With "sampler" (stale batches,
      several updates per sampling policy) the ratio is pi / mu against the
-     behaviour log-probs the sampler returned, per token (``Batch.
-     sampler_logp_BxT``: a sequence may mix policies); the sampler/trainer
+     behaviour log-probs the sampler returned, per token
+     (``Batch.sampler_logp_BxT``: a sequence may mix policies); the sampler/trainer
      correction folds into that ratio, so TIS is not applied on top (see
      ``losses.weighted_policy_loss``), and the ratio metrics are reported.
      Reference log-probs (KL) come from the frozen ``ref_params``, which
@@ -39,6 +39,9 @@ K, i + 2 K, ...``: with the batch axis split contiguously over the devices,
 every micro-batch is then spread evenly over all of them without
 communication. With several, rows are left-aligned and sorted by length first
 and each micro-batch runs at its bucket's length (``isojax.rl.layout``).
+
+PPO's step (``isojax.rl.ppo``) is built from the same pieces: ``check_step_args``,
+``micro_batches``, ``micro_loss_fn``, ``accumulate``, ``batch_metrics``, ``jit_step``.
 
 Shape letters: B rows of the batch, T its width; K micro-batches of R rows
 each (B = K R); L the length a micro-batch runs at (a bucket, L <= T).
@@ -62,7 +65,7 @@ from isojax.rl.logprobs import token_logp_entropy
 from isojax.rl.losses import MAX_METRICS, RATIO_METRICS, LossConfig, TokenWeights
 from isojax.rl.losses import token_weights, weighted_policy_loss
 from isojax.rl.optim import OptimConfig, lr_schedule, make_optimizer
-from isojax.rl.state import TrainState, default_mesh, state_shardings
+from isojax.rl.state import TrainState, default_mesh, train_state_shardings
 
 __all__ = ["OLD_LOGP", "TrainRows", "TrainStep", "jit_step", "make_train_step"]
 
@@ -120,9 +123,10 @@ class TrainRows:
     return jax.tree.map(lambda x: x[:, :length] if x.ndim == 2 else x, self)
 
 
-def _check_sizes(*, batch_size, group_size, rows_per_micro, mesh, temperature,
+def check_step_args(*, batch_size, group_size, rows_per_micro, mesh, temperature,
                  length_buckets, old_logp) -> None:
-  """make_train_step's arguments against each other; ValueError naming the input."""
+  """The step's sizes, old_logp, temperature and length buckets, against each
+  other; ValueError naming the input."""
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   if batch_size % group_size:
     raise ValueError(f"group_size={group_size} does not divide batch_size={batch_size}")
@@ -156,7 +160,7 @@ def _train_rows(batch: Batch, loss_cfg: LossConfig, group_size: int):
   return rows, zero_var_Bp
 
 
-def _micro_batches(rows: TrainRows, lengths: Sequence[int], n_micro: int,
+def micro_batches(rows: TrainRows, lengths: Sequence[int], n_micro: int,
                    micro_sharding: NamedSharding):
   """[B, T] rows as [K, R, T] micro-batches, and each one's bucket index [K]."""
   rows_per_micro = rows.adv.shape[0] // n_micro
@@ -177,7 +181,7 @@ def _micro_batches(rows: TrainRows, lengths: Sequence[int], n_micro: int,
   return micro, jnp.searchsorted(jnp.asarray(lengths), longest_K)
 
 
-def _micro_loss_fn(graphdef, rest, loss_cfg: LossConfig, *, logits_chunk, temperature,
+def micro_loss_fn(graphdef, rest, loss_cfg: LossConfig, *, logits_chunk, temperature,
                    old_logp: str):
   """``(params, ref_params, rows [R, L]) -> (loss, metrics)`` of one micro-batch."""
   if logits_chunk is not None and logits_chunk < 1:
@@ -217,7 +221,7 @@ def _combine(acc, new):
           for k, v in new.items()}
 
 
-def _accumulate(micro_loss, state: TrainState, micro: TrainRows, bucket_K,
+def accumulate(micro_loss, state: TrainState, micro: TrainRows, bucket_K,
                 lengths: Sequence[int], params_sharding):
   """Summed float32 gradients and combined metrics over the K micro-batches."""
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -268,16 +272,14 @@ def _guarded_update(tx: optax.GradientTransformation, state: TrainState, grads, 
   # donated buffers: no second copy of the parameters and AdamW moments is alive.
   probe, _ = tx.update(grads, state.opt_state, state.params)
   update_norm = optax.tree.norm(probe)
-  weights_finite = jax.tree.reduce(
-      lambda a, pu: a & jnp.all(jnp.isfinite(pu[0] + pu[1])),
-      jax.tree.map(lambda p, u: (p, u), state.params, probe), jnp.bool_(True),
-      is_leaf=lambda x: isinstance(x, tuple))
+  finite = jax.tree.map(lambda p, u: jnp.all(jnp.isfinite(p + u)), state.params, probe)
+  weights_finite = jnp.all(jnp.stack(jax.tree.leaves(finite)))
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & weights_finite
   new_state = jax.lax.cond(ok, updated, lambda s: s, state)
   return new_state, ok, grad_norm, jnp.where(ok, update_norm, 0.0)
 
 
-def _batch_metrics(batch: Batch, rows: TrainRows, zero_var_Bp, positions):
+def batch_metrics(batch: Batch, rows: TrainRows, zero_var_Bp, positions):
   """What the batch was: zero-variance share, rewards, advantages, tokens, padding
   (``positions``: the ones the model ran on, buckets included)."""
   return dict(zero_var_frac=jnp.mean(zero_var_Bp.astype(jnp.float32)),
@@ -306,7 +308,9 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
     rules: logical -> mesh axis rules for the parameters.
     logits_chunk: lm-head positions per chunk (see ``isojax.rl.logprobs``).
     temperature: the sampler's temperature; logits are divided by it so the
-      trainer's log-probs are those of the distribution the rollouts came from.
+      trainer's log-probs are those of the distribution the rollouts came from
+      (exactly so without top-p and top-k, which renormalise the sampler's
+      distribution over fewer tokens; a run refuses them for training).
     length_buckets: static lengths micro-batches are trimmed to (see
       ``isojax.rl.layout``): a count (lengths multiples of 128) or explicit
       lengths; with one bucket (T <= 128 for a count, or 1) the batch layout
@@ -331,16 +335,16 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
                      f"from a critic: build the step with isojax.rl.ppo.make_ppo_train_step")
   mesh = default_mesh(mesh)
   rows_per_micro = batch_size if micro_batch_size is None else micro_batch_size
-  _check_sizes(batch_size=batch_size, group_size=group_size, rows_per_micro=rows_per_micro,
+  check_step_args(batch_size=batch_size, group_size=group_size, rows_per_micro=rows_per_micro,
                mesh=mesh, temperature=temperature, length_buckets=length_buckets,
                old_logp=old_logp)
   n_micro = batch_size // rows_per_micro
   tx = make_optimizer(optim_cfg, batch_size=batch_size)
   schedule = lr_schedule(optim_cfg, batch_size)
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-  micro_loss = _micro_loss_fn(graphdef, rest, loss_cfg, logits_chunk=logits_chunk,
+  micro_loss = micro_loss_fn(graphdef, rest, loss_cfg, logits_chunk=logits_chunk,
                               temperature=temperature, old_logp=old_logp)
-  state_sh = state_shardings(model, tx, loss_cfg.kl_coef > 0, mesh, rules)
+  state_sh = train_state_shardings(model, tx, mesh, rules, with_ref=loss_cfg.kl_coef > 0)
   micro_sh = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp")))
 
   def step(state: TrainState, batch: Batch):
@@ -349,13 +353,13 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       rows, zero_var_Bp = _train_rows(batch, loss_cfg, group_size)
       lengths = layout.bucket_lengths(batch.input_ids_BxT.shape[1], length_buckets)
-      micro, bucket_K = _micro_batches(rows, lengths, n_micro, micro_sh)
-      grads, metrics = _accumulate(micro_loss, state, micro, bucket_K, lengths,
+      micro, bucket_K = micro_batches(rows, lengths, n_micro, micro_sh)
+      grads, metrics = accumulate(micro_loss, state, micro, bucket_K, lengths,
                                    state_sh.params)
       new_state, ok, grad_norm, update_norm = _guarded_update(tx, state, grads,
                                                               metrics["loss"])
       positions = rows_per_micro * jnp.sum(jnp.asarray(lengths)[bucket_K])
-      metrics.update(_batch_metrics(batch, rows, zero_var_Bp, positions),
+      metrics.update(batch_metrics(batch, rows, zero_var_Bp, positions),
                      grad_norm=grad_norm, update_norm=update_norm,
                      lr=jnp.asarray(schedule(state.step), jnp.float32),
                      skipped=1.0 - ok.astype(jnp.float32))

@@ -339,6 +339,8 @@ def test_entropy_gradient_is_minus_coef_times_weights():
     (dict(kl_estimator="k4"), "LossConfig.kl_estimator"),
     (dict(zero_var_filter="pg"), "LossConfig.zero_var_filter"),
     (dict(clip_dual=0.5), "clip_dual"),
+    (dict(kind="cispo", clip_dual=3.0), r"clip_dual=3.0 caps .* kind='cispo' has none"),
+    (dict(kind="cispo_two_sided", clip_dual=3.0), "set clip_dual=None"),
     (dict(tis_cap=0.0), "tis_cap"),
     (dict(kl_coef=-1.0), "kl_coef"),
 ])
