@@ -136,6 +136,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.sampler = ml_collections.ConfigDict()
   c.sampler.backend = "jax"        # "jax" (in-process) | "vllm" (server)
   c.sampler.temperature = 0.6
+  # Off, as the trainer requires: it scores rollouts under the full softmax.
   c.sampler.top_p = 1.0
   c.sampler.top_k = 0              # 0 = off
   # Response-length cap; 0 = the study's length: 8 for the synthetic task on the

@@ -74,8 +74,9 @@ class Pipeline:
                                     daemon=True)
 
   def start(self, model: nnx.Module) -> Pipeline:
-    """Hands the sampler `model` (the weights after first - 1 updates, a copy when
-    in-process) and starts the producer."""
+    """Starts the producer. An in-process sampler first gets a copy of `model`'s
+    weights (those after first - 1 updates: the trainer's own buffers are donated
+    to its first update); a server already holds them (`run_open`)."""
     if self.copy_weights:
       self.parts.sampler.update_weights(self._weights(model), version=self.first - 1)
     self._thread.start()

@@ -224,7 +224,7 @@ def train_loop(opened: OpenRun, config, run_plan: RunPlan) -> dict | None:
         val, counts = evaluate_step(parts, config)
         record.update(val)
       last = _write_step(writer, step, record, counts, config.eval.k)
-      _report(bar, step, point, record, counts, config, opened.t0)
+      _report(bar, step, point, record, config, opened.t0)
       if skips >= config.max_consecutive_skips:
         raise NonFiniteLossError(nonfinite_step_message(
             step, skips, config.max_consecutive_skips, ckpt.latest_step()))
@@ -243,14 +243,15 @@ def train_loop(opened: OpenRun, config, run_plan: RunPlan) -> dict | None:
   return last
 
 
-def _report(bar, step: int, point, record: dict, counts, config, t0: float) -> None:
+def _report(bar, step: int, point, record: dict, config, t0: float) -> None:
   """The progress bar, and a log line at an eval."""
   bar.update(1)
   bar.set_postfix(reward=f"{record['train/reward']:.3f}")
-  if counts is not None:
+  val_key = f"val/avg@{config.eval.k}"
+  if val_key in record:
     logging.info("step %d/%d: train reward %.3f, val avg@%d %.3f (%.0f s)", step,
-                 point.m, record["train/reward"], config.eval.k,
-                 record[f"val/avg@{config.eval.k}"], time.time() - t0)
+                 point.m, record["train/reward"], config.eval.k, record[val_key],
+                 time.time() - t0)
 
 
 def _write_step(writer: metrics_lib.MetricsWriter, step: int, record: dict,

@@ -25,6 +25,7 @@ from isojax.data.loader import group_pass_rates
 from isojax.errors import IsojaxError
 from isojax.evaluate import score_rollouts
 from isojax.rl import LossConfig
+from isojax.rollout.base import FINISH_LENGTH
 
 # Streams of seed-derived randomness (see `derive_seed`). Validation set i > 0
 # (data.val's i-th set) uses stream VAL_EXTRA + i.
@@ -124,7 +125,7 @@ def sample_batch(parts, config, step: int, *, version: int) -> SampledBatch:
                                baseline_rewards_B=baseline_B)
   host = {"train/reward": float(np.mean(rewards_B)),
           "train/response_len": float(np.mean(rollouts.lengths_B)),
-          "train/truncated_frac": float(np.mean(rollouts.finish_reason_B == "length")),
+          "train/truncated_frac": float(np.mean(rollouts.finish_reason_B == FINISH_LENGTH)),
           "train/interrupted_frac": float(np.mean(rollouts.interrupted_B))}
   if baseline_B is not None:
     host["train/baseline_reward"] = float(np.mean(baseline_B))

@@ -138,7 +138,7 @@ def plan_run(config) -> RunPlan:
 
 def _check_model_and_sampler_fields(config) -> None:
   """config.model's dtypes, the in-process sampler's caps (0 = off) and the sampling
-  settings, each by name: otherwise they fail later as a bare numpy TypeError, or
+  settings (top-p and top-k off: rollouts are trained on), each by name: otherwise they fail later as a bare numpy TypeError, or
   only once the sampler is built or first called (after a `--dry_run` said the run
   was fine)."""
   for field in ("dtype", "param_dtype"):
@@ -154,6 +154,14 @@ def _check_model_and_sampler_fields(config) -> None:
   # was written, which would then hold the bad value against the corrected command.
   check_sampling(config.sampler.temperature, config.sampler.top_p, config.sampler.top_k,
                  prefix="config.sampler.")
+  if config.sampler.top_p < 1 or config.sampler.top_k:
+    # The sampler's log-probs are then those of the renormalised nucleus / top-k:
+    # pi / mu sits below 1 by the kept mass with no policy change at all.
+    raise ValueError(
+        f"config.sampler.top_p={config.sampler.top_p}, top_k={config.sampler.top_k}: the "
+        f"trainer scores rollouts under the full softmax(logits / temperature), so they "
+        f"must be sampled from it; top-p and top-k renormalise over fewer tokens, which "
+        f"would bias every importance ratio and TIS weight (set top_p=1.0, top_k=0)")
   check_sampling(config.eval.temperature, prefix="config.eval.")
 
 

@@ -397,3 +397,24 @@ def test_only_the_first_process_writes_the_run_files(trained, tmp_path, monkeypa
   last = run.run(tiny_config(), workdir)
   assert run_records.without_timing(last) == run_records.without_timing(run_records.records(trained[0])[-1])
   assert sorted(os.listdir(workdir)) == ["checkpoints"]
+
+
+def test_every_evaluation_is_logged_with_or_without_the_train_histogram(monkeypatch):
+  # config.eval.num_train = 0 turns the train-set histogram off, not the evaluation.
+  logged = []
+  monkeypatch.setattr(run.logging, "info", lambda msg, *args: logged.append(msg % args))
+
+  class Bar:
+    def update(self, n):
+      pass
+
+    def set_postfix(self, **kw):
+      pass
+
+  config = tiny.get_config("bp=4,n=2,budget=64")
+  point = run.plan_run(config).point
+  run._report(Bar(), 3, point, {"train/reward": 0.5}, config, time.time())
+  assert not logged
+  record = {"train/reward": 0.5, f"val/avg@{config.eval.k}": 0.25}
+  run._report(Bar(), 4, point, record, config, time.time())
+  assert len(logged) == 1 and f"val avg@{config.eval.k} 0.250" in logged[0]

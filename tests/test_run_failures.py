@@ -258,6 +258,8 @@ def test_main_config_typos_are_one_line(tmp_path, args, expect):
     ("sampler.top_p", 0.0, r"config.sampler.top_p=0.0 must be in \(0, 1\]"),
     ("sampler.top_p", 1.5, r"config.sampler.top_p=1.5 must be in \(0, 1\]"),
     ("sampler.top_k", -1, r"config.sampler.top_k=-1 must be None or an int >= 0"),
+    ("sampler.top_p", 0.9, r"config.sampler.top_p=0.9, top_k=0: the trainer scores rollouts"),
+    ("sampler.top_k", 50, r"top_k=50: .* renormalise .* \(set top_p=1.0, top_k=0\)"),
     ("sampler.temperature", -0.5, r"config.sampler.temperature=-0.5 must be a number >= 0"),
     ("eval.temperature", float("nan"), r"config.eval.temperature=nan must be a number"),
     ("eval_steps", (0, 2), r"config.eval_steps=\(0, 2\): .* in \[1, M=4\]; not \[0\]"),
