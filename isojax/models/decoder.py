@@ -3,7 +3,8 @@
 Differences between the families are config switches: q/k/v bias (Qwen2),
 per-head q/k RMSNorm (Qwen3), Llama-3 RoPE scaling, tied embeddings, head_dim.
 
-Dense projections run on activations flattened to 2-D [B*T, D]: on XLA:CPU the
+Dense projections run on activations flattened to 2-D [P, D], P = B*T positions
+(N is the number of query heads, K of key/value heads, H the head size): on XLA:CPU the
 weight-gradient matmuls of 3-D `btd,df->btf` contractions measured ~3x slower.
 Parameters are stored in `param_dtype` and cast to the compute `dtype` at use.
 Every parameter carries logical axis names (`out_sharding` metadata, never applied
@@ -35,13 +36,13 @@ def _param(rngs: nnx.Rngs | None, shape, names, cfg: ModelConfig, init: str) -> 
   return nnx.Param(value.astype(cfg.param_dtype), out_sharding=names, eager_sharding=False)
 
 
-def _dense(x_NxI: jax.Array, w: nnx.Param, in_dims: int, dtype) -> jax.Array:
-  """x [N, I] @ w, with w's first `in_dims` axes flattened into I and the rest into O."""
+def _dense(x_PxI: jax.Array, w: nnx.Param, in_dims: int, dtype) -> jax.Array:
+  """x [P, I] @ w, with w's first `in_dims` axes flattened into I and the rest into O."""
   w = w[...]
   in_size = 1
   for d in w.shape[:in_dims]:
     in_size *= d
-  return x_NxI @ w.astype(dtype).reshape(in_size, -1)
+  return x_PxI @ w.astype(dtype).reshape(in_size, -1)
 
 
 class RMSNorm(nnx.Module):
@@ -85,10 +86,10 @@ class Attention(nnx.Module):
     cfg, dt = self.cfg, self.cfg.dtype
     B, T, D = x_BxTxD.shape
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    x_NxD = x_BxTxD.reshape(B * T, D)
-    q = _dense(x_NxD, self.q_kernel, 1, dt).reshape(B, T, N, H)
-    k = _dense(x_NxD, self.k_kernel, 1, dt).reshape(B, T, K, H)
-    v = _dense(x_NxD, self.v_kernel, 1, dt).reshape(B, T, K, H)
+    x_PxD = x_BxTxD.reshape(B * T, D)
+    q = _dense(x_PxD, self.q_kernel, 1, dt).reshape(B, T, N, H)
+    k = _dense(x_PxD, self.k_kernel, 1, dt).reshape(B, T, K, H)
+    v = _dense(x_PxD, self.v_kernel, 1, dt).reshape(B, T, K, H)
     if cfg.attention_bias:
       q = q + self.q_bias[...].astype(dt)
       k = k + self.k_bias[...].astype(dt)
@@ -104,12 +105,13 @@ class Attention(nnx.Module):
     return out.reshape(B, T, -1)
 
   def __call__(self, x_BxTxD, cos_BxTxH, sin_BxTxH, kv_valid_BxS, cache=None, layer=0,
-               index=None):
-    """Self-attention; with a cache, keys are its slots and queries start at `index`."""
+               first_B=None):
+    """Self-attention; with a cache, keys are its slots and row b's queries go to
+    slots first_B[b], first_B[b] + 1, ... (`KVCache.start`)."""
     q, k, v = self.project(x_BxTxD, cos_BxTxH, sin_BxTxH)
     if cache is not None:  # attends over the cache's filled blocks only
-      cache, o_NxNH = cache.attend(layer, q, k, v, index, self.cfg.head_dim ** -0.5)
-      o_BxTxNxH = o_NxNH.reshape(q.shape)
+      cache, o_PxNH = cache.attend(layer, q, k, v, first_B, self.cfg.head_dim ** -0.5)
+      o_BxTxNxH = o_PxNH.reshape(q.shape)
     else:
       o_BxTxNxH = attention(q, k, v, kv_valid_BxS, implementation=self.cfg.attention)
     return self.output(o_BxTxNxH), cache
@@ -128,10 +130,10 @@ class MLP(nnx.Module):
   def __call__(self, x_BxTxD):
     dt = self.cfg.dtype
     B, T, D = x_BxTxD.shape
-    x_NxD = x_BxTxD.reshape(B * T, D)
-    h_NxF = jax.nn.silu(_dense(x_NxD, self.gate_kernel, 1, dt)) * _dense(
-        x_NxD, self.up_kernel, 1, dt)
-    return _dense(h_NxF, self.down_kernel, 1, dt).reshape(B, T, D)
+    x_PxD = x_BxTxD.reshape(B * T, D)
+    h_PxF = jax.nn.silu(_dense(x_PxD, self.gate_kernel, 1, dt)) * _dense(
+        x_PxD, self.up_kernel, 1, dt)
+    return _dense(h_PxF, self.down_kernel, 1, dt).reshape(B, T, D)
 
 
 class DecoderLayer(nnx.Module):
@@ -141,9 +143,9 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, cache=None, layer=0, index=None):
+  def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, cache=None, layer=0, first_B=None):
     a, cache = self.attn(self.input_norm(x_BxTxD), cos, sin, kv_valid_BxS, cache, layer,
-                         index)
+                         first_B)
     return self.after_attention(x_BxTxD, a), cache
 
   def after_attention(self, x_BxTxD, a_BxTxD):
@@ -274,14 +276,13 @@ class Decoder(nnx.Module):
 
   def lm_head(self, h_BxTxD: jax.Array) -> jax.Array:
     """Logits [..., V]; float32 when cfg.lm_head_fp32, else the compute dtype."""
-    cfg = self.cfg
-    dt = jnp.float32 if cfg.lm_head_fp32 else cfg.dtype
-    h_NxD = h_BxTxD.reshape(-1, cfg.hidden_size).astype(dt)
-    if cfg.tie_word_embeddings:
-      logits = jnp.einsum("nd,vd->nv", h_NxD, self.embed[...].astype(dt))
+    w, vocab_axis, dt = self.lm_head_weight()
+    h_PxD = h_BxTxD.reshape(-1, self.cfg.hidden_size).astype(dt)
+    if vocab_axis == 0:
+      logits = jnp.einsum("pd,vd->pv", h_PxD, w.astype(dt))
     else:
-      logits = h_NxD @ self.unembed[...].astype(dt)
-    return logits.reshape(*h_BxTxD.shape[:-1], cfg.vocab_size)
+      logits = h_PxD @ w.astype(dt)
+    return logits.reshape(*h_BxTxD.shape[:-1], self.cfg.vocab_size)
 
   def __call__(self, input_ids_BxT: jax.Array,
                attention_mask: jax.Array | None = None) -> jax.Array:

@@ -147,8 +147,10 @@ class KVCache:
             head_dim: int, dtype, block: int = DEFAULT_BLOCK, num_prefixes: int = 0,
             prefix_len: int = 0) -> KVCache:
     """An empty cache of `max_len` slots per row; with `num_prefixes`, also that
-    many empty shared prefixes of `prefix_len` slots (filled by `with_prefix`
-    from a cache made as `zeros(..., num_prefixes, prefix_len, ...)`)."""
+    many empty shared prefixes of `prefix_len` slots. A sampler that decodes in
+    lockstep starts from such a cache so that its loop state has the
+    shared-prefix structure from the first step; admitting prompts then replaces
+    the placeholders with their prefill (`with_prefix`)."""
     blk = block_size(max_len, block)
     slots = _round_up(max_len, blk)
     layers = range(num_layers)
@@ -238,7 +240,7 @@ class KVCache:
     meet its keys and values in one matmul each (the prefix is read once)."""
     B, K, G, T, H = q_BxKxGxTxH.shape
     Q, L = self.prefix_valid_QxL.shape
-    n = B // Q
+    n = B // Q  # M = n * G: the query groups of a prefix's n rows, stacked
     q_QxKxMxTxH = (q_BxKxGxTxH.reshape(Q, n, K, G, T, H).transpose(0, 2, 1, 3, 4, 5)
                    .reshape(Q, K, n * G, T, H))
     ok_QxTxL = jnp.broadcast_to(self.prefix_valid_QxL[:, None, :], (Q, T, L))
