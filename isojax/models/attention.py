@@ -71,13 +71,13 @@ def _einsum_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, scale):
   return o.reshape(B, T, N, H)
 
 
-# --- Blocked (flash) attention -------------------------------------------------
-# After Rabe & Staats 2021, "Self-attention does not need O(n^2) memory", and
-# Dao et al. 2022, "FlashAttention": queries are processed a block at a time; for
-# each, key blocks are folded into a running max m, normaliser l and unnormalised
-# output acc (online softmax), so only a [block, block] tile of scores exists. The
-# forward keeps the output and the per-query logsumexp; the backward recomputes
-# each tile's probabilities from that logsumexp (FlashAttention-2's backward:
+# Blocked (flash) attention, after Rabe & Staats 2021, "Self-attention does not
+# need O(n^2) memory", and Dao et al. 2022, "FlashAttention": queries are
+# processed a block at a time; for each, key blocks are folded into a running max
+# m, normaliser l and unnormalised output acc (online softmax), so only a
+# [block, block] tile of scores exists. The forward keeps the output and the
+# per-query logsumexp; the backward recomputes each tile's probabilities from
+# that logsumexp (FlashAttention-2's backward:
 # dV += P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ += dS K, dK += dS^T Q).
 # Key blocks entirely after a query block's last slot are never visited (causal),
 # which halves the work; loops have traced bounds, so they are fori_loops inside
