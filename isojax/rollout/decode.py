@@ -34,8 +34,6 @@ from flax import nnx
 
 from isojax.models.kv_cache import DEFAULT_BLOCK, KVCache
 
-PAD_ID = 0
-
 
 @dataclasses.dataclass(frozen=True)
 class Static:

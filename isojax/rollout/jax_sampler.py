@@ -55,7 +55,7 @@ from isojax.rollout.base import (FINISH_LENGTH, FINISH_STOP, Rollouts, next_vers
                                  validate_request)
 from isojax.rollout.memory import CacheLayout, cache_layout, rows_at_once
 
-PAD_ID = decode.PAD_ID
+PAD_ID = 0  # what left-pads prompts (masked: any id would do)
 _REFILL_FRACTION = 8  # with pairs waiting, decoding pauses to refill once R/8 rows are free
 _NO_STEP_LIMIT = np.iinfo(np.int32).max  # decode_chunk None: a call decodes until it must stop
 
@@ -82,16 +82,8 @@ def _left_pad(prompt_ids: Sequence[Sequence[int]], width: int
 def _stopped_at_step_limit(done_R, lengths_R, min_free: int, read_len: int) -> bool:
   """Whether a decode call that left rows live stopped at its `max_steps` only:
   neither `min_free` rows were done nor did a live row reach the read extent
-  (`decode.admit_and_decode`'s other reasons to stop)."""
+  (`decode.decode_steps`' other reasons to stop)."""
   return bool(done_R.sum() < min_free and lengths_R[~done_R].max(initial=0) < read_len)
-
-
-def _model_config(model):
-  for name in ("cfg", "config"):
-    cfg = getattr(model, name, None)
-    if cfg is not None:
-      return cfg
-  raise ValueError(f"JaxSampler: model {type(model).__name__} has no .cfg/.config")
 
 
 def _eos_ids(cfg) -> tuple[int, ...]:
@@ -145,7 +137,7 @@ class JaxSampler:
                min_prompt_bucket: int = 16, max_rows: int | None = None,
                kv_budget_gib: float | None = None, cache_block: int = decode.DEFAULT_BLOCK,
                decode_chunk: int | None = None):
-    self._cfg = _model_config(model)
+    self._cfg = model.cfg
     self._mesh = mesh
     self._rules = sharding.DEFAULT_RULES if rules is None else rules
     self._min_prompt_bucket = int(min_prompt_bucket)
@@ -176,7 +168,6 @@ class JaxSampler:
     self._weights = (0, self._put_state(state))
     self._build_jit()
 
-  # -- sharding -------------------------------------------------------------
 
   def _shardings_for(self, state):
     if self._mesh is None:
@@ -223,7 +214,7 @@ class JaxSampler:
     (`isojax.rollout.memory.rows_at_once` under this sampler's caps)."""
     return rows_at_once(self._cfg, num_rollouts, cache_len, n=n, prompt_len=prompt_len,
                         max_rows=self._max_rows, kv_budget_gib=self._kv_budget_gib,
-                        row_multiple=self._row_multiple)
+                        row_multiple=self._row_multiple, block=self._cache_block)
 
   def cache_layouts(self, num_prompts: int, n: int, longest_prompt: int,
                     max_tokens: int) -> tuple[CacheLayout, ...]:
@@ -234,9 +225,8 @@ class JaxSampler:
     return (cache_layout(self._cfg, num_prompts, n, longest_prompt, max_tokens,
                          min_prompt_bucket=self._min_prompt_bucket, max_rows=self._max_rows,
                          kv_budget_gib=self._kv_budget_gib,
-                         row_multiple=self._row_multiple),)
+                         row_multiple=self._row_multiple, block=self._cache_block),)
 
-  # -- public API -----------------------------------------------------------
 
   def max_model_len(self) -> int | None:
     """The most prompt + max_tokens positions a request may use (the model's
@@ -400,7 +390,7 @@ class _Labels:
 
 
 def _to_host(arrays) -> tuple[Any, ...]:
-  """The one device->host transfer; gathers across hosts when multi-process."""
+  """Device -> host for the sampler's loop; gathers across hosts when multi-process."""
   if jax.process_count() > 1:
     return tuple(np.asarray(multihost_utils.process_allgather(a, tiled=True))
                  for a in arrays)

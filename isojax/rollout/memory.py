@@ -19,34 +19,35 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from isojax.models.kv_cache import KVCache, block_size
+from isojax.models.kv_cache import DEFAULT_BLOCK, KVCache, block_size
 from isojax.rollout import decode
 
 GIB = 1 << 30
 
 
-def cache_slots(max_len: int) -> int:
-  """Slots a cache for `max_len` positions really holds (whole attention blocks)."""
-  blk = block_size(max_len)
+def cache_slots(max_len: int, block: int = DEFAULT_BLOCK) -> int:
+  """Slots a cache for `max_len` positions really holds (whole attention blocks
+  of `block` slots, `JaxSampler`'s cache_block)."""
+  blk = block_size(max_len, block)
   return -(-int(max_len) // blk) * blk
 
 
-def kv_bytes_per_row(cfg, max_len: int) -> int:
+def kv_bytes_per_row(cfg, max_len: int, block: int = DEFAULT_BLOCK) -> int:
   """Bytes of one cache row holding `max_len` positions (keys, values and the
   valid mask, all layers), in the model's compute dtype."""
-  slots = cache_slots(max_len)
+  slots = cache_slots(max_len, block)
   per_slot = KVCache.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.dtype)
   return slots * (per_slot + jnp.dtype(bool).itemsize)
 
 
 def lockstep_cache_bytes(cfg, rollouts: int, n: int, prompt_len: int,
-                         completion_len: int) -> int:
+                         completion_len: int, block: int = DEFAULT_BLOCK) -> int:
   """Bytes of the cache of `rollouts` decoding at once (in lockstep): each of
   their rollouts / n prompts' `prompt_len` positions held once, and every
   rollout's own `completion_len`."""
-  return (-(-rollouts // n) * kv_bytes_per_row(cfg, prompt_len)
-          + rollouts * kv_bytes_per_row(cfg, completion_len))
+  return (-(-rollouts // n) * kv_bytes_per_row(cfg, prompt_len, block)
+          + rollouts * kv_bytes_per_row(cfg, completion_len, block))
 
 
 def padded_prompts(num_prompts: int, n: int, row_multiple: int) -> int:
@@ -59,7 +60,7 @@ def padded_prompts(num_prompts: int, n: int, row_multiple: int) -> int:
 
 def rows_at_once(cfg, rollouts: int, cache_len: int, *, n: int = 1, prompt_len: int = 0,
                  max_rows: int | None = None, kv_budget_gib: float | None = None,
-                 row_multiple: int = 1) -> int:
+                 row_multiple: int = 1, block: int = DEFAULT_BLOCK) -> int:
   """Rows decoded at once for `rollouts` pairs (n per prompt) with `cache_len`
   positions each, `prompt_len` of them the prompt's: all of them when their
   lockstep cache (each prompt's positions held once) fits the KV budget, else
@@ -69,8 +70,8 @@ def rows_at_once(cfg, rollouts: int, cache_len: int, *, n: int = 1, prompt_len: 
   if max_rows is not None:
     caps.append(max_rows)
   if kv_budget_gib is not None and lockstep_cache_bytes(
-      cfg, rollouts, n, prompt_len, cache_len - prompt_len) > kv_budget_gib * GIB:
-    caps.append(rows_for_budget(cfg, kv_budget_gib, cache_len))
+      cfg, rollouts, n, prompt_len, cache_len - prompt_len, block) > kv_budget_gib * GIB:
+    caps.append(rows_for_budget(cfg, kv_budget_gib, cache_len, block))
   rows = min(caps)
   if rows < rollouts:  # every device decodes the same number of rows
     rows = max(rows // row_multiple, 1) * row_multiple
@@ -90,6 +91,7 @@ class CacheLayout:
     n: rollouts per prompt.
     row_multiple: devices the rows (and prompts, when their count divides) are
       split over.
+    block: slots per attention block (the cache holds whole blocks).
   """
   prompt_len: int
   completion_len: int
@@ -97,6 +99,7 @@ class CacheLayout:
   rows: int
   n: int
   row_multiple: int = 1
+  block: int = DEFAULT_BLOCK
 
   @property
   def lockstep(self) -> bool:
@@ -109,13 +112,13 @@ class CacheLayout:
   def bytes_per_device(self, cfg) -> int:
     """What one device holds of the cache (the admission's prompt cache, alive
     while it prefills, aside)."""
-    m = self.row_multiple
+    m, blk = self.row_multiple, self.block
     if not self.lockstep:
-      return -(-self.rows // m) * kv_bytes_per_row(cfg, self.cache_len)
+      return -(-self.rows // m) * kv_bytes_per_row(cfg, self.cache_len, blk)
     prompts = self.pairs // self.n
     held = prompts // m if prompts % m == 0 else prompts  # split, else replicated
-    return (held * kv_bytes_per_row(cfg, self.prompt_len)
-            + -(-self.rows // m) * kv_bytes_per_row(cfg, self.completion_len))
+    return (held * kv_bytes_per_row(cfg, self.prompt_len, blk)
+            + -(-self.rows // m) * kv_bytes_per_row(cfg, self.completion_len, blk))
 
   def __str__(self) -> str:
     per_device = f" over {self.row_multiple} devices" if self.row_multiple > 1 else ""
@@ -127,7 +130,8 @@ class CacheLayout:
 
 def cache_layout(cfg, num_prompts: int, n: int, longest_prompt: int, max_tokens: int, *,
                  min_prompt_bucket: int = 16, max_rows: int | None = None,
-                 kv_budget_gib: float | None = None, row_multiple: int = 1) -> CacheLayout:
+                 kv_budget_gib: float | None = None, row_multiple: int = 1,
+                 block: int = DEFAULT_BLOCK) -> CacheLayout:
   """The cache of a generate call of `num_prompts` prompts (the longest
   `longest_prompt` tokens), n rollouts each, up to `max_tokens` new tokens."""
   prompt_len = max(decode.next_pow2(longest_prompt), min_prompt_bucket)
@@ -135,16 +139,17 @@ def cache_layout(cfg, num_prompts: int, n: int, longest_prompt: int, max_tokens:
   pairs = padded_prompts(num_prompts, n, row_multiple) * n
   rows = rows_at_once(cfg, pairs, prompt_len + completion_len, n=n, prompt_len=prompt_len,
                       max_rows=max_rows, kv_budget_gib=kv_budget_gib,
-                      row_multiple=row_multiple)
-  return CacheLayout(prompt_len, completion_len, pairs, rows, n, row_multiple)
+                      row_multiple=row_multiple, block=block)
+  return CacheLayout(prompt_len, completion_len, pairs, rows, n, row_multiple, block)
 
 
-def rows_for_budget(cfg, kv_budget_gib: float, max_len: int) -> int:
+def rows_for_budget(cfg, kv_budget_gib: float, max_len: int,
+                    block: int = DEFAULT_BLOCK) -> int:
   """The most cache rows of `max_len` positions that fit in `kv_budget_gib`.
 
   Raises ValueError naming the numbers when not even one row fits.
   """
-  per_row = kv_bytes_per_row(cfg, max_len)
+  per_row = kv_bytes_per_row(cfg, max_len, block)
   rows = int(kv_budget_gib * GIB // per_row)
   if rows < 1:
     raise ValueError(

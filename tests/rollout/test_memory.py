@@ -85,10 +85,12 @@ def caches_on_device_0(sampler, generate) -> list[int]:
   return held
 
 
-@pytest.mark.parametrize("mesh, max_rows, lockstep", [
-    (None, None, {True}), (None, 4, {False}), ("fsdp8", None, {True}),
-    ("fsdp8", 8, {True, False})])
-def test_cache_layout_is_what_generate_allocates_on_a_device(mesh, max_rows, lockstep):
+@pytest.mark.parametrize("mesh, max_rows, lockstep, block", [
+    (None, None, {True}, 256), (None, 4, {False}, 256), ("fsdp8", None, {True}, 256),
+    ("fsdp8", 8, {True, False}, 256),
+    (None, 4, {False}, 16)])  # 24 positions in blocks of 16: 32 slots
+def test_cache_layout_is_what_generate_allocates_on_a_device(mesh, max_rows, lockstep,
+                                                             block):
   """Prompt counts and max_tokens round up to powers of two, a lockstep cache
   holds each prompt once, a refilled one rows of prompt + completion, and rows
   split over the mesh: the layout the run checks is the sampler's, byte for byte."""
@@ -101,7 +103,7 @@ def test_cache_layout_is_what_generate_allocates_on_a_device(mesh, max_rows, loc
   cfg = _cfg(num_hidden_layers=1)
   model = Decoder(cfg, rngs=nnx.Rngs(0))
   mesh = sharding.make_mesh(devices=jax.devices()[:8]) if mesh else None
-  sampler = JaxSampler(model, mesh=mesh, max_rows=max_rows)
+  sampler = JaxSampler(model, mesh=mesh, max_rows=max_rows, cache_block=block)
   for prompts, n, max_tokens in (([[1, 2, 3]] * 3, 2, 5), ([[4] * 20, [5]], 3, 9)):
     (layout,) = sampler.cache_layouts(len(prompts), n, max(map(len, prompts)), max_tokens)
     (got,) = caches_on_device_0(sampler, lambda: sampler.generate(
