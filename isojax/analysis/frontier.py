@@ -106,7 +106,7 @@ def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rol
     runs: the runs to use (already restricted to one difficulty / Bp as wanted).
     metric: e.g. "val/avg@4".
     key: "n", "bp_n", or a function run -> hashable naming a configuration.
-    unit: compute unit, "rollouts", "tokens" or "steps".
+    unit: compute unit, one of `runs.UNITS`.
     bin_width: reward bin of the record-breaking extraction.
     max_compute: use only points at compute <= this (for extrapolation checks).
   """
@@ -210,6 +210,8 @@ def frontier(fits: Mapping[Hashable, fits_lib.SigmoidFit], compute_grid=None, *,
     raise ValueError("frontier: no fitted curves (every configuration was skipped?)")
   if not extrapolate >= 1.0:
     raise ValueError(f"frontier: extrapolate must be >= 1, got {extrapolate}")
+  if not tie_tol >= 0:
+    raise ValueError(f"frontier: tie_tol must be >= 0, got {tie_tol}")
   keys = tuple(sorted(fits))
   grid = log_grid(fits) if compute_grid is None else np.asarray(
       compute_grid, dtype=np.float64).ravel()
@@ -226,8 +228,6 @@ def frontier(fits: Mapping[Hashable, fits_lib.SigmoidFit], compute_grid=None, *,
     # be decided by which runs happened to end last.
     curves[i, ok] = fits[k].predict(np.minimum(grid[ok], hi * extrapolate))
     beyond[i] = ok & (grid > hi * (1 + rel)) & (extrapolate > 1.0)
-  if not tie_tol >= 0:
-    raise ValueError(f"frontier: tie_tol must be >= 0, got {tie_tol}")
   filled = np.where(np.isfinite(curves), curves, -np.inf)
   defined = np.any(np.isfinite(curves), axis=0)
   best = filled.max(axis=0)

@@ -115,16 +115,15 @@ def collapsed(run, metric: str) -> bool:
               and end < base.max() + (1 - COLLAPSE_FRACTION) * gain)
 
 
-def unstable_bps(runs, unstable_runs=frozenset(), metric: str | None = None
-                 ) -> dict[int, list[str]]:
+def unstable_bps(runs, unstable_runs, metric: str) -> dict[int, list[str]]:
   """Bp -> names of its runs that skipped an update ("train/skipped" > 0), are named
-  in `unstable_runs` (e.g. runs whose non-finite values were dropped at loading) or,
-  given `metric`, `collapsed` on it."""
+  in `unstable_runs` (e.g. runs whose non-finite values were dropped at loading) or
+  `collapsed` on `metric`."""
   out: dict[int, list[str]] = {}
   for r in runs:
     skipped = any(isinstance(v := row.get("train/skipped"), (int, float)) and v > 0
                   for row in r.rows)
-    if skipped or r.name in unstable_runs or (metric and collapsed(r, metric)):
+    if skipped or r.name in unstable_runs or collapsed(r, metric):
       out.setdefault(r.bp, []).append(r.name)
   return out
 
