@@ -17,12 +17,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
+# The mesh axes a batch's rows (rollouts, training rows, activations) are split over.
+BATCH_AXES = ("data", "fsdp")
 
 # (logical name, mesh axis | tuple of mesh axes | None). First match wins.
 # FSDP shards the model dimension of every matrix; tensor parallelism splits the
 # head / MLP / vocab dimension (Megatron layout); norms and head_dim stay whole.
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", BATCH_AXES),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
@@ -129,9 +131,14 @@ def state_shardings(abstract_state, mesh: Mesh, rules=DEFAULT_RULES):
   return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def batch_shards(mesh: Mesh) -> int:
+  """How many ways a batch's rows are split: data x fsdp."""
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Leading (batch) axis split over data x fsdp, the rest replicated."""
-  return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+  return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
@@ -142,12 +149,16 @@ def constrain_batch(x: jax.Array) -> jax.Array:
   along that dimension too, computing every row on every device. A no-op
   outside a mesh context (``jax.sharding.use_abstract_mesh``, entered by the
   update step) and for mesh axes the batch does not divide.
+
+  The one place that reads the mesh from context rather than an argument: it
+  runs deep inside the model, whose call signature stays free of meshes, and the
+  step that enters the context was itself given its mesh explicitly.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  axes = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
+  axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
   if not axes or x.shape[0] % math.prod(sizes[a] for a in axes):
     return x
   return jax.lax.with_sharding_constraint(x, PartitionSpec(axes))
