@@ -366,7 +366,7 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
   values_fn = _values_fn(critic_graphdef, critic_rest)
   micro_loss = _joint_micro_loss_fn(policy_loss, values_fn, value_cfg)
   warmup = value_cfg.critic_warmup
-  micro_sh = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp")))
+  micro_sh = NamedSharding(mesh, PartitionSpec(None, shd.BATCH_AXES))
 
   def step(state: PPOTrainState, batch: Batch):
     # The mesh as context, so the models' activation constraints resolve in the trace.

@@ -127,7 +127,7 @@ def check_step_args(*, batch_size, group_size, rows_per_micro, mesh, temperature
                  length_buckets, old_logp) -> None:
   """The step's sizes, old_logp, temperature and length buckets, against each
   other; ValueError naming the input."""
-  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  shards = shd.batch_shards(mesh)
   if batch_size % group_size:
     raise ValueError(f"group_size={group_size} does not divide batch_size={batch_size}")
   if rows_per_micro < 1 or batch_size % rows_per_micro:
@@ -345,7 +345,7 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
   micro_loss = micro_loss_fn(graphdef, rest, loss_cfg, logits_chunk=logits_chunk,
                               temperature=temperature, old_logp=old_logp)
   state_sh = train_state_shardings(model, tx, mesh, rules, with_ref=loss_cfg.kl_coef > 0)
-  micro_sh = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp")))
+  micro_sh = NamedSharding(mesh, PartitionSpec(None, shd.BATCH_AXES))
 
   def step(state: TrainState, batch: Batch):
     # The mesh as context, so the model's activation constraints
@@ -381,4 +381,4 @@ def jit_step(step: Callable, state_sharding, mesh: Mesh, *, batch_size: int,
   return TrainStep(jitted=jitted, state_shardings=state_sharding, batch_sharding=batch_sh,
                    batch_size=batch_size, group_size=group_size,
                    micro_batch_size=micro_batch_size,
-                   batch_shards=mesh.shape["data"] * mesh.shape["fsdp"])
+                   batch_shards=shd.batch_shards(mesh))
