@@ -160,7 +160,7 @@ def _check_sampled_batch(point, mesh) -> None:
   after a whole batch was sampled."""
   if point.n_est is None:
     return  # B itself: the step checks it against its micro-batches and shards
-  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  shards = sharding.batch_shards(mesh)
   if point.sampled_batch % shards:
     raise ValueError(
         f"Bp*n_est = {point.bp}*{point.rollouts_per_problem} = {point.sampled_batch} "
