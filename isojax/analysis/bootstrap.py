@@ -2,6 +2,17 @@
 
 Points within one run are strongly correlated (each checkpoint continues the last), so
 resampling points would understate the uncertainty. The unit of resampling is the run.
+
+A study has few runs per configuration (seeds), and the plain percentile bootstrap is
+then too narrow: with k runs its variance is (k - 1) / k of the truth, its resamples
+take few distinct values, and a normal quantile ignores that the spread itself rests on
+k - 1 degrees of freedom. In simulated studies with 3 seeds its 90 % intervals of n*
+covered 38-81 %. So each resample draws k - 1 of a stratum's k runs (the rescaled
+bootstrap of Rao & Wu 1988, whose variance of a stratum mean is the unbiased s^2 / k),
+and the interval is estimate -/+ t(df) x the resamples' standard deviation, with df =
+k - 1 (on a log scale for quantities that are ratios by nature, e.g. n*). The same
+simulations then covered 87-100 %. A quantity some resample found infinite (an
+unbounded n*) keeps the percentile interval, which says so.
 """
 
 from __future__ import annotations
@@ -11,15 +22,18 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
+from scipy import stats
 
 
 @dataclasses.dataclass(frozen=True)
 class Interval:
-  """A point estimate with its bootstrap percentile interval.
+  """A point estimate with its bootstrap interval.
 
   Attributes:
     estimate: fn on the original runs.
-    low, high: percentiles (100-level)/2 and 100-(100-level)/2 of the resamples.
+    low, high: estimate -/+ t x the resamples' standard deviation (see the module
+      docstring); the percentiles (100-level)/2 and 100-(100-level)/2 of the
+      resamples when one of them is infinite.
     n_ok: resamples in which fn returned a value (finite or infinite, not NaN) for
       this quantity.
   """
@@ -84,9 +98,19 @@ def _as_dict(value) -> dict[str, float]:
   return {"value": float(value)}
 
 
+def _t_interval(estimate: float, values: np.ndarray, q: float, log: bool):
+  """estimate -/+ q x sd(values), on a log scale when `log` (all positive)."""
+  log = log and estimate > 0 and bool(np.all(values > 0))
+  fwd, inv = (np.log, np.exp) if log else (lambda x: x, lambda x: x)
+  half = q * float(np.std(fwd(values), ddof=1))
+  return float(inv(fwd(estimate) - half)), float(inv(fwd(estimate) + half))
+
+
 def bootstrap(runs: Sequence, fn: Callable, *, n_boot: int = 200, seed: int = 0,
-              level: float = 0.9, strata: Callable | None = None) -> BootstrapResult:
-  """Percentile intervals of fn(runs) from resampling whole runs with replacement.
+              level: float = 0.9, strata: Callable | None = None,
+              log_scale: Callable[[str], bool] | None = None,
+              dof: Callable[[str], int] | None = None) -> BootstrapResult:
+  """Intervals of fn(runs) from resampling whole runs (see the module docstring).
 
   Args:
     runs: the runs (their order does not matter: they are sorted by name first).
@@ -97,10 +121,17 @@ def bootstrap(runs: Sequence, fn: Callable, *, n_boot: int = 200, seed: int = 0,
     seed: seed of NumPy's generator: the same inputs give the same intervals.
     level: coverage of the interval, in (0, 1).
     strata: optional run -> hashable; resampling then happens within each stratum
-      (e.g. per configuration, so every configuration stays represented).
+      (e.g. per configuration, so every configuration stays represented). A
+      stratum of k >= 2 runs gives each resample k - 1 of them; a one-run stratum
+      is always that run, and adds no variation.
+    log_scale: name -> whether that quantity's interval is formed on a log scale.
+    dof: name -> the degrees of freedom of its t quantile; default the smallest
+      k - 1 of the strata with two runs or more (what a quantity that depends on
+      every stratum can count on).
 
   Raises:
-    ValueError: on empty runs, n_boot < 1, a bad level, or if fn fails on `runs`.
+    ValueError: on empty runs, n_boot < 1, a bad level, no stratum with two runs
+      (nothing to resample), or if fn fails on `runs`.
   """
   if not runs:
     raise ValueError("bootstrap: no runs")
@@ -109,16 +140,20 @@ def bootstrap(runs: Sequence, fn: Callable, *, n_boot: int = 200, seed: int = 0,
   if not 0 < level < 1:
     raise ValueError(f"bootstrap: level must be in (0, 1), got {level}")
   runs = sorted(runs, key=lambda r: r.name)
-  estimate = _as_dict(fn(runs))
   groups: dict = {}
   for i, run in enumerate(runs):
     groups.setdefault(strata(run) if strata else None, []).append(i)
   index_groups = [np.array(groups[k]) for k in sorted(groups, key=repr)]
+  sizes = [g.size for g in index_groups if g.size > 1]
+  if not sizes:
+    raise ValueError(f"bootstrap: every stratum has one run ({len(runs)} runs): "
+                     f"resampling cannot vary them")
+  estimate = _as_dict(fn(runs))
   rng = np.random.default_rng(seed)
   samples: dict[str, list[float]] = {name: [] for name in estimate}
   failed = 0
   for _ in range(n_boot):
-    idx = np.concatenate([rng.choice(g, size=g.size, replace=True)
+    idx = np.concatenate([rng.choice(g, size=max(g.size - 1, 1), replace=True)
                           for g in index_groups])
     try:
       out = _as_dict(fn([runs[i] for i in np.sort(idx)]))
@@ -131,8 +166,15 @@ def bootstrap(runs: Sequence, fn: Callable, *, n_boot: int = 200, seed: int = 0,
   tail = 100 * (1 - level) / 2
   intervals = {}
   for name, vals in samples.items():
-    lo, hi = _percentiles(vals, [tail, 100 - tail]) if vals else (math.nan,) * 2
-    intervals[name] = Interval(estimate=estimate.get(name, math.nan), low=float(lo),
-                               high=float(hi), n_ok=len(vals))
+    v = np.asarray(vals, dtype=np.float64)
+    est = estimate.get(name, math.nan)
+    if v.size < 2:
+      lo, hi = math.nan, math.nan
+    elif math.isfinite(est) and np.all(np.isfinite(v)):
+      q = float(stats.t.ppf(1 - tail / 100, dof(name) if dof else min(sizes) - 1))
+      lo, hi = _t_interval(est, v, q, bool(log_scale and log_scale(name)))
+    else:
+      lo, hi = _percentiles(v, [tail, 100 - tail])
+    intervals[name] = Interval(estimate=est, low=float(lo), high=float(hi), n_ok=len(vals))
   return BootstrapResult(intervals=intervals, n_boot=n_boot, n_failed=failed,
                          level=level, stratified=strata is not None)

@@ -81,9 +81,11 @@ def _problems_md(g: GroupAnalysis) -> list[str]:
 
 def _intervals_md(g: GroupAnalysis) -> list[str]:
   level = f"{100 * g.intervals.level:.0f}%"
-  return [f"Intervals: {level} bootstrap over whole runs ({g.intervals.n_boot} "
-          f"resamples, {g.intervals.n_failed} failed, "
-          f"{'within each configuration' if g.intervals.stratified else 'unstratified: one run per configuration, so they reflect which configurations were run, not seed noise'}).", ""]
+  return [f"Intervals: {level}, from resampling whole runs within each configuration "
+          f"({g.intervals.n_boot} resamples of k - 1 of a configuration's k runs, "
+          f"{g.intervals.n_failed} failed; t quantiles on k - 1 degrees of freedom). "
+          f"They cover seed-to-seed variation, not the upward bias of record points "
+          f"under evaluation noise.", ""]
 
 
 def _frontier_md(g: GroupAnalysis, p) -> list[str]:

@@ -256,6 +256,12 @@ def sweep_name(sweep: FrontierFit) -> str:
   return f"{sweep.label}|{sweep.metric}|{sweep.unit}"
 
 
+def _log_scale(name: str) -> bool:
+  """Whether the bootstrap forms this `_params` quantity's interval on a log scale:
+  n* and C_mid, which are ratios by nature (and fitted in log space)."""
+  return name.startswith("n_star@") or name.endswith(".c_mid")
+
+
 def _params(sweeps, fixed, law_name, budgets) -> dict[str, float]:
   """Every fitted number by a stable name, for the bootstrap; n* at each budget from
   the law of the sweep named `law_name` (the one prescriptions come from)."""
@@ -328,11 +334,17 @@ def analyze_group(runs, *, metric: str, difficulty=None,
         return _params(sample_sweeps, sample_fixed, law_name, budgets)
 
       per_config = collections.Counter(r.config_key for r in runs)
-      replicated = len(per_config) < len(runs)
-      intervals = bootstrap(runs, fn, n_boot=n_boot, seed=seed,
-                            strata=(lambda r: r.config_key) if replicated else None)
       single = sum(c == 1 for c in per_config.values())
-      if replicated and single:
+      if single == len(per_config):
+        # Resampling runs across configurations would vary which n were run, not
+        # seeds: intervals three times too wide for n*, of zero width for curves.
+        problems.append("bootstrap: every configuration has one run, so run-to-run "
+                        "variation cannot be estimated and there are no intervals "
+                        "(run two seeds or more per configuration)")
+      else:
+        intervals = bootstrap(runs, fn, n_boot=n_boot, seed=seed,
+                              strata=lambda r: r.config_key, log_scale=_log_scale)
+      if intervals is not None and single:
         problems.append(f"bootstrap: {single} of {len(per_config)} configurations have "
                         f"one run, which resampling within configurations cannot vary: "
                         f"the intervals leave out their seed noise (run more seeds)")

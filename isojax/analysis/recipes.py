@@ -221,12 +221,20 @@ def _extrapolate(runs, label: str, *, metric: str, unit: str, bin_width: float,
 
 
 def _intervals(runs, key, *, metric, unit, bin_width, n_boot, seed, level):
+  """The bootstrap of every recipe's (A, B, C_mid), None when no recipe has two runs."""
   def params(sample):
     fits = fit_curves(sample, metric=metric, key=key, unit=unit,
                       bin_width=bin_width).fits
     return {f"{label}|{p}": getattr(f, p) for label, f in fits.items() for p in PARAMS}
-  # Within each recipe, so every recipe keeps its number of runs in every resample.
-  return bootstrap(runs, params, n_boot=n_boot, seed=seed, level=level, strata=key)
+
+  sizes = collections.Counter(key(r) for r in runs)
+  if max(sizes.values()) < 2:
+    return None
+  # Within each recipe, so every recipe stays in every resample; a recipe's
+  # parameters rest on its own runs alone, hence its own degrees of freedom.
+  return bootstrap(runs, params, n_boot=n_boot, seed=seed, level=level, strata=key,
+                   log_scale=lambda name: name.endswith("|c_mid"),
+                   dof=lambda name: max(sizes[name.rsplit("|", 1)[0]] - 1, 1))
 
 
 def compare_recipes(runs, *, metric: str | None = None, unit: str = "rollouts",
