@@ -257,8 +257,7 @@ def sweep_name(sweep: FrontierFit) -> str:
 
 
 def _log_scale(name: str) -> bool:
-  """Whether the bootstrap forms this `_params` quantity's interval on a log scale:
-  n* and C_mid, which are ratios by nature (and fitted in log space)."""
+  """Whether a `_params` quantity's interval is formed on a log scale (n*, C_mid)."""
   return name.startswith("n_star@") or name.endswith(".c_mid")
 
 
@@ -344,10 +343,10 @@ def analyze_group(runs, *, metric: str, difficulty=None,
       else:
         intervals = bootstrap(runs, fn, n_boot=n_boot, seed=seed,
                               strata=lambda r: r.config_key, log_scale=_log_scale)
-      if intervals is not None and single:
-        problems.append(f"bootstrap: {single} of {len(per_config)} configurations have "
-                        f"one run, which resampling within configurations cannot vary: "
-                        f"the intervals leave out their seed noise (run more seeds)")
+        if single:
+          problems.append(f"bootstrap: {single} of {len(per_config)} configurations "
+                          f"have one run, which resampling within configurations cannot "
+                          f"vary: the intervals leave out their seed noise (run more seeds)")
     n_star_intervals = {c: rx.n_star_interval(intervals, c) for c in budgets}
     prescriptions = rx.prescribe(choice, budgets, b_max=_b_max(runs),
                                  intervals=n_star_intervals)
@@ -405,9 +404,3 @@ def analyze(runs, *, root: str = "", metric: str | None = None, bin_width: float
 
 def group_name(group: GroupAnalysis) -> str:
   return group.difficulty if group.difficulty is not None else "all"
-
-
-def finite_or_none(x):
-  """JSON-safe float: non-finite values become None."""
-  x = float(x)
-  return x if math.isfinite(x) else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import numpy as np
@@ -17,8 +18,14 @@ from isojax.analysis import plots
 from isojax.analysis.frontier import key_label
 from isojax.analysis.markdown import report_markdown
 from isojax.analysis.pipeline import (LAW_PARAMS, SIGMOID_PARAMS, Analysis, GroupAnalysis,
-                                      finite_or_none, group_name, sweep_name)
+                                      group_name, sweep_name)
 from isojax.analysis.prescriptions import n_star_key
+
+
+def finite_or_none(x):
+  """JSON-safe float: non-finite values become None."""
+  x = float(x)
+  return x if math.isfinite(x) else None
 
 
 def _jsonable(x):

@@ -162,3 +162,15 @@ def test_partly_replicated_sweeps_say_which_configurations_add_no_seed_noise(tmp
   assert g.intervals.stratified
   assert ("bootstrap: 3 of 4 configurations have one run, which resampling within "
           "configurations cannot vary") in " ".join(g.problems)
+
+
+def test_one_run_per_configuration_gets_no_intervals_and_says_why(tmp_path):
+  from isojax.analysis import analyze, read_runs
+  from . import fake_runs
+  fake_runs.make_sweep(tmp_path, configs=[(8, 4), (8, 8), (8, 16)], budget=8 * 64 * 200,
+                       n_evals=20, noise=0.01)
+  g = analyze(list(read_runs(tmp_path).runs), n_boot=4).groups[0]
+  assert g.intervals is None and g.prescriptions
+  assert all(p.interval is None for p in g.prescriptions)
+  assert ("bootstrap: every configuration has one run, so run-to-run variation cannot "
+          "be estimated") in " ".join(g.problems)
