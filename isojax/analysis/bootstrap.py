@@ -109,7 +109,9 @@ def _t_interval(estimate: float, values: np.ndarray, q: float, log: bool):
 def bootstrap(runs: Sequence, fn: Callable, *, n_boot: int = 200, seed: int = 0,
               level: float = 0.9, strata: Callable | None = None,
               log_scale: Callable[[str], bool] | None = None,
-              dof: Callable[[str], int] | None = None) -> BootstrapResult:
+              dof: Callable[[str], int] | None = None,
+              support: Callable[[str], tuple[float, float] | None] | None = None
+              ) -> BootstrapResult:
   """Intervals of fn(runs) from resampling whole runs (see the module docstring).
 
   Args:
@@ -128,6 +130,8 @@ def bootstrap(runs: Sequence, fn: Callable, *, n_boot: int = 200, seed: int = 0,
     dof: name -> the degrees of freedom of its t quantile; default the smallest
       k - 1 of the strata with two runs or more (what a quantity that depends on
       every stratum can count on).
+    support: name -> the (low, high) values the quantity can take, or None; its
+      interval is cut to them (e.g. a reward's [0, 1]), which keeps its coverage.
 
   Raises:
     ValueError: on empty runs, n_boot < 1, a bad level, no stratum with two runs
@@ -173,6 +177,9 @@ def bootstrap(runs: Sequence, fn: Callable, *, n_boot: int = 200, seed: int = 0,
     elif math.isfinite(est) and np.all(np.isfinite(v)):
       q = float(stats.t.ppf(1 - tail / 100, dof(name) if dof else min(sizes) - 1))
       lo, hi = _t_interval(est, v, q, bool(log_scale and log_scale(name)))
+      bounds = support(name) if support else None
+      if bounds is not None:
+        lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
     else:
       lo, hi = _percentiles(v, [tail, 100 - tail])
     intervals[name] = Interval(estimate=est, low=float(lo), high=float(hi), n_ok=len(vals))

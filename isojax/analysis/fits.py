@@ -19,6 +19,10 @@ from scipy import optimize, special
 # Search ranges of the nonlinear parameters. A fit that ends on one of these edges was
 # not pinned down by its data, and says so in `flags`.
 SIGMOID_B_RANGE = (0.02, 20.0)
+# The values each sigmoid parameter can take (fit_sigmoid's constraints): a
+# confidence interval cut to them keeps its coverage.
+SIGMOID_SUPPORT = {"a": (0.0, 1.0), "b": (0.0, math.inf), "c_mid": (0.0, math.inf),
+                   "r0": (0.0, 1.0)}
 SIGMOID_CMID_MARGIN_DECADES = 2.0  # C_mid is searched this far beyond the data
 NSTAR_K_RANGE = (0.05, 100.0)
 NSTAR_X0_MARGIN_DECADES = 1.0

@@ -261,6 +261,12 @@ def _log_scale(name: str) -> bool:
   return name.startswith("n_star@") or name.endswith(".c_mid")
 
 
+def _support(name: str) -> tuple[float, float] | None:
+  """The values a `_params` quantity can take: a sigmoid parameter's constraints."""
+  curve, _, param = name.rpartition(".")
+  return fits_lib.SIGMOID_SUPPORT.get(param) if curve.endswith("]") else None
+
+
 def _params(sweeps, fixed, law_name, budgets) -> dict[str, float]:
   """Every fitted number by a stable name, for the bootstrap; n* at each budget from
   the law of the sweep named `law_name` (the one prescriptions come from)."""
@@ -342,7 +348,8 @@ def analyze_group(runs, *, metric: str, difficulty=None,
                         "(run two seeds or more per configuration)")
       else:
         intervals = bootstrap(runs, fn, n_boot=n_boot, seed=seed,
-                              strata=lambda r: r.config_key, log_scale=_log_scale)
+                              strata=lambda r: r.config_key, log_scale=_log_scale,
+                              support=_support)
         if single:
           problems.append(f"bootstrap: {single} of {len(per_config)} configurations "
                           f"have one run, which resampling within configurations cannot "

@@ -234,7 +234,8 @@ def _intervals(runs, key, *, metric, unit, bin_width, n_boot, seed, level):
   # parameters rest on its own runs alone, hence its own degrees of freedom.
   return bootstrap(runs, params, n_boot=n_boot, seed=seed, level=level, strata=key,
                    log_scale=lambda name: name.endswith("|c_mid"),
-                   dof=lambda name: max(sizes[name.rsplit("|", 1)[0]] - 1, 1))
+                   dof=lambda name: max(sizes[name.rsplit("|", 1)[0]] - 1, 1),
+                   support=lambda name: fits_lib.SIGMOID_SUPPORT[name.rsplit("|", 1)[1]])
 
 
 def compare_recipes(runs, *, metric: str | None = None, unit: str = "rollouts",

@@ -93,6 +93,14 @@ def test_log_scale_and_degrees_of_freedom_per_quantity():
   assert (m.high - m.low) < (n.high - n.low)  # 30 dof: a smaller t quantile than 3
 
 
+def test_intervals_are_cut_to_what_the_quantity_can_take():
+  runs = [FakeRun(f"r{i}", (v,)) for i, v in enumerate([0.9, 1.0, 0.95])]
+  free = bootstrap(runs, mean_of_points, n_boot=200, seed=0)["value"]
+  cut = bootstrap(runs, mean_of_points, n_boot=200, seed=0,
+                  support=lambda name: (0.0, 1.0))["value"]
+  assert free.high > 1.0 and cut.high == 1.0 and cut.low == free.low
+
+
 def test_strata_keep_every_group_and_failures_are_counted():
   runs = [FakeRun("a1", (0.0,), "a"), FakeRun("b1", (1.0,), "b"), FakeRun("b2", (3.0,), "b")]
 
