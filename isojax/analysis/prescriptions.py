@@ -233,7 +233,8 @@ def _refusal(interval, max_spread: float) -> str:
     return ""
   return (f"refused: the law's interval of n* here, [{low:.3g}, {high:.3g}], spans more "
           f"than a factor of {max_spread:g}: beyond its data the law does not pin n "
-          f"down; run larger budgets first")
+          f"down; run larger budgets, or more seeds per configuration (the interval "
+          f"narrows with them), first")
 
 
 def prescribe(choice: LawChoice, budgets, *, b_max=None, intervals=None,
