@@ -11,8 +11,9 @@ covered 38-81 %. So each resample draws k - 1 of a stratum's k runs (the rescale
 bootstrap of Rao & Wu 1988, whose variance of a stratum mean is the unbiased s^2 / k),
 and the interval is estimate -/+ t(df) x the resamples' standard deviation, with df =
 k - 1 (on a log scale for quantities that are ratios by nature, e.g. n*). The same
-simulations then covered 87-100 %. A quantity some resample found infinite (an
-unbounded n*) keeps the percentile interval, which says so.
+simulations then covered 87-100 %. Where some resamples found a quantity infinite (an
+unbounded n*), the interval also spans their percentiles: unbounded once they pass
+the tail, never narrower than the finite resamples' own interval.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ class Interval:
   Attributes:
     estimate: fn on the original runs.
     low, high: estimate -/+ t x the resamples' standard deviation (see the module
-      docstring); the percentiles (100-level)/2 and 100-(100-level)/2 of the
-      resamples when one of them is infinite.
+      docstring), widened to the percentiles (100-level)/2 and 100-(100-level)/2
+      of the resamples when one of them is infinite; NaN without an estimate.
     n_ok: resamples in which fn returned a value (finite or infinite, not NaN) for
       this quantity.
   """
@@ -127,9 +128,9 @@ def bootstrap(runs: Sequence, fn: Callable, *, n_boot: int = 200, seed: int = 0,
       stratum of k >= 2 runs gives each resample k - 1 of them; a one-run stratum
       is always that run, and adds no variation.
     log_scale: name -> whether that quantity's interval is formed on a log scale.
-    dof: name -> the degrees of freedom of its t quantile; default the smallest
-      k - 1 of the strata with two runs or more (what a quantity that depends on
-      every stratum can count on).
+    dof: name -> the degrees of freedom of its t quantile, or None for the
+      default: the smallest k - 1 of the strata with two runs or more (what a
+      quantity that depends on every stratum can count on).
     support: name -> the (low, high) values the quantity can take, or None; its
       interval is cut to them (e.g. a reward's [0, 1]), which keeps its coverage.
 
@@ -172,16 +173,22 @@ def bootstrap(runs: Sequence, fn: Callable, *, n_boot: int = 200, seed: int = 0,
   for name, vals in samples.items():
     v = np.asarray(vals, dtype=np.float64)
     est = estimate.get(name, math.nan)
-    if v.size < 2:
-      lo, hi = math.nan, math.nan
-    elif math.isfinite(est) and np.all(np.isfinite(v)):
-      q = float(stats.t.ppf(1 - tail / 100, dof(name) if dof else min(sizes) - 1))
-      lo, hi = _t_interval(est, v, q, bool(log_scale and log_scale(name)))
-      bounds = support(name) if support else None
-      if bounds is not None:
-        lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
-    else:
+    finite = v[np.isfinite(v)]
+    lo = hi = math.nan
+    if math.isnan(est) or v.size < 2:
+      pass  # nothing to centre an interval on, or no spread
+    elif math.isinf(est) or finite.size < 2:
       lo, hi = _percentiles(v, [tail, 100 - tail])
+    else:
+      df = dof(name) if dof else None
+      q = float(stats.t.ppf(1 - tail / 100, min(sizes) - 1 if df is None else df))
+      lo, hi = _t_interval(est, finite, q, bool(log_scale and log_scale(name)))
+      bounds = support(name) if support else None
+      if bounds is not None:  # never past the estimate itself
+        lo, hi = min(max(lo, bounds[0]), est), max(min(hi, bounds[1]), est)
+      if finite.size < v.size:
+        p_lo, p_hi = _percentiles(v, [tail, 100 - tail])
+        lo, hi = min(lo, p_lo), max(hi, p_hi)
     intervals[name] = Interval(estimate=est, low=float(lo), high=float(hi), n_ok=len(vals))
   return BootstrapResult(intervals=intervals, n_boot=n_boot, n_failed=failed,
                          level=level, stratified=strata is not None)

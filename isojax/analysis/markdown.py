@@ -10,8 +10,8 @@ import math
 import numpy as np
 
 from isojax.analysis.frontier import key_label
-from isojax.analysis.pipeline import (LAW_PARAMS, Analysis, GroupAnalysis, group_name,
-                                      sweep_name)
+from isojax.analysis.intervals import LAW_PARAMS, sweep_name
+from isojax.analysis.pipeline import Analysis, GroupAnalysis, group_name
 from isojax.analysis.prescriptions import MAX_SPREAD, n_star_key
 
 

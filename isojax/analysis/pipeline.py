@@ -15,7 +15,6 @@ picks: the joint (Bp, n, M) study's when the runs hold one (App. C).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import os
@@ -27,17 +26,16 @@ from isojax.analysis import allocation, records
 from isojax.analysis import fits as fits_lib
 from isojax.analysis import law_points as law_points_lib
 from isojax.analysis import prescriptions as rx
-from isojax.analysis.bootstrap import BootstrapResult, bootstrap
+from isojax.analysis.bootstrap import BootstrapResult
 from isojax.analysis.frontier import (CurveSet, ExtrapolationCheck, Frontier,
                                       extrapolation_check, fit_curves, frontier, key_label,
                                       log_grid)
+from isojax.analysis.intervals import group_intervals
 from isojax.analysis.runs import (LoadProblem, eval_metrics, evaluation_gaps,
                                   pass1_histogram)
 from isojax.rundir import METRICS_FILE
 
 _METRIC_RE = re.compile(r"^val/(avg|best|worst)@(\d+)$")
-SIGMOID_PARAMS = ("a", "b", "c_mid", "r0")
-LAW_PARAMS = ("L", "k", "x0", "b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,41 +249,6 @@ def _run_fixed(runs, batches, metric, opts: FrontierOptions):
   return fixed, problems
 
 
-def sweep_name(sweep: FrontierFit) -> str:
-  """The prefix of a sweep's parameters in bootstrap intervals."""
-  return f"{sweep.label}|{sweep.metric}|{sweep.unit}"
-
-
-def _log_scale(name: str) -> bool:
-  """Whether a `_params` quantity's interval is formed on a log scale (n*, C_mid)."""
-  return name.startswith("n_star@") or name.endswith(".c_mid")
-
-
-def _support(name: str) -> tuple[float, float] | None:
-  """The values a `_params` quantity can take: a sigmoid parameter's constraints."""
-  curve, _, param = name.rpartition(".")
-  return fits_lib.SIGMOID_SUPPORT.get(param) if curve.endswith("]") else None
-
-
-def _params(sweeps, fixed, law_name, budgets) -> dict[str, float]:
-  """Every fitted number by a stable name, for the bootstrap; n* at each budget from
-  the law of the sweep named `law_name` (the one prescriptions come from)."""
-  out = {}
-  tables = [(sweep_name(s), s.curves.fits, s.law) for s in sweeps]
-  tables += [(f"fixed[B={fb.batch}]", fb.curves.fits, fb.law) for fb in fixed]
-  for name, fits, law in tables:
-    for k, f in fits.items():
-      for p in SIGMOID_PARAMS:
-        out[f"{name}|curve[{key_label(k)}].{p}"] = getattr(f, p)
-    if law is not None:
-      for p in LAW_PARAMS:
-        out[f"{name}|law.{p}"] = getattr(law, p)
-      if name == law_name:
-        for c in budgets:
-          out[rx.n_star_key(c)] = float(law.predict(c))
-  return out
-
-
 def _extrapolation(runs, primary, primary_bp, metric, opts, c_cut):
   """The primary sweep's extrapolation check, or (None, why not)."""
   if primary is None or primary.frontier is None:
@@ -333,27 +296,13 @@ def analyze_group(runs, *, metric: str, difficulty=None,
     budgets = list(budgets) if budgets else rx.default_budgets(choice.law)
     law_name = f"{choice.label}|{metric}|rollouts"
     if n_boot > 0:
-      def fn(sample):
-        sample_sweeps = _run_sweeps(sample, specs, opts)
-        sample_fixed, _ = _run_fixed(sample, batches, metric, opts)
-        return _params(sample_sweeps, sample_fixed, law_name, budgets)
+      def refit(sample):
+        return (_run_sweeps(sample, specs, opts),
+                _run_fixed(sample, batches, metric, opts)[0])
 
-      per_config = collections.Counter(r.config_key for r in runs)
-      single = sum(c == 1 for c in per_config.values())
-      if single == len(per_config):
-        # Resampling runs across configurations would vary which n were run, not
-        # seeds: intervals three times too wide for n*, of zero width for curves.
-        problems.append("bootstrap: every configuration has one run, so run-to-run "
-                        "variation cannot be estimated and there are no intervals "
-                        "(run two seeds or more per configuration)")
-      else:
-        intervals = bootstrap(runs, fn, n_boot=n_boot, seed=seed,
-                              strata=lambda r: r.config_key, log_scale=_log_scale,
-                              support=_support)
-        if single:
-          problems.append(f"bootstrap: {single} of {len(per_config)} configurations "
-                          f"have one run, which resampling within configurations cannot "
-                          f"vary: the intervals leave out their seed noise (run more seeds)")
+      intervals, why = group_intervals(runs, refit, sweeps, fixed, law_name=law_name,
+                                       budgets=budgets, n_boot=n_boot, seed=seed)
+      problems += why
     n_star_intervals = {c: rx.n_star_interval(intervals, c) for c in budgets}
     prescriptions = rx.prescribe(choice, budgets, b_max=_b_max(runs),
                                  intervals=n_star_intervals)

@@ -215,13 +215,16 @@ def n_star_interval(boot, budget: float) -> tuple[float, float] | None:
 
   A resample in which no law could be fitted could have put n* anywhere: once
   they outnumber the interval's upper tail, its upper end is unknown (inf), and an
-  extrapolation from it is refused.
+  extrapolation from it is refused. Too few resamples for an interval (NaN) leave
+  both ends unknown: (0, inf).
   """
   iv = boot.intervals.get(n_star_key(budget)) if boot is not None else None
   if iv is None or iv.n_ok == 0:
     return None
   unknown, tail = boot.n_boot - iv.n_ok, boot.n_boot * (1 - boot.level) / 2
-  return iv.low, math.inf if unknown > tail + 1e-9 else iv.high
+  low = 0.0 if math.isnan(iv.low) else iv.low
+  high = math.inf if unknown > tail + 1e-9 or math.isnan(iv.high) else iv.high
+  return low, high
 
 
 def _refusal(interval, max_spread: float) -> str:

@@ -1,6 +1,7 @@
 """bootstrap(): k - 1 whole runs resampled per stratum, t intervals that cover at their level."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -93,6 +94,31 @@ def test_log_scale_and_degrees_of_freedom_per_quantity():
   assert (m.high - m.low) < (n.high - n.low)  # 30 dof: a smaller t quantile than 3
 
 
+def test_a_few_unbounded_resamples_widen_the_interval_never_narrow_it():
+  # An n* that overflows in 1 resample of 64 is below the percentile tail: the
+  # interval must still be at least the finite resamples' own.
+  runs = [FakeRun(f"r{i}", (v,)) for i, v in enumerate([20.0, 40.0, 60.0, 100.0])]
+
+  def n_star(rs, overflow):
+    if overflow and [r.name for r in rs] == ["r3"] * 3:
+      return math.inf
+    return float(np.exp(np.mean([np.log(r.values[0]) for r in rs])))
+
+  kw = dict(n_boot=400, seed=0, log_scale=lambda name: True)
+  finite = bootstrap(runs, lambda rs: n_star(rs, False), **kw)["value"]
+  some = bootstrap(runs, lambda rs: n_star(rs, True), **kw)["value"]
+  assert some.n_ok == 400 and math.isfinite(some.high)
+  # The percentile interval alone would span ~60 % of the t interval's ratio.
+  assert some.high / some.low > 0.9 * finite.high / finite.low
+
+
+def test_no_estimate_no_interval():
+  runs = [FakeRun(f"r{i}", (float(i),)) for i in range(3)]
+  res = bootstrap(runs, lambda rs: {"x": 1.0, "y": math.nan if len(rs) == 3 else 2.0},
+                  n_boot=20, seed=0)
+  assert math.isnan(res["y"].low) and res["y"].n_ok == 20
+
+
 def test_intervals_are_cut_to_what_the_quantity_can_take():
   runs = [FakeRun(f"r{i}", (v,)) for i, v in enumerate([0.9, 1.0, 0.95])]
   free = bootstrap(runs, mean_of_points, n_boot=200, seed=0)["value"]
@@ -182,3 +208,19 @@ def test_one_run_per_configuration_gets_no_intervals_and_says_why(tmp_path):
   assert all(p.interval is None for p in g.prescriptions)
   assert ("bootstrap: every configuration has one run, so run-to-run variation cannot "
           "be estimated") in " ".join(g.problems)
+
+
+def test_a_curve_interval_uses_its_own_configuration_s_degrees_of_freedom(tmp_path):
+  # n = 4 has 2 seeds, n = 8 has 5: n = 8's curve rests on 4 degrees of freedom,
+  # not on the 1 of the smallest configuration (t 2.13 instead of 6.31).
+  from isojax.analysis import analyze, read_runs
+  from isojax.analysis.intervals import _curve_dofs
+  from . import fake_runs
+  fake_runs.make_sweep(tmp_path, configs=[(8, 4), (8, 16)], seeds=(0, 1),
+                       budget=8 * 64 * 200, n_evals=20, noise=0.01, run_sigma=0.01)
+  fake_runs.make_sweep(tmp_path, configs=[(8, 8)], seeds=tuple(range(5)),
+                       budget=8 * 64 * 200, n_evals=20, noise=0.01, run_sigma=0.01)
+  g = analyze(list(read_runs(tmp_path).runs), n_boot=4).groups[0]
+  dofs = _curve_dofs(g.sweeps, g.fixed_batches)
+  assert {d for name, d in dofs.items() if "curve[n=8]" in name} == {4}
+  assert {d for name, d in dofs.items() if "curve[n=4]" in name} == {1}

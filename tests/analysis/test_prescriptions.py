@@ -167,6 +167,9 @@ def test_resamples_without_a_law_leave_the_upper_end_unknown():
   assert n_star_interval(boot(94), 1e7) == (10.0, float("inf"))
   assert n_star_interval(boot(0), 1e7) is None and n_star_interval(None, 1e7) is None
   assert n_star_interval(boot(100), 1e6) is None
+  nan = Interval(estimate=20.0, low=float("nan"), high=float("nan"), n_ok=1)
+  assert n_star_interval(BootstrapResult({"n_star@1e+07": nan}, 100, 0, 0.9, True),
+                         1e7) == (0.0, float("inf"))
   choice = LawChoice("bp=32", law(), bp=32, joint=False, reason="test")
   (pr,) = prescribe(choice, [1e7], intervals={1e7: n_star_interval(boot(90), 1e7)})
   assert pr.refused and "[10, inf]" in pr.note
