@@ -11,7 +11,7 @@ covered 38-81 %. So each resample draws k - 1 of a stratum's k runs (the rescale
 bootstrap of Rao & Wu 1988, whose variance of a stratum mean is the unbiased s^2 / k),
 and the interval is estimate -/+ t(df) x the resamples' standard deviation, with df =
 k - 1 (on a log scale for quantities that are ratios by nature, e.g. n*). The same
-simulations then covered 87-100 %. Where some resamples found a quantity infinite (an
+simulations then covered 85-100 %. Where some resamples found a quantity infinite (an
 unbounded n*), the interval also spans their percentiles: unbounded once they pass
 the tail, never narrower than the finite resamples' own interval.
 """
