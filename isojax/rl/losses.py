@@ -60,11 +60,11 @@ class LossConfig:
       sequence carries s_i, so with agg="seq_mean_token_mean" this is exactly
       the GSPO objective, whose clip ranges are ~1e-3, not 0.2).
       With one on-policy update per batch (old_logp == logp: the update
-      step's default ``old_logp="current"``) the ratio is 1, no clip binds, and CISPO and
-      PPO-clip give the same gradient, -A * grad log pi per token (PPO-clip's
-      grad of -r A is -A r grad log pi, and r = 1); they differ only on a
-      stale batch (old_logp != logp: several updates per batch, or pi_old a
-      lagging policy).
+      step's default ``old_logp="current"``) the ratio is 1, no clip binds,
+      and CISPO and PPO-clip give the same gradient, -A * grad log pi per
+      token (PPO-clip's grad of -r A is -A r grad log pi, and r = 1); they
+      differ only on a stale batch (old_logp != logp: several updates per
+      batch, or pi_old a lagging policy).
     clip_low, clip_high: ratio clipped to [1 - clip_low, 1 + clip_high]
       (clip-higher: clip_high > clip_low); "cispo" uses clip_high only.
     clip_dual: dual-clip constant c > 1 for negative advantages (the token

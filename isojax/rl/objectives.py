@@ -5,8 +5,9 @@ see ``isojax.rl.losses.LossConfig.kind``) and ``KL_ESTIMATORS`` (k1 / k2 / k3).
 
 A PG loss takes (logp, old_logp, adv_BxT, mask, cfg), ``cfg`` any object with
 the clip fields of ``LossConfig``; ``adv_BxT`` is [B, 1] (one advantage per
-rollout) or [B, T] (per token: a critic's GAE), broadcast against the tokens. It returns the per-token loss and its clip
-flags ({name: bool [B, T]}, named as ``losses.RATIO_FIELDS``).
+rollout) or [B, T] (per token: a critic's GAE), broadcast against the tokens. It
+returns the per-token loss and its clip flags ({name: bool [B, T]}, named as
+``losses.RATIO_FIELDS``).
 """
 
 import functools
