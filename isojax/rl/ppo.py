@@ -351,9 +351,10 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
   mesh = default_mesh(mesh)
   rows_per_micro = batch_size if micro_batch_size is None else micro_batch_size
   _check_value_config(loss_cfg)
-  check_step_args(batch_size=batch_size, group_size=group_size, rows_per_micro=rows_per_micro,
-               mesh=mesh, temperature=temperature, length_buckets=length_buckets,
-               old_logp="current")  # on-policy: the critic's step takes no stale batches
+  # On-policy: the critic's step takes no stale batches.
+  check_step_args(batch_size=batch_size, group_size=group_size,
+                  rows_per_micro=rows_per_micro, mesh=mesh, temperature=temperature,
+                  length_buckets=length_buckets, old_logp="current")
   n_micro = batch_size // rows_per_micro
   _, state_sh, (tx, critic_tx, _) = _shapes_and_shardings(
       policy, critic, loss_cfg, optim_cfg, critic_optim, batch_size, mesh, rules)
@@ -362,7 +363,7 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
   graphdef, _, rest = nnx.split(policy, nnx.Param, ...)
   critic_graphdef, _, critic_rest = nnx.split(critic, nnx.Param, ...)
   policy_loss = micro_loss_fn(graphdef, rest, loss_cfg, logits_chunk=logits_chunk,
-                               temperature=temperature, old_logp="current")
+                              temperature=temperature, old_logp="current")
   values_fn = _values_fn(critic_graphdef, critic_rest)
   micro_loss = _joint_micro_loss_fn(policy_loss, values_fn, value_cfg)
   warmup = value_cfg.critic_warmup

@@ -124,7 +124,7 @@ class TrainRows:
 
 
 def check_step_args(*, batch_size, group_size, rows_per_micro, mesh, temperature,
-                 length_buckets, old_logp) -> None:
+                    length_buckets, old_logp) -> None:
   """The step's sizes, old_logp, temperature and length buckets, against each
   other; ValueError naming the input."""
   shards = shd.batch_shards(mesh)
@@ -161,7 +161,7 @@ def _train_rows(batch: Batch, loss_cfg: LossConfig, group_size: int):
 
 
 def micro_batches(rows: TrainRows, lengths: Sequence[int], n_micro: int,
-                   micro_sharding: NamedSharding):
+                  micro_sharding: NamedSharding):
   """[B, T] rows as [K, R, T] micro-batches, and each one's bucket index [K]."""
   rows_per_micro = rows.adv.shape[0] // n_micro
   if len(lengths) == 1:
@@ -182,7 +182,7 @@ def micro_batches(rows: TrainRows, lengths: Sequence[int], n_micro: int,
 
 
 def micro_loss_fn(graphdef, rest, loss_cfg: LossConfig, *, logits_chunk, temperature,
-                   old_logp: str):
+                  old_logp: str):
   """``(params, ref_params, rows [R, L]) -> (loss, metrics)`` of one micro-batch."""
   if logits_chunk is not None and logits_chunk < 1:
     raise ValueError(f"logits_chunk={logits_chunk}: expected lm-head positions per chunk "
@@ -222,7 +222,7 @@ def _combine(acc, new):
 
 
 def accumulate(micro_loss, state: TrainState, micro: TrainRows, bucket_K,
-                lengths: Sequence[int], params_sharding):
+               lengths: Sequence[int], params_sharding):
   """Summed float32 gradients and combined metrics over the K micro-batches."""
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
   zeros = jax.lax.with_sharding_constraint(
@@ -335,15 +335,15 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
                      f"from a critic: build the step with isojax.rl.ppo.make_ppo_train_step")
   mesh = default_mesh(mesh)
   rows_per_micro = batch_size if micro_batch_size is None else micro_batch_size
-  check_step_args(batch_size=batch_size, group_size=group_size, rows_per_micro=rows_per_micro,
-               mesh=mesh, temperature=temperature, length_buckets=length_buckets,
-               old_logp=old_logp)
+  check_step_args(batch_size=batch_size, group_size=group_size,
+                  rows_per_micro=rows_per_micro, mesh=mesh, temperature=temperature,
+                  length_buckets=length_buckets, old_logp=old_logp)
   n_micro = batch_size // rows_per_micro
   tx = make_optimizer(optim_cfg, batch_size=batch_size)
   schedule = lr_schedule(optim_cfg, batch_size)
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
   micro_loss = micro_loss_fn(graphdef, rest, loss_cfg, logits_chunk=logits_chunk,
-                              temperature=temperature, old_logp=old_logp)
+                             temperature=temperature, old_logp=old_logp)
   state_sh = train_state_shardings(model, tx, mesh, rules, with_ref=loss_cfg.kl_coef > 0)
   micro_sh = NamedSharding(mesh, PartitionSpec(None, shd.BATCH_AXES))
 
@@ -355,7 +355,7 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
       lengths = layout.bucket_lengths(batch.input_ids_BxT.shape[1], length_buckets)
       micro, bucket_K = micro_batches(rows, lengths, n_micro, micro_sh)
       grads, metrics = accumulate(micro_loss, state, micro, bucket_K, lengths,
-                                   state_sh.params)
+                                  state_sh.params)
       new_state, ok, grad_norm, update_norm = _guarded_update(tx, state, grads,
                                                               metrics["loss"])
       positions = rows_per_micro * jnp.sum(jnp.asarray(lengths)[bucket_K])
