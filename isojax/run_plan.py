@@ -138,9 +138,9 @@ def plan_run(config) -> RunPlan:
 
 def _check_model_and_sampler_fields(config) -> None:
   """config.model's dtypes, the in-process sampler's caps (0 = off) and the sampling
-  settings (top-p and top-k off: rollouts are trained on), each by name: otherwise they fail later as a bare numpy TypeError, or
-  only once the sampler is built or first called (after a `--dry_run` said the run
-  was fine)."""
+  settings (top-p and top-k off: rollouts are trained on), each by name: otherwise
+  they fail later as a bare numpy TypeError, or only once the sampler is built or
+  first called (after a `--dry_run` said the run was fine)."""
   for field in ("dtype", "param_dtype"):
     try:
       as_dtype(config.model[field])
