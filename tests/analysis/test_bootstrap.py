@@ -1,4 +1,4 @@
-"""bootstrap(): k - 1 whole runs resampled per stratum, t intervals that cover at their level."""
+"""bootstrap(): k - 1 runs resampled per stratum, t intervals that cover at their level."""
 
 import dataclasses
 import math
