@@ -23,6 +23,7 @@ SIGMOID_B_RANGE = (0.02, 20.0)
 # confidence interval cut to them keeps its coverage.
 SIGMOID_SUPPORT = {"a": (0.0, 1.0), "b": (0.0, math.inf), "c_mid": (0.0, math.inf),
                    "r0": (0.0, 1.0)}
+SIGMOID_PARAMS = tuple(SIGMOID_SUPPORT)  # SigmoidFit's parameters: a, b, c_mid, r0
 SIGMOID_CMID_MARGIN_DECADES = 2.0  # C_mid is searched this far beyond the data
 NSTAR_K_RANGE = (0.05, 100.0)
 NSTAR_X0_MARGIN_DECADES = 1.0

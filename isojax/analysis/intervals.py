@@ -16,7 +16,6 @@ from isojax.analysis import prescriptions as rx
 from isojax.analysis.bootstrap import BootstrapResult, bootstrap
 from isojax.analysis.frontier import key_label
 
-SIGMOID_PARAMS = ("a", "b", "c_mid", "r0")
 LAW_PARAMS = ("L", "k", "x0", "b")
 
 
@@ -41,7 +40,7 @@ def params(sweeps, fixed, law_name: str, budgets) -> dict[str, float]:
   out = {}
   for name, curves, law in _tables(sweeps, fixed):
     for k, f in curves.fits.items():
-      for p in SIGMOID_PARAMS:
+      for p in fits_lib.SIGMOID_PARAMS:
         out[_curve_param(name, k, p)] = getattr(f, p)
     if law is not None:
       for p in LAW_PARAMS:
@@ -57,7 +56,7 @@ def _curve_dofs(sweeps, fixed) -> dict[str, int]:
   the laws rest on every configuration: the bootstrap's default)."""
   return {_curve_param(name, k, p): max(count - 1, 1) for name, curves, _ in
           _tables(sweeps, fixed) for k, count in curves.n_runs.items()
-          for p in SIGMOID_PARAMS}
+          for p in fits_lib.SIGMOID_PARAMS}
 
 
 def _log_scale(name: str) -> bool:

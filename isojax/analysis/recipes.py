@@ -27,19 +27,17 @@ from isojax.analysis import fits as fits_lib
 from isojax.analysis import pipeline
 from isojax.analysis.bootstrap import Interval, bootstrap
 from isojax.analysis.frontier import CurveSet, fit_curves
+from isojax.rundir import RUNTIME_FIELDS
 
 # Fields that say how a run was carried out, not what it trains: one recipe run with
 # two seeds, to two budgets, or evaluated at another cadence is still one recipe. The
 # budget's derived fields go with it (m, lr, budget.*); Bp and n stay (as run.bp and
 # run.n, whichever layout the config uses): the batch is part of a recipe.
 _NOT_RECIPE = ("seed", "budget", "m", "lr", "eval_every", "eval_steps",
-               "checkpoint_every", "keep_checkpoints", "max_consecutive_skips",
-               "workdir", "sampler.vllm_url", "sampler.vllm_weights_dir",
-               "sampler.vllm_connect_timeout_s", "sampler.vllm_probe_timeout_s",
-               "sampler.vllm_request_timeout_s")
+               "checkpoint_every", "max_consecutive_skips", "workdir",
+               *sorted(RUNTIME_FIELDS))
 NAME_FIELDS = ("recipe", "name")
 BASE_LABEL = "base"  # the recipe that has every field at its most common value
-PARAMS = ("a", "b", "c_mid", "r0")
 
 
 def _flatten(node: Mapping, prefix: str = "") -> dict:
@@ -225,7 +223,8 @@ def _intervals(runs, key, *, metric, unit, bin_width, n_boot, seed, level):
   def params(sample):
     fits = fit_curves(sample, metric=metric, key=key, unit=unit,
                       bin_width=bin_width).fits
-    return {f"{label}|{p}": getattr(f, p) for label, f in fits.items() for p in PARAMS}
+    return {f"{label}|{p}": getattr(f, p) for label, f in fits.items()
+            for p in fits_lib.SIGMOID_PARAMS}
 
   sizes = collections.Counter(key(r) for r in runs)
   if max(sizes.values()) < 2:
@@ -283,7 +282,7 @@ def compare_recipes(runs, *, metric: str | None = None, unit: str = "rollouts",
   for label in sorted(set(labels.values())):
     members = [r for r in runs if labels[r.name] == label]
     intervals = {} if boot is None or len(members) < 2 else {
-        p: boot.intervals[f"{label}|{p}"] for p in PARAMS
+        p: boot.intervals[f"{label}|{p}"] for p in fits_lib.SIGMOID_PARAMS
         if f"{label}|{p}" in boot.intervals}
     extrapolation = None if fit_fraction is None else _extrapolate(
         members, label, metric=metric, unit=unit, bin_width=bin_width,

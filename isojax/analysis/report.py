@@ -15,9 +15,10 @@ import os
 import numpy as np
 
 from isojax.analysis import plots
+from isojax.analysis.fits import SIGMOID_PARAMS
 from isojax.analysis.frontier import key_label
 from isojax.analysis.markdown import report_markdown
-from isojax.analysis.intervals import LAW_PARAMS, SIGMOID_PARAMS, sweep_name
+from isojax.analysis.intervals import LAW_PARAMS, sweep_name
 from isojax.analysis.pipeline import Analysis, GroupAnalysis, group_name
 from isojax.analysis.prescriptions import n_star_key
 
