@@ -253,6 +253,8 @@ def base_config() -> ml_collections.ConfigDict:
   # analysis; the run itself only reads bp, n and budget.
   c.sweep = ml_collections.ConfigDict()
   c.sweep.study = ""
+  # The problem split ("easy", "hard"): the analysis draws one frontier per split
+  # (a study's data.difficulty label, where set, takes its place).
   c.sweep.split = ""
   c.sweep.bp_values = list(budget.PAPER_BP_VALUES)
   c.sweep.n_values = list(budget.PAPER_N_VALUES)

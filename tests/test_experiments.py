@@ -10,6 +10,8 @@ from ml_collections import config_flags
 
 from experiments import scalerl_ablate
 from isojax import run, run_plan
+from isojax.analysis import runs as analysis_runs
+from tests.analysis import fake_runs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FILES = sorted(p for p in (ROOT / "experiments").glob("*.py")
@@ -213,6 +215,21 @@ def test_appendix_f_files(monkeypatch):
   assert (cispo.rl.kind, cispo.rl.adv_estimator) == ("cispo", "grpo")
   with pytest.raises(ValueError, match="adv_estimator='grpo' needs n >= 2"):
     run.plan_run(_load("experiments/easy_cispo.py:n=1,smoke"))
+
+
+def test_the_analysis_groups_runs_by_their_studys_split(monkeypatch, tmp_path):
+  # The split a study file names reaches the analysis through config.json: easy and
+  # hard runs analysed together are two frontiers, not seeds of one; an axis file's
+  # data.difficulty label is finer than its split.
+  monkeypatch.chdir(ROOT)
+  specs = {"easy": "experiments/easy_n_vs_m.py", "hard": "experiments/hard_ppo.py",
+           "easy_d500": "experiments/data_size.py:d=500"}
+  for name, spec in specs.items():
+    config = _load(spec)
+    fake_runs.write_run(tmp_path / name, run_plan.resolved_config(config, run.plan_run(config)),
+                        [{"step": 1, "rollouts": config.bp * config.n, "val/avg@4": 0.5}])
+  loaded = analysis_runs.read_runs(tmp_path).runs
+  assert {r.name: r.difficulty for r in loaded} == {name: name for name in specs}
 
 
 class _WordTokenizer:

@@ -58,7 +58,8 @@ class Run:
     path: absolute path of the run directory.
     bp, n: problems per batch and rollouts per problem.
     m: the planned number of updates (None when the config does not say).
-    difficulty: the data difficulty split (None when the config does not say).
+    difficulty: the analysis group (`_difficulty`: data.difficulty, else sweep.split;
+      None when the config names none).
     seed: the run's seed (None when absent).
     config: the whole resolved config as loaded from config.json.
     rows: metric records, one dict per logged step, sorted by step.
@@ -170,15 +171,23 @@ def _parse_config(config: Mapping) -> dict:
   bp, n, m = _find(config, "bp"), _find(config, "n"), _find(config, "m")
   if bp is None or n is None:
     raise ValueError(f"no bp/n at top level or under 'budget' (keys: {sorted(config)})")
-  data = config.get("data")
-  difficulty = data.get("difficulty") if isinstance(data, Mapping) else None
-  if difficulty is None:
-    difficulty = config.get("difficulty")
   seed = config.get("seed")
   return dict(bp=_as_int(bp, "bp"), n=_as_int(n, "n"),
               m=None if m is None else _as_int(m, "m"),
-              difficulty=None if difficulty is None else str(difficulty),
+              difficulty=_difficulty(config),
               seed=seed if isinstance(seed, int) and not isinstance(seed, bool) else None)
+
+
+def _difficulty(config: Mapping) -> str | None:
+  """The run's analysis group: data.difficulty where a study sets a label of its
+  own (easy_d500, mix_tri), else a top-level "difficulty", else the split its
+  study file names (sweep.split: easy, hard); None when none is set."""
+  for section, key in (("data", "difficulty"), (None, "difficulty"), ("sweep", "split")):
+    node = config.get(section) if section else config
+    value = node.get(key) if isinstance(node, Mapping) else None
+    if value not in (None, ""):
+      return str(value)
+  return None
 
 
 def _read_metrics(path: str, problems: list[LoadProblem]) -> list[dict]:
