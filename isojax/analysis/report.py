@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 
 import numpy as np
 
@@ -194,10 +195,19 @@ def write_report(analysis: Analysis, out_dir: str) -> dict:
   return {"figures": figures, "fits": "fits.json", "report": "report.md"}
 
 
+# How report.md shows a figure written beside it: ![name](name.png).
+_FIGURE_LINK = re.compile(r"!\[[^\]]*\]\(([^)/\\]+\.png)\)")
+
+
 def _remove_previous(out_dir: str) -> None:
-  """Deletes an earlier analysis's report.md and fits.json, so that one failing
-  part way leaves no report that looks current."""
-  for name in ("report.md", "fits.json"):
+  """Deletes an earlier analysis's report.md, fits.json and the figures its
+  report.md shows (files of the user's own are left), so that one failing part
+  way, or one drawing other groups or metrics, leaves nothing that looks current."""
+  names = ["report.md", "fits.json"]
+  if os.path.isfile(os.path.join(out_dir, "report.md")):
+    with open(os.path.join(out_dir, "report.md")) as f:
+      names += sorted(set(_FIGURE_LINK.findall(f.read())))
+  for name in names:
     path = os.path.join(out_dir, name)
     if os.path.isfile(path):
       os.remove(path)

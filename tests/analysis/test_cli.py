@@ -316,8 +316,12 @@ def test_an_analysis_failing_part_way_leaves_no_stale_report(runs_dir, tmp_path,
                                                              monkeypatch):
   out = tmp_path / "report"
   os.makedirs(out)
-  (out / "report.md").write_text("# an earlier analysis")
+  # An earlier analysis drew a group this one does not have; the user keeps a file.
+  (out / "report.md").write_text("# an earlier analysis\n\n## Figures\n\n"
+                                 "![fig7_nstar_hard.png](fig7_nstar_hard.png)\n")
   (out / "fits.json").write_text("{}")
+  (out / "fig7_nstar_hard.png").write_bytes(b"\x89PNG")
+  (out / "notes.png").write_bytes(b"\x89PNG")
 
   def broken(*args, **kwargs):
     raise RuntimeError("a bug in a figure")
@@ -325,7 +329,7 @@ def test_an_analysis_failing_part_way_leaves_no_stale_report(runs_dir, tmp_path,
   monkeypatch.setattr(plots, "plot_records", broken)
   with pytest.raises(RuntimeError, match="a bug in a figure"):  # a bug still surfaces
     main([str(runs_dir), "--out", str(out), "--n-boot", "0"])
-  assert not {"report.md", "fits.json"} & set(os.listdir(out))
+  assert set(os.listdir(out)) == {"notes.png"}
 
 
 @pytest.mark.parametrize("argv, match", [
