@@ -29,6 +29,7 @@ import numpy as np
 from isojax.analysis import fits as fits_lib
 from isojax.analysis.frontier import key_n
 from isojax.analysis.plan import plan
+from isojax.analysis.records import base_reward
 
 MAX_SPREAD = 8.0  # refuse to extrapolate where n*'s interval spans more than this
 
@@ -103,16 +104,16 @@ def collapsed(run, metric: str) -> bool:
   """Whether `run` learned and then lost most of it (the playbook's instability:
   entropy or length explosion, a reward that falls back, §3 and App. A). Its
   record points keep the peak, so its fitted curve would not show it."""
+  base = base_reward(run, metric)
   c, r = run.points(metric, "rollouts")
-  base, after = r[c <= 0], r[c > 0]
+  after = r[c > 0]
   tail = max(3, after.size // 4)
-  if base.size == 0 or after.size < tail + 3:
+  if base is None or after.size < tail + 3:
     return False
   before = np.convolve(after[:-tail], np.ones(3) / 3, mode="valid")
-  gain = float(before.max() - base.max())
+  gain = float(before.max()) - base
   end = float(after[-tail:].mean())
-  return bool(gain >= COLLAPSE_MIN_GAIN
-              and end < base.max() + (1 - COLLAPSE_FRACTION) * gain)
+  return bool(gain >= COLLAPSE_MIN_GAIN and end < base + (1 - COLLAPSE_FRACTION) * gain)
 
 
 def unstable_bps(runs, unstable_runs, metric: str) -> dict[int, list[str]]:
