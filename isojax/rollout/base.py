@@ -23,6 +23,10 @@ if TYPE_CHECKING:  # for the annotation only: this interface loads no JAX
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 _FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH)
+# The smallest positive sampling temperature: below it, logits / temperature leave
+# float32's precision. vLLM silently raises such temperatures to this value, which
+# the trainer, scoring at the configured one, would not know.
+MIN_TEMPERATURE = 0.01
 
 
 # The server's error types live here, not in vllm_client, because both the client
@@ -238,14 +242,19 @@ def next_version(current: int, version: int | None, *, where: str) -> int:
 
 
 def check_sampling(temperature=0.0, top_p=1.0, top_k=None, *, prefix: str = "") -> None:
-  """Checks sampling settings: temperature a number >= 0 (0 = greedy), top_p in
-  (0, 1] (1 = off), top_k None or an int >= 0 (0 = off). The ValueError names the
-  setting as `prefix` + its name (a config's fields: "config.sampler.")."""
+  """Checks sampling settings: temperature 0 (greedy) or a number >=
+  MIN_TEMPERATURE, top_p in (0, 1] (1 = off), top_k None or an int >= 0 (0 = off).
+  The ValueError names the setting as `prefix` + its name (a config's fields:
+  "config.sampler.")."""
   def number(x):
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
   if not (number(temperature) and np.isfinite(temperature) and temperature >= 0):
     raise ValueError(f"{prefix}temperature={temperature!r} must be a number >= 0 "
                      f"(0 = greedy)")
+  if 0 < temperature < MIN_TEMPERATURE:
+    raise ValueError(f"{prefix}temperature={temperature!r} is below {MIN_TEMPERATURE}: "
+                     "logits / temperature lose float32 precision (wrong tokens, infinite "
+                     "log-probs); use 0 for greedy decoding")
   if not (number(top_p) and 0 < top_p <= 1):
     raise ValueError(f"{prefix}top_p={top_p!r} must be in (0, 1] (1 = off)")
   if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))

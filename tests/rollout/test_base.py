@@ -133,6 +133,8 @@ def test_validate_request_accepts_good_request():
     (dict(temperature=-0.1), r"temperature=-0.1 must be a number >= 0"),
     (dict(temperature=float("nan")), "temperature=nan must be a number >= 0"),
     (dict(temperature="1"), "temperature='1' must be a number"),
+    # logits / 1e-10 overflow float32's precision: wrong tokens, infinite log-probs.
+    (dict(temperature=1e-10), r"temperature=1e-10 is below 0.01: .*use 0 for greedy"),
     (dict(top_p="0.9"), r"top_p='0.9' must be in \(0, 1\]"),
     (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\] \(1 = off\)"),
     (dict(top_p=1.5), "top_p=1.5 must be in"),
