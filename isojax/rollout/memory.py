@@ -65,17 +65,29 @@ def rows_at_once(cfg, rollouts: int, cache_len: int, *, n: int = 1, prompt_len: 
   positions each, `prompt_len` of them the prompt's: all of them when their
   lockstep cache (each prompt's positions held once) fits the KV budget, else
   as many rows of `cache_len` as it holds; at most `max_rows`; a multiple of
-  `row_multiple` (the devices rows are split over) below `rollouts`."""
-  caps = [rollouts]
+  `row_multiple` (the devices rows are split over) below `rollouts`.
+
+  Raises ValueError naming the cap when it allows fewer rows than `row_multiple`
+  (each device must decode at least one).
+  """
+  caps = {"rollouts": rollouts}
   if max_rows is not None:
-    caps.append(max_rows)
+    caps["max_rows"] = max_rows
   if kv_budget_gib is not None and lockstep_cache_bytes(
       cfg, rollouts, n, prompt_len, cache_len - prompt_len, block) > kv_budget_gib * GIB:
-    caps.append(rows_for_budget(cfg, kv_budget_gib, cache_len, block))
-  rows = min(caps)
-  if rows < rollouts:  # every device decodes the same number of rows
-    rows = max(rows // row_multiple, 1) * row_multiple
-  return rows
+    caps["kv_budget_gib"] = rows_for_budget(cfg, kv_budget_gib, cache_len, block)
+  cap = min(caps, key=caps.get)
+  rows = caps[cap]
+  if rows >= rollouts:
+    return rows
+  if rows < row_multiple:
+    given = (max_rows if cap == "max_rows"
+             else f"{kv_budget_gib:g} (room for {rows} row{'s' * (rows != 1)})")
+    raise ValueError(
+        f"sampler {cap}={given} allows fewer rollout rows at once than the {row_multiple} "
+        f"devices the rows are split over (each decodes at least one row of {cache_len} "
+        f"positions); raise it to at least {row_multiple} rows or use fewer devices")
+  return rows // row_multiple * row_multiple  # every device decodes as many rows
 
 
 @dataclasses.dataclass(frozen=True)

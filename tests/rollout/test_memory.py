@@ -32,6 +32,22 @@ def test_bytes_per_row_from_the_formula():
   assert memory.rows_for_budget(qwen, 24.0, 256 + 8192) == 24 * memory.GIB // per_row
 
 
+def test_rows_at_once_honours_its_caps_over_a_mesh():
+  cfg = _cfg()
+  per_row = memory.kv_bytes_per_row(cfg, 24)
+  at_once = lambda **kw: memory.rows_at_once(cfg, 64, 24, prompt_len=16, **kw)
+  assert at_once(row_multiple=8) == 64  # lockstep: every rollout
+  assert at_once(max_rows=12, row_multiple=8) == 8  # a multiple of the 8 devices, <= 12
+  assert at_once(kv_budget_gib=20.5 * per_row / memory.GIB, row_multiple=8) == 16
+  # A cap below one row per device is an error naming it, never silently exceeded.
+  with pytest.raises(ValueError, match=r"sampler max_rows=2 allows fewer rollout rows .* "
+                     r"than the 8 devices"):
+    at_once(max_rows=2, row_multiple=8)
+  with pytest.raises(ValueError, match=r"sampler kv_budget_gib=\S+ \(room for 1 row\)"):
+    at_once(kv_budget_gib=1.5 * per_row / memory.GIB, row_multiple=8)
+  assert at_once(max_rows=2) == 2  # one device
+
+
 def _rows(cfg, rows, positions, row_multiple=1):
   """A refilled cache of `rows` rows of `positions` (no prompt shared)."""
   return memory.CacheLayout(prompt_len=16, completion_len=positions - 16, pairs=10**9,
