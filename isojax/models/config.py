@@ -98,6 +98,10 @@ class ModelConfig:
   lm_head_fp32: bool = True
   remat: str = "none"
   attention: str = "auto"
+  # config.json's eos_token_id as a tuple: where a sampler stops a row. A field of
+  # its own (not only in the JSON below) so that models that differ in it are
+  # unequal configs: nnx.jit's graph cache hands one model an equal one's config.
+  eos_token_ids: tuple[int, ...] = ()
   # The config.json this came from, as JSON text (immutable, kept out of eq/hash).
   hf_config_json: str = dataclasses.field(default="", compare=False, repr=False)
 
@@ -174,7 +178,8 @@ class ModelConfig:
         qk_norm=qk_norm,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype=dtype, param_dtype=param_dtype, lm_head_fp32=lm_head_fp32, remat=remat,
-        attention=attention, hf_config_json=json.dumps(hf, sort_keys=True),
+        attention=attention, eos_token_ids=_token_ids(hf.get("eos_token_id")),
+        hf_config_json=json.dumps(hf, sort_keys=True),
         **rope)
 
   def to_hf_dict(self, dtype=None) -> dict:
@@ -192,6 +197,9 @@ class ModelConfig:
         head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, hidden_act="silu",
         max_position_embeddings=self.max_position_embeddings,
         tie_word_embeddings=self.tie_word_embeddings)
+    if self.eos_token_ids:
+      ids = list(self.eos_token_ids)
+      hf["eos_token_id"] = ids[0] if len(ids) == 1 else ids
     if self.architecture != "Qwen2ForCausalLM":  # Qwen2 has no such field: bias is implied
       hf["attention_bias"] = self.attention_bias
     name = dtype_name(self.param_dtype if dtype is None else dtype)
@@ -207,6 +215,15 @@ class ModelConfig:
       hf["rope_theta"] = self.rope_theta
       hf["rope_scaling"] = None if self.rope_type == "default" else dict(rope)
     return hf
+
+
+def _token_ids(value) -> tuple[int, ...]:
+  """config.json's eos_token_id (an id, a list of ids, or null) as a tuple."""
+  values = [] if value is None else value if isinstance(value, list) else [value]
+  if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    raise ValueError(f"config.json's eos_token_id={value!r} is not a token id or a list "
+                     f"of them")
+  return tuple(values)
 
 
 def _parse_rope(hf: dict) -> dict:

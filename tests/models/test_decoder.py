@@ -122,6 +122,14 @@ def test_config_round_trips_and_reads_legacy_rope():
   assert out["bos_token_id"] == 1 and out["architectures"] == ["LlamaForCausalLM"]
   assert out["torch_dtype"] == out["dtype"] == "float32"
   assert ModelConfig.from_hf_dict(out) == cfg
+  # EOS: an id, a list of ids, or none; models that differ only in it differ.
+  one, two = (ModelConfig.from_hf_dict({**hf, "eos_token_id": e}) for e in (2, [2, 7]))
+  assert (cfg.eos_token_ids, one.eos_token_ids, two.eos_token_ids) == ((), (2,), (2, 7))
+  assert one != cfg and one != two
+  assert one.to_hf_dict()["eos_token_id"] == 2 and two.to_hf_dict()["eos_token_id"] == [2, 7]
+  assert ModelConfig.from_hf_dict(two.to_hf_dict()) == two
+  with pytest.raises(ValueError, match=r"eos_token_id='</s>' is not a token id"):
+    ModelConfig.from_hf_dict({**hf, "eos_token_id": "</s>"})
   with pytest.raises(ValueError, match="MistralForCausalLM.*supported.*LlamaForCausalLM"):
     ModelConfig.from_hf_dict({**hf, "architectures": ["MistralForCausalLM"]})
   with pytest.raises(ValueError, match="yarn"):
