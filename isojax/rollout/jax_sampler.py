@@ -39,7 +39,6 @@ different order).
 from __future__ import annotations
 
 import functools
-import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -87,15 +86,10 @@ def _stopped_at_step_limit(done_R, lengths_R, min_free: int, read_len: int) -> b
 
 
 def _eos_ids(cfg) -> tuple[int, ...]:
-  """EOS id(s) of the model: `cfg.eos_token_id`, else its HF config.json's."""
-  eos = getattr(cfg, "eos_token_id", None)
-  if eos is None and getattr(cfg, "hf_config_json", ""):
-    eos = json.loads(cfg.hf_config_json).get("eos_token_id")
-  if eos is None:
-    return ()
-  ids = tuple(int(e) for e in (eos if isinstance(eos, Sequence) else (eos,)))
+  """The model's EOS id(s), `cfg.eos_token_ids` (config.json's eos_token_id)."""
+  ids = tuple(getattr(cfg, "eos_token_ids", ()))
   if not all(0 <= e < cfg.vocab_size for e in ids):
-    raise ValueError(f"JaxSampler: the model's eos_token_id {eos!r} is not a token id "
+    raise ValueError(f"JaxSampler: the model's eos_token_id {list(ids)} is not a token id "
                      f"in [0, vocab_size={cfg.vocab_size})")
   return ids
 
@@ -105,7 +99,7 @@ class JaxSampler:
 
   Args:
     model: an `isojax.models.Decoder` (anything with prefill / decode_step and a
-      config carrying vocab_size, max_position_embeddings, eos_token_id and the
+      config carrying vocab_size, max_position_embeddings, eos_token_ids and the
       cache dimensions).
     mesh: optional `jax.sharding.Mesh` with axes ("data", "fsdp", "tensor").
       Rollout rows are split over ("data", "fsdp"), parameters follow their

@@ -226,6 +226,13 @@ def test_stop_tokens_and_eos_end_sequences(model, sampler):
   with_eos = Decoder(ModelConfig.from_hf_dict(_hf(eos_token_id=[stop])), rngs=nnx.Rngs(9))
   nnx.update(with_eos, nnx.state(model))
   expect(JaxSampler(with_eos).generate(PROMPTS[:2], **kw))
+  # Its config differs from the EOS-less model's, so nnx.jit's graph cache, which
+  # hands a model an equal model's config, cannot lose the EOS.
+  forward = nnx.jit(lambda m, ids: m(ids))
+  for m in (model, with_eos):
+    forward(m, jnp.ones((1, 4), jnp.int32))
+  assert with_eos.cfg.eos_token_ids == (stop,) and model.cfg.eos_token_ids == ()
+  expect(JaxSampler(with_eos).generate(PROMPTS[:2], **kw))
   # An EOS id the model cannot emit is a bad config, named when the sampler is built.
   outside = Decoder(ModelConfig.from_hf_dict(_hf(eos_token_id=[stop, VOCAB])),
                     rngs=nnx.Rngs(9))
