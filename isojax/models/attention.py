@@ -48,6 +48,21 @@ def resolve_implementation(implementation: str, dtype) -> str:
   return "cudnn" if _cudnn_applies(dtype) else "xla"
 
 
+def check_implementation(implementation: str, dtype) -> str:
+  """The implementation `resolve_implementation` picks for `dtype` compute, or a
+  ValueError naming it when it cannot run here ("cudnn" off GPU or in float32,
+  where jax.nn.dot_product_attention would fail deep in its lowering)."""
+  impl = resolve_implementation(implementation, dtype)
+  if impl not in ("xla", "cudnn"):
+    raise ValueError(f"attention implementation {implementation!r}: expected 'auto', "
+                     "'xla' or 'cudnn'")
+  if impl == "cudnn" and not _cudnn_applies(dtype):
+    raise ValueError(f"attention implementation 'cudnn' needs a GPU and 16-bit compute; "
+                     f"here the backend is {jax.default_backend()!r} and the compute dtype "
+                     f"{jnp.dtype(dtype).name}: use 'auto' (cudnn where it applies) or 'xla'")
+  return impl
+
+
 def _visible(q_slot_T, s_slot_S, kv_valid_BxS):
   """[B, T, S] bool as a fusible expression of iotas (XLA does not keep it)."""
   return (s_slot_S[None, None, :] <= q_slot_T[None, :, None]) & kv_valid_BxS[:, None, :]
@@ -243,17 +258,7 @@ def attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, *, implementation="
   """
   block = BLOCK if block is None else block
   scale = q_BxTxNxH.shape[-1] ** -0.5
-  impl = resolve_implementation(implementation, q_BxTxNxH.dtype)
-  if impl not in ("xla", "cudnn"):
-    raise ValueError(f"attention implementation {implementation!r}: expected 'auto', "
-                     "'xla' or 'cudnn'")
-  if impl == "cudnn":
-    if not _cudnn_applies(q_BxTxNxH.dtype):
-      # jax.nn.dot_product_attention would fail deep in its lowering instead.
-      raise ValueError(f"attention implementation 'cudnn' needs a GPU and 16-bit compute; "
-                       f"here the backend is {jax.default_backend()!r} and the compute dtype "
-                       f"{jnp.dtype(q_BxTxNxH.dtype).name}: use 'auto' (cudnn where it "
-                       f"applies) or 'xla'")
+  if check_implementation(implementation, q_BxTxNxH.dtype) == "cudnn":
     return _fused_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, scale, "cudnn")
   if q_BxTxNxH.shape[1] > block:
     return blocked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, scale=scale,
