@@ -14,6 +14,7 @@ from isojax import assets, run_setup
 from isojax import budget as budget_lib
 from isojax.data.loader import check_retire_threshold
 from isojax.data.problem_sets import check_data_config
+from isojax.models.attention import check_implementation
 from isojax.models.config import as_dtype
 from isojax.models.tokenizer import Tokenizer
 from isojax.rl import LossConfig, OptimConfig, learning_rate
@@ -136,16 +137,32 @@ def plan_run(config) -> RunPlan:
                  critic_optim=critic_optim, off_policy_k=off_policy_k, max_lag=max_lag)
 
 
+# Seeds, and sizes where 0 means all or off: a negative one would be sliced from
+# the end or reach numpy's SeedSequence, which names no field.
+COUNT_FIELDS = ("seed", "data.split_seed", "data.num_train", "rl.micro_batch",
+                "eval.num_train", "eval.batch_problems")
+
+
 def _check_model_and_sampler_fields(config) -> None:
-  """config.model's dtypes, the in-process sampler's caps (0 = off) and the sampling
-  settings (top-p and top-k off: rollouts are trained on), each by name: otherwise
-  they fail later as a bare numpy TypeError, or only once the sampler is built or
-  first called (after a `--dry_run` said the run was fine)."""
+  """config.model's dtypes and attention, `COUNT_FIELDS`, the in-process sampler's
+  caps (0 = off) and the sampling settings (top-p and top-k off: rollouts are
+  trained on), each by name: otherwise they fail later as a bare numpy TypeError,
+  or only once the sampler is built, first called or the step traced (after a
+  `--dry_run` said the run was fine, and config.json was written)."""
   for field in ("dtype", "param_dtype"):
     try:
       as_dtype(config.model[field])
     except ValueError as e:
       raise ValueError(f"config.model.{field}: {e}") from None
+  try:  # "cudnn" needs a GPU and 16-bit compute; the first update would say so
+    check_implementation(config.model.attention, as_dtype(config.model.dtype))
+  except ValueError as e:
+    raise ValueError(f"config.model.attention: {e}") from None
+  for name in COUNT_FIELDS:
+    section, field = name.split(".") if "." in name else (None, name)
+    value = (config[section] if section else config)[field]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise ValueError(f"config.{name}={value!r} must be an integer >= 0")
   for field in ("max_rows", "decode_chunk", "kv_budget_gib"):
     value = config.sampler.get(field, 0)
     if value is not None and value < 0:

@@ -266,6 +266,13 @@ def test_main_config_typos_are_one_line(tmp_path, args, expect):
     ("eval_steps", (2, 5), r"config.eval_steps=\(2, 5\): .* in \[1, M=4\]; not \[5\]"),
     ("eval_steps", ("abc",), r"config.eval_steps=\('abc',\): .*; not \['abc'\]"),
     ("eval_steps", (2.5,), r"not \[2.5\]"),
+    ("model.attention", "cudnn", r"config.model.attention: .*'cudnn' needs a GPU and 16-bit"),
+    ("seed", -1, r"config.seed=-1 must be an integer >= 0"),
+    ("data.split_seed", -1, r"config.data.split_seed=-1 must be an integer >= 0"),
+    ("data.num_train", -5, r"config.data.num_train=-5 must be"),
+    ("rl.micro_batch", -4, r"config.rl.micro_batch=-4 must be an integer >= 0"),
+    ("eval.num_train", -1, r"config.eval.num_train=-1 must be an integer >= 0"),
+    ("eval.batch_problems", -1, r"config.eval.batch_problems=-1 must be an integer >= 0"),
 ])
 def test_sampling_settings_and_eval_steps_fail_before_config_json(tmp_path, field, value,
                                                                    match):
