@@ -58,11 +58,22 @@ def truncate_metrics(path: str | pathlib.Path, max_step: int | None) -> int:
 
   Rewrites the file atomically (temporary file, fsync, rename). Returns the
   number of lines kept.
+
+  Raises:
+    ValueError: naming the steps, when the file does not reach max_step (a step's
+      line is written, and synced, before its checkpoint: it was cut or replaced).
   """
   path = pathlib.Path(path)
   files.check_not_link(path)
   kept = [] if max_step is None else [
       r for r in rundir.read_metrics(path).records if int(r["step"]) <= max_step]
+  reached = max((int(r["step"]) for r in kept), default=-1)
+  if max_step is not None and reached < max_step:
+    raise ValueError(
+        f"{path} reaches step {reached if kept else 'none'}, but the run resumes from its "
+        f"checkpoint at step {max_step}: the lines of steps {reached + 1}..{max_step} are "
+        f"gone (the file was cut, replaced or deleted) and the run's curve would keep that "
+        f"gap; restore the file, or run again in a fresh --workdir")
   files.write_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
   return len(kept)
 

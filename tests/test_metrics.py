@@ -5,6 +5,7 @@ import struct
 import time
 
 import numpy as np
+import pytest
 
 from isojax import metrics as metrics_lib
 
@@ -60,6 +61,16 @@ def test_write_and_truncate_on_resume(tmp_path):
   got = (tmp_path / "metrics.jsonl").read_text().splitlines()
   assert got[:3] == lines[:3]
   assert [json.loads(x)["step"] for x in got] == [0, 1, 2, 3]
+
+  # A file cut (or deleted) below the checkpoint's step is refused, left as it was.
+  (tmp_path / "metrics.jsonl").write_text("".join(x + "\n" for x in got[:2]))
+  with pytest.raises(ValueError, match=r"reaches step 1, but the run resumes from its "
+                     r"checkpoint at step 3: the lines of steps 2..3 are gone"):
+    metrics_lib.MetricsWriter(tmp_path, resume_step=3, tensorboard=False)
+  assert (tmp_path / "metrics.jsonl").read_text().splitlines() == got[:2]
+  (tmp_path / "metrics.jsonl").unlink()
+  with pytest.raises(ValueError, match=r"reaches step none, .* steps 0..3 are gone"):
+    metrics_lib.MetricsWriter(tmp_path, resume_step=3, tensorboard=False)
 
   # No checkpoint: a fresh start empties the file.
   metrics_lib.MetricsWriter(tmp_path, resume_step=None, tensorboard=False).close()
