@@ -13,7 +13,8 @@ from isojax.data.loader import (AllRetiredError, EpochLoader, LoaderPosition, ep
 from isojax.data.rewards import (REWARD_FNS, MathVerifier, MathVerifierPool, exact_match,
                                  get_reward_fn, math_verify_reward)
 from isojax.data.sources import (Fields, Problem, encode_prompts, load_datasets_dir,
-                                 load_jsonl, load_parquet, load_problems, write_jsonl)
+                                 load_jsonl, load_parquet, load_problems, problems_digest,
+                                 write_jsonl)
 from isojax.data.splits import (SPLIT_RANGES, indices_in_range, mixture_indices,
                                 split_indices)
 from isojax.data.synthetic import (DEFAULT_DIGITS, DEFAULT_FAMILIES, FAMILIES, VOCAB,
@@ -25,7 +26,7 @@ __all__ = [
     "REWARD_FNS", "MathVerifier", "MathVerifierPool", "exact_match", "get_reward_fn",
     "math_verify_reward",
     "Fields", "Problem", "encode_prompts", "load_datasets_dir", "load_jsonl",
-    "load_parquet", "load_problems", "write_jsonl",
+    "load_parquet", "load_problems", "problems_digest", "write_jsonl",
     "SPLIT_RANGES", "indices_in_range", "mixture_indices", "split_indices",
     "DEFAULT_DIGITS", "DEFAULT_FAMILIES", "FAMILIES", "VOCAB", "synthetic_problems",
     "synthetic_splits",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
+import hashlib
 import json
 import math
 import os
@@ -32,6 +33,14 @@ class Problem:
 
   def to_dict(self) -> dict:
     return {"id": self.id, "prompt": self.prompt, "answer": self.answer}
+
+
+def problems_digest(problems: Sequence[Problem]) -> dict:
+  """{"problems": count, "sha256": hex digest} of the problems in order (ids,
+  prompts, answers): two loads that train alike give the same digest."""
+  text = json.dumps([p.to_dict() for p in problems], ensure_ascii=False)
+  return {"problems": len(problems),
+          "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from isojax.data import Problem, encode_prompts, load_jsonl, load_problems, write_jsonl
+from isojax.data import (Problem, encode_prompts, load_jsonl, load_problems,
+                         problems_digest, write_jsonl)
 from isojax.data.sources import Fields
 
 ROWS = [{"question": "1+1=", "solution": 2, "uid": "a"},
@@ -148,3 +149,12 @@ def test_numeric_answers_are_written_out_not_in_exponent_notation(tmp_path):
                       for i, a in enumerate([1e-05, 1e20, 2.0, 0.1, -1.5e-7, 7])])
   got = [p.answer for p in load_jsonl(path, Fields())]
   assert got == ["0.00001", "100000000000000000000", "2.0", "0.1", "-0.00000015", "7"]
+
+
+def test_problems_digest_follows_content_and_order_not_where_read():
+  a, b = Problem("0", "1+1=", "2", where="x.jsonl:1"), Problem("1", "2+2=", "4")
+  digest = problems_digest([a, b])
+  assert digest["problems"] == 2 and len(digest["sha256"]) == 64
+  assert problems_digest([Problem("0", "1+1=", "2"), b]) == digest  # `where` is no content
+  assert problems_digest([b, a]) != digest  # the loader draws by position
+  assert problems_digest([a, Problem("1", "2+2=", "5")]) != digest
