@@ -125,6 +125,39 @@ def check_saved_config(path: pathlib.Path, resolved: dict) -> list[str]:
   return lacking
 
 
+def check_saved_data(path: pathlib.Path, digests: dict, data_config) -> None:
+  """Refuses a rerun whose problems differ from those its run started with.
+
+  Args:
+    path: the run directory's data.json (absent: a run from before it existed,
+      or a fresh one; nothing to compare).
+    digests: {"train" | "val/NAME": `isojax.data.problems_digest`} of the rerun.
+    data_config: config.data, for the message.
+
+  Raises:
+    ValueError: naming the sets that differ: the config may name the same files,
+      but their contents changed, and the loader's position and the validation
+      curve would continue on other problems.
+  """
+  if not path.exists():
+    return
+  saved = read_json_object(path)
+  changed = [name for name in sorted(saved.keys() | digests.keys())
+             if saved.get(name) != digests.get(name)]
+  if changed:
+    counts = "; ".join(f"{name}: {_count(saved.get(name))} then, {_count(digests.get(name))} "
+                       f"now" for name in changed)
+    raise ValueError(
+        f"the problems of {changed} are not those this run started with ({counts}; "
+        f"data.train={data_config.train!r}, data.val={data_config.val!r}; digests in "
+        f"{path}): resuming would continue it on other data; restore the data, or use a "
+        f"fresh --workdir")
+
+
+def _count(digest) -> str:
+  return "absent" if digest is None else f"{digest.get('problems')} problems"
+
+
 def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
   """{dotted field: its value as JSON text} over the leaves of a nested config dict."""
   out = {}

@@ -26,9 +26,10 @@ from isojax import metrics as metrics_lib
 from isojax.checkpoint import HostState
 from isojax.errors import disk_full_as
 from isojax.rollout.memory import check_run_split
-from isojax.run_config import check_run_dir
+from isojax.data import problems_digest
+from isojax.run_config import check_run_dir, check_saved_data
 from isojax.run_setup import RunParts, model_of
-from isojax.rundir import CHECKPOINT_DIR, CONFIG_FILE, lock_run_dir
+from isojax.rundir import CHECKPOINT_DIR, CONFIG_FILE, DATA_FILE, lock_run_dir
 
 
 def writes_run_files() -> bool:
@@ -98,6 +99,11 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
     t0 = time.time()
     parts = run_setup.build_parts(config, run_plan)
     closes.insert(0, parts.close)  # a vLLM client's snapshots go too
+    digests = {"train": problems_digest(parts.train_problems),
+               **{f"val/{name}": problems_digest(problems)
+                  for name, problems in parts.val_sets.items()}}
+    if (workdir / CONFIG_FILE).exists():  # a rerun: the files it names may have changed
+      check_saved_data(workdir / DATA_FILE, digests, config.data)
     state = parts.init_state()
     files.check_not_link(workdir / CHECKPOINT_DIR)
     _log_memory_split(config, parts, state, point, pipelined=bool(run_plan.max_lag))
@@ -114,15 +120,20 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
       logging.info("resumed from the checkpoint at step %d", start)
     writes_files = writes_run_files()
     # Only a run that really started (model, data, sampler and state loaded) records
-    # its config: a failed start (a bad model path) must not hold its config against
-    # the corrected command in the same workdir. A config.json from before fields
-    # were added, or with other runtime fields, is rewritten whole (atomically), so
-    # the next rerun compares all.
-    if writes_files and (lacking or not (workdir / CONFIG_FILE).exists()):
+    # its config and data digests: a failed start (a bad model path) must not hold
+    # them against the corrected command in the same workdir. A config.json from
+    # before fields were added, or with other runtime fields, is rewritten whole
+    # (atomically), so the next rerun compares all; a run older than data.json
+    # gets one.
+    new_config = writes_files and (lacking or not (workdir / CONFIG_FILE).exists())
+    if new_config:
       if lacking:
         logging.info("%s rewritten with this run's %s", CONFIG_FILE, lacking)
       with disk_full_as(workdir, CONFIG_FILE):
         write_json(workdir / CONFIG_FILE, resolved)
+    if writes_files and (new_config or not (workdir / DATA_FILE).exists()):
+      with disk_full_as(workdir, DATA_FILE):
+        write_json(workdir / DATA_FILE, digests)
     writer = metrics_lib.MetricsWriter(workdir, resume_step=start, enabled=writes_files)
   except BaseException:
     _close_all(*closes)

@@ -209,6 +209,12 @@ def build_parts(config, run_plan) -> RunParts:
   fitted = {name: fit_context(config, tokenizer, context, max_tokens, problems,
                               f"validation ({name})") for name, problems in val_sets.items()}
   val_sets = {name: kept for name, (kept, _) in fitted.items()}
+  if len(train) < run_plan.point.bp:
+    raise ValueError(
+        f"Bp={run_plan.point.bp} problems per batch, but {len(train)} training problems "
+        f"(data.train={config.data.train!r}, num_train={config.data.num_train}, "
+        f"{config.data.num_val} of them held out for validation unless data.val names "
+        f"a set): a batch would hold a problem twice; lower bp or use more problems")
   prompt_ids = {p.id: x for p, x in zip(train, ids)}
   if len(prompt_ids) != len(train):
     raise ValueError("training problems must have distinct ids")

@@ -3,6 +3,7 @@
 A run directory (`python -m isojax.main --workdir=DIR`) holds
 
     config.json     the resolved config, with the derived budget point
+    data.json       digests of the problems it trains and validates on
     metrics.jsonl   one JSON object per line, each with a numeric "step"
     tensorboard/    the same scalars for TensorBoard
     checkpoints/    orbax steps: train state + host state
@@ -24,6 +25,7 @@ import os
 from isojax.files import lock_holder, read_tail, try_flock
 
 CONFIG_FILE = "config.json"
+DATA_FILE = "data.json"
 METRICS_FILE = "metrics.jsonl"
 DONE_FILE = "DONE"
 CHECKPOINT_DIR = "checkpoints"

@@ -74,6 +74,43 @@ def test_prompt_longer_than_the_context_fails_at_load_naming_the_line(tmp_path):
   assert not (workdir / "config.json").exists() and not (workdir / "metrics.jsonl").exists()
 
 
+def _problems_file(path, first: int, count: int):
+  lines = [{"id": f"p{i}", "prompt": f"{i}+1=", "answer": str(i + 1)}
+           for i in range(first, first + count)]
+  path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+  return path
+
+
+def test_a_rerun_on_changed_data_is_refused(tmp_path):
+  # The config names the same file, but its problems changed since the run
+  # started: the loader's position and the validation curve would continue on
+  # other problems.
+  path = _problems_file(tmp_path / "train.jsonl", 0, 30)
+  config = small_config(**{"data.train": str(path), "data.num_val": 4})
+  workdir = tmp_path / "run"
+  run.run(config, workdir)
+  digests = json.loads((workdir / rundir.DATA_FILE).read_text())
+  assert sorted(digests) == ["train", "val/val"] and digests["train"]["problems"] == 26
+  (workdir / rundir.DONE_FILE).unlink()  # as if killed after its last checkpoint
+  original = path.read_text()
+  _problems_file(path, 100, 30)
+  with pytest.raises(ValueError, match=r"the problems of \['train', 'val/val'\] are not "
+                     r"those this run started with \(train: 26 problems then, 26 problems "
+                     r"now; .*data.train='.*train.jsonl'.*use a fresh --workdir"):
+    run.run(config, workdir)
+  path.write_text(original)
+  assert run.run(config, workdir)["step"] == 4  # the same data resumes
+
+
+def test_a_batch_larger_than_the_training_set_is_refused(tmp_path):
+  path = _problems_file(tmp_path / "train.jsonl", 0, 7)
+  config = small_config(**{"data.train": str(path), "data.num_val": 4})
+  with pytest.raises(ValueError, match=r"Bp=4 problems per batch, but 3 training problems "
+                     r"\(data.train="):
+    run.run(config, tmp_path / "run")
+  assert not (tmp_path / "run" / "config.json").exists()
+
+
 def test_failed_start_then_fixed_command_links_refused(tmp_path, monkeypatch):
   workdir = tmp_path / "run"
   with pytest.raises(Exception, match="no-such-model"):
@@ -87,27 +124,28 @@ def test_failed_start_then_fixed_command_links_refused(tmp_path, monkeypatch):
   monkeypatch.setattr(run_setup.RunParts, "close", lambda self: closed.append(close(self)))
   # Every name the run creates in its directory, in the order it creates them;
   # DONE.tmp is the last write of a run that trained to the end.
-  for name in ("checkpoints", "config.json.tmp", "metrics.jsonl.tmp", "metrics.jsonl",
-               "tensorboard", "DONE.tmp"):
+  for name in ("checkpoints", "config.json.tmp", "data.json.tmp", "metrics.jsonl.tmp",
+               "metrics.jsonl", "tensorboard", "DONE.tmp"):
     (workdir / name).symlink_to(victim)
     with pytest.raises(UnsafePathError, match=rf"{workdir / name} -> {victim}"):
       run.run(config, workdir)
     (workdir / name).unlink()
-  assert victim.read_text() == "precious\n" and len(closed) == 6
+  assert victim.read_text() == "precious\n" and len(closed) == 7
   # The run directory's lock is taken first, before any part is built.
   (workdir / rundir.RUN_LOCK_FILE).unlink()  # left by the attempts above
   (workdir / rundir.RUN_LOCK_FILE).symlink_to(victim)
   with pytest.raises(UnsafePathError, match=rf"{workdir / rundir.RUN_LOCK_FILE} -> {victim}"):
     run.run(config, workdir)
   (workdir / rundir.RUN_LOCK_FILE).unlink()
-  assert victim.read_text() == "precious\n" and len(closed) == 6
+  assert victim.read_text() == "precious\n" and len(closed) == 7
 
   last = run.run(config, workdir)  # the corrected command, same workdir
   assert last["step"] == 4 and (workdir / "DONE").exists()
   assert json.loads((workdir / "config.json").read_text())["model"]["path"] == ""
   # Nothing else was created: the names above are all there is to guard.
   assert sorted(os.listdir(workdir)) == [rundir.RUN_LOCK_FILE, "DONE", "checkpoints",
-                                         "config.json", "metrics.jsonl", "tensorboard"]
+                                         "config.json", "data.json", "metrics.jsonl",
+                                         "tensorboard"]
 
 
 def test_full_disk_while_checkpointing_is_one_message_and_resumable(tmp_path, monkeypatch):
