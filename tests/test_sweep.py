@@ -114,6 +114,8 @@ def test_expand_points_matches_hand_computed_grid():
 def test_expand_points_rejects_bad_input():
   with pytest.raises(ValueError, match="seeds"):
     sweep.expand_points([4], [2], b_max=64, budgets=[100], seeds=[])
+  with pytest.raises(ValueError, match=r"seeds must be .* ints >= 0, got \[-1\]"):
+    sweep.expand_points([4], [2], b_max=64, budgets=[100], seeds=[-1])
   with pytest.raises(ValueError, match="b_max"):
     sweep.expand_points([64], [64], b_max=16, budgets=[1e6])
 
@@ -183,6 +185,9 @@ def test_plan_reads_grid_defaults_from_the_experiment_file(monkeypatch):
     sweep.plan_sweep(TINY + ":bp=8", "runs/t")
   with pytest.raises(ValueError, match="does not exist"):
     sweep.plan_sweep("experiments/nope.py", "runs/t")
+  # A value given, even if bad, is named as such (not as missing).
+  with pytest.raises(ValueError, match="b_max must be a positive integer, got 0"):
+    sweep.plan_sweep(TINY, "runs/t", b_max=0)
 
 
 def test_default_concurrency_and_env():

@@ -50,8 +50,8 @@ def expand_points(bp_values: Iterable, n_values: Iterable, *, b_max, budgets,
     ValueError: for an empty seed list, or when no point fits (naming the numbers).
   """
   seeds = [int(s) for s in seeds]
-  if not seeds or len(set(seeds)) != len(seeds):
-    raise ValueError(f"seeds must be a non-empty list of distinct ints, got {seeds}")
+  if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+    raise ValueError(f"seeds must be a non-empty list of distinct ints >= 0, got {seeds}")
   n_values = list(n_values)
   if n_values and all(float(n) < min_n for n in n_values):
     raise ValueError(f"no feasible budget point: every n in {n_values} is below the "
@@ -279,7 +279,7 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
   budgets = grid.get("budgets") if budgets is None else budgets
   b_max = config.get("b_max") if b_max is None else b_max
   for name, value in (("bp", bp), ("n", n), ("budget", budgets), ("b_max", b_max)):
-    if not value:
+    if value is None or (not value and not isinstance(value, (int, float))):
       raise ValueError(f"no {name} values: pass --{name} or set them in "
                        f"{config_path} (config.sweep / config.b_max)")
   rl = config.get("rl") or {}
