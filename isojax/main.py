@@ -100,14 +100,13 @@ def main_reporting_errors(argv):
     if not errors.is_expected(e):
       raise
     code = errors.report(e, "isojax.main", verbose=_VERBOSE.value)
-    if isinstance(e, errors.DiskFullError):
-      # The run's own clean-up has run; what is left of interpreter shutdown is the
-      # storage library's threads printing a traceback per write the full disk
-      # refused, which would bury the message above.
-      sys.stdout.flush()
-      sys.stderr.flush()
-      os._exit(code)  # pylint: disable=protected-access
-    sys.exit(code)
+    # The run's own clean-up has run; what is left of interpreter shutdown is the
+    # checkpoint library's threads printing tracebacks (one per write a full disk
+    # refused; "Event loop is closed" after a damaged checkpoint was named), which
+    # would bury the message above.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # pylint: disable=protected-access
 
 
 def _parse_flags(argv):
