@@ -195,21 +195,18 @@ def write_report(analysis: Analysis, out_dir: str) -> dict:
   return {"figures": figures, "fits": "fits.json", "report": "report.md"}
 
 
-# How report.md shows a figure written beside it: ![name](name.png).
-_FIGURE_LINK = re.compile(r"!\[[^\]]*\]\(([^)/\\]+\.png)\)")
+# The names of the figures `write_figures` and `write_recipe_report` save.
+_FIGURE_NAME = re.compile(r"(fig\d+|extrapolation|recipes)_.*\.png")
 
 
 def _remove_previous(out_dir: str) -> None:
-  """Deletes an earlier analysis's report.md, fits.json and the figures its
-  report.md shows (files of the user's own are left), so that one failing part
-  way, or one drawing other groups or metrics, leaves nothing that looks current."""
-  names = ["report.md", "fits.json"]
-  if os.path.isfile(os.path.join(out_dir, "report.md")):
-    with open(os.path.join(out_dir, "report.md")) as f:
-      names += sorted(set(_FIGURE_LINK.findall(f.read())))
-  for name in names:
+  """Deletes an earlier analysis's report.md, fits.json and figures (other files
+  are left), so that one failing part way, or one drawing other groups or
+  metrics, leaves nothing that looks current."""
+  for name in os.listdir(out_dir):
     path = os.path.join(out_dir, name)
-    if os.path.isfile(path):
+    if (name in ("report.md", "fits.json") or _FIGURE_NAME.fullmatch(name)) and (
+        os.path.isfile(path)):
       os.remove(path)
 
 

@@ -316,12 +316,13 @@ def test_an_analysis_failing_part_way_leaves_no_stale_report(runs_dir, tmp_path,
                                                              monkeypatch):
   out = tmp_path / "report"
   os.makedirs(out)
-  # An earlier analysis drew a group this one does not have; the user keeps a file.
-  (out / "report.md").write_text("# an earlier analysis\n\n## Figures\n\n"
-                                 "![fig7_nstar_hard.png](fig7_nstar_hard.png)\n")
+  # Earlier analyses drew groups this one does not have (one of them failed before
+  # its report.md); the user keeps files of their own.
+  (out / "report.md").write_text("# an earlier analysis")
   (out / "fits.json").write_text("{}")
-  (out / "fig7_nstar_hard.png").write_bytes(b"\x89PNG")
-  (out / "notes.png").write_bytes(b"\x89PNG")
+  for name in ("fig7_nstar_hard.png", "fig11_pass1_hist_hard.png", "recipes_rollouts.png",
+               "notes.png", "fig7_notes.txt"):
+    (out / name).write_bytes(b"\x89PNG")
 
   def broken(*args, **kwargs):
     raise RuntimeError("a bug in a figure")
@@ -329,7 +330,7 @@ def test_an_analysis_failing_part_way_leaves_no_stale_report(runs_dir, tmp_path,
   monkeypatch.setattr(plots, "plot_records", broken)
   with pytest.raises(RuntimeError, match="a bug in a figure"):  # a bug still surfaces
     main([str(runs_dir), "--out", str(out), "--n-boot", "0"])
-  assert set(os.listdir(out)) == {"notes.png"}
+  assert set(os.listdir(out)) == {"notes.png", "fig7_notes.txt"}
 
 
 @pytest.mark.parametrize("argv, match", [
