@@ -43,7 +43,7 @@ def get_config(arg=None):
 
   c.eval.num_train = 64
   c.sweep.study = "tiny"
-  c.sweep.split = "all"
+  c.sweep.split = "synthetic"  # all five task families (data.train)
   c.sweep.bp_values = [4, 8, 16]
   c.sweep.n_values = [2, 4, 8, 16]
   c.sweep.budgets = [c.budget]
