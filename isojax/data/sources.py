@@ -38,9 +38,8 @@ class Problem:
 def problems_digest(problems: Sequence[Problem]) -> dict:
   """{"problems": count, "sha256": hex digest} of the problems in order (ids,
   prompts, answers): two loads that train alike give the same digest."""
-  text = json.dumps([p.to_dict() for p in problems], ensure_ascii=False)
-  return {"problems": len(problems),
-          "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+  text = json.dumps([p.to_dict() for p in problems])  # ASCII: lone surrogates too
+  return {"problems": len(problems), "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
 @dataclasses.dataclass(frozen=True)
