@@ -129,19 +129,25 @@ def check_saved_data(path: pathlib.Path, digests: dict, data_config) -> None:
   """Refuses a rerun whose problems differ from those its run started with.
 
   Args:
-    path: the run directory's data.json (absent: a run from before it existed,
-      or a fresh one; nothing to compare).
-    digests: {"train" | "val/NAME": `isojax.data.problems_digest`} of the rerun.
+    path: the run directory's data.json (absent: a run from before it existed;
+      nothing to compare).
+    digests: {"train" | "val/NAME": `isojax.data.problems_digest`} of the rerun's
+      problems, as kept for the model's context.
     data_config: config.data, for the message.
 
   Raises:
-    ValueError: naming the sets that differ: the config may name the same files,
-      but their contents changed, and the loader's position and the validation
-      curve would continue on other problems.
+    ValueError: naming the sets that differ (the config names the same sources,
+      but what they load changed: the files, or which prompts fit the model's
+      context), or a damaged data.json: the loader's position and the
+      validation curve would continue on other problems.
   """
   if not path.exists():
     return
   saved = read_json_object(path)
+  if not all(isinstance(v, dict) and {"problems", "sha256"} <= v.keys()
+             for v in saved.values()):
+    raise ValueError(f"{path} is not what a run writes ({{set: {{problems, sha256}}}}): "
+                     f"restore it, or use a fresh --workdir")
   changed = [name for name in sorted(saved.keys() | digests.keys())
              if saved.get(name) != digests.get(name)]
   if changed:
@@ -150,8 +156,8 @@ def check_saved_data(path: pathlib.Path, digests: dict, data_config) -> None:
     raise ValueError(
         f"the problems of {changed} are not those this run started with ({counts}; "
         f"data.train={data_config.train!r}, data.val={data_config.val!r}; digests in "
-        f"{path}): resuming would continue it on other data; restore the data, or use a "
-        f"fresh --workdir")
+        f"{path}): resuming would continue it on other problems; restore the data (and "
+        f"the model's tokenizer and context), or use a fresh --workdir")
 
 
 def _count(digest) -> str:

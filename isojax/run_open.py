@@ -1,5 +1,6 @@
-"""Opens a run directory around a run's parts: its lock, config.json, the resume
-from its last checkpoint, the memory check and the metrics writer.
+"""Opens a run directory around a run's parts: its lock, config.json and data.json,
+the resume from its last checkpoint (refused on other problems than the run's, or
+a metrics.jsonl cut short of it), the memory check and the metrics writer.
 
 Kept apart from `isojax/run_setup.py`, which builds the parts (model, data,
 sampler, step) and knows nothing of run directories.
@@ -24,9 +25,9 @@ from isojax import checkpoint as ckpt_lib
 from isojax import files, run_setup
 from isojax import metrics as metrics_lib
 from isojax.checkpoint import HostState
+from isojax.data import problems_digest
 from isojax.errors import disk_full_as
 from isojax.rollout.memory import check_run_split
-from isojax.data import problems_digest
 from isojax.run_config import check_run_dir, check_saved_data
 from isojax.run_setup import RunParts, model_of
 from isojax.rundir import CHECKPOINT_DIR, CONFIG_FILE, DATA_FILE, lock_run_dir
@@ -76,15 +77,18 @@ class OpenRun:
 
 def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun:
   """Builds the run's parts, resumes from the last checkpoint in `workdir` if any,
-  records config.json and opens metrics.jsonl.
+  records config.json and data.json (digests of its problems) and opens
+  metrics.jsonl.
 
   A saved config.json that lacks fields added since its run started
   (`isojax.run_config.ADDED_FIELDS`, at the values their absence means) is
   rewritten with `resolved` once the run has started.
 
   Raises:
-    ValueError: if `workdir` holds a run with a different config or seed, or
-      checkpoints without a config.json, or another process runs in it.
+    ValueError: if `workdir` holds a run with a different config, seed or
+      problems (`run_config.check_saved_data`), checkpoints without a
+      config.json or a metrics.jsonl cut short of them, or another process
+      runs in it.
   """
   point = run_plan.point
   workdir.mkdir(parents=True, exist_ok=True)
@@ -99,11 +103,6 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
     t0 = time.time()
     parts = run_setup.build_parts(config, run_plan)
     closes.insert(0, parts.close)  # a vLLM client's snapshots go too
-    digests = {"train": problems_digest(parts.train_problems),
-               **{f"val/{name}": problems_digest(problems)
-                  for name, problems in parts.val_sets.items()}}
-    if (workdir / CONFIG_FILE).exists():  # a rerun: the files it names may have changed
-      check_saved_data(workdir / DATA_FILE, digests, config.data)
     state = parts.init_state()
     files.check_not_link(workdir / CHECKPOINT_DIR)
     _log_memory_split(config, parts, state, point, pipelined=bool(run_plan.max_lag))
@@ -111,7 +110,11 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
                                     max_to_keep=config.keep_checkpoints)
     closes.insert(0, ckpt.close)
     resumed, start = None, ckpt.latest_step()
-    if start is not None:
+    digests = {"train": problems_digest(parts.train_problems),
+               **{f"val/{name}": problems_digest(problems)
+                  for name, problems in parts.val_sets.items()}}
+    if start is not None:  # the files its config names may hold other problems by now
+      check_saved_data(workdir / DATA_FILE, digests, config.data)
       state, resumed = ckpt.restore(start, state)
       if list(resumed.rng) != run_key(config):
         raise ValueError(f"checkpoint {start} in {workdir} was made with another seed")
@@ -123,15 +126,15 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
     # its config and data digests: a failed start (a bad model path) must not hold
     # them against the corrected command in the same workdir. A config.json from
     # before fields were added, or with other runtime fields, is rewritten whole
-    # (atomically), so the next rerun compares all; a run older than data.json
-    # gets one.
-    new_config = writes_files and (lacking or not (workdir / CONFIG_FILE).exists())
-    if new_config:
+    # (atomically), so the next rerun compares all. data.json holds what the run
+    # starts on (a rerun before its first checkpoint starts afresh) or, for a run
+    # older than it, what it resumed on.
+    if writes_files and (lacking or not (workdir / CONFIG_FILE).exists()):
       if lacking:
         logging.info("%s rewritten with this run's %s", CONFIG_FILE, lacking)
       with disk_full_as(workdir, CONFIG_FILE):
         write_json(workdir / CONFIG_FILE, resolved)
-    if writes_files and (new_config or not (workdir / DATA_FILE).exists()):
+    if writes_files and (start is None or not (workdir / DATA_FILE).exists()):
       with disk_full_as(workdir, DATA_FILE):
         write_json(workdir / DATA_FILE, digests)
     writer = metrics_lib.MetricsWriter(workdir, resume_step=start, enabled=writes_files)

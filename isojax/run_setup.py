@@ -204,6 +204,7 @@ def build_parts(config, run_plan) -> RunParts:
       attention=config.model.attention)
   tokenizer = models.Tokenizer.from_pretrained(path)
   train, val_sets = load_problem_sets(config)
+  loaded = len(train)
   context, max_tokens = model.cfg.max_position_embeddings, run_plan.max_tokens
   train, ids = fit_context(config, tokenizer, context, max_tokens, train, "training")
   fitted = {name: fit_context(config, tokenizer, context, max_tokens, problems,
@@ -214,7 +215,8 @@ def build_parts(config, run_plan) -> RunParts:
         f"Bp={run_plan.point.bp} problems per batch, but {len(train)} training problems "
         f"(data.train={config.data.train!r}, num_train={config.data.num_train}, "
         f"{config.data.num_val} of them held out for validation unless data.val names "
-        f"a set): a batch would hold a problem twice; lower bp or use more problems")
+        f"a set; {loaded - len(train)} left out by data.drop_too_long): a batch would "
+        f"hold a problem twice; lower bp or use more problems")
   prompt_ids = {p.id: x for p, x in zip(train, ids)}
   if len(prompt_ids) != len(train):
     raise ValueError("training problems must have distinct ids")

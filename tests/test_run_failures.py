@@ -12,7 +12,11 @@ mid-way says so in one message and leaves files a rerun can resume from.
 * trainer + sampler over the device's memory stop before the first update,
   naming the numbers (the evaluation's cache and PipelineRL's weight copy too);
 * `python -m isojax.main` prints such an error as one line and exits with 2;
-* sampling settings and eval_steps fail before config.json is written;
+* sampling settings, eval_steps, cuDNN attention where it cannot run and negative
+  seeds or counts fail before config.json is written, as does a Bp above the
+  training set's size;
+* a rerun on other problems than its checkpoints' (the data files changed) is
+  refused, naming the sets;
 * a second process in a run directory, checkpoints without their config.json, a
   damaged config.json, DONE or checkpoint are each refused, naming the file.
 """
@@ -98,8 +102,19 @@ def test_a_rerun_on_changed_data_is_refused(tmp_path):
                      r"those this run started with \(train: 26 problems then, 26 problems "
                      r"now; .*data.train='.*train.jsonl'.*use a fresh --workdir"):
     run.run(config, workdir)
+  # Before its first checkpoint a rerun starts afresh, on the problems it finds.
+  shutil.rmtree(workdir / "checkpoints")
+  run.run(config, workdir)
+  assert json.loads((workdir / rundir.DATA_FILE).read_text())["train"] != digests["train"]
+  (workdir / rundir.DONE_FILE).unlink()
+  assert run.run(config, workdir)["step"] == 4  # the same problems resume
   path.write_text(original)
-  assert run.run(config, workdir)["step"] == 4  # the same data resumes
+  (workdir / rundir.DONE_FILE).unlink()
+  with pytest.raises(ValueError, match=r"the problems of \['train', 'val/val'\]"):
+    run.run(config, workdir)
+  (workdir / rundir.DATA_FILE).write_text('{"train": 26}')
+  with pytest.raises(ValueError, match=r"data.json is not what a run writes"):
+    run.run(config, workdir)
 
 
 def test_a_batch_larger_than_the_training_set_is_refused(tmp_path):
