@@ -155,7 +155,8 @@ def _check_model_and_sampler_fields(config) -> None:
     except ValueError as e:
       raise ValueError(f"config.model.{field}: {e}") from None
   try:  # "cudnn" needs a GPU and 16-bit compute; the first update would say so
-    check_implementation(config.model.attention, as_dtype(config.model.dtype))
+    if config.model.attention != "auto":  # "auto" always runs (and needs no backend)
+      check_implementation(config.model.attention, as_dtype(config.model.dtype))
   except ValueError as e:
     raise ValueError(f"config.model.attention: {e}") from None
   for name in COUNT_FIELDS:
