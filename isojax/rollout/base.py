@@ -23,9 +23,10 @@ if TYPE_CHECKING:  # for the annotation only: this interface loads no JAX
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 _FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH)
-# The smallest positive sampling temperature: below it, logits / temperature leave
-# float32's precision. vLLM silently raises such temperatures to this value, which
-# the trainer, scoring at the configured one, would not know.
+# The smallest positive sampling temperature: far below it, logits / temperature
+# leave float32's precision (at 1e-10: wrong tokens, infinite log-probs), and vLLM
+# raises any lower one to it (logging a warning), which the trainer, scoring at the
+# configured temperature, would not know.
 MIN_TEMPERATURE = 0.01
 
 
@@ -253,8 +254,8 @@ def check_sampling(temperature=0.0, top_p=1.0, top_k=None, *, prefix: str = "") 
                      f"(0 = greedy)")
   if 0 < temperature < MIN_TEMPERATURE:
     raise ValueError(f"{prefix}temperature={temperature!r} is below {MIN_TEMPERATURE}: "
-                     "logits / temperature lose float32 precision (wrong tokens, infinite "
-                     "log-probs); use 0 for greedy decoding")
+                     "vLLM would sample at 0.01, and far below it logits / temperature lose "
+                     "float32 precision; use 0 for greedy decoding")
   if not (number(top_p) and 0 < top_p <= 1):
     raise ValueError(f"{prefix}top_p={top_p!r} must be in (0, 1] (1 = off)")
   if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))

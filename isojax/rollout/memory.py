@@ -86,7 +86,8 @@ def rows_at_once(cfg, rollouts: int, cache_len: int, *, n: int = 1, prompt_len: 
     raise ValueError(
         f"sampler {cap}={given} allows fewer rollout rows at once than the {row_multiple} "
         f"devices the rows are split over (each decodes at least one row of {cache_len} "
-        f"positions); raise it to at least {row_multiple} rows or use fewer devices")
+        f"positions); raise it to at least {row_multiple} rows, or use a mesh with fewer "
+        f"data x fsdp devices")
   return rows // row_multiple * row_multiple  # every device decodes as many rows
 
 
