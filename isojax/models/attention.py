@@ -27,7 +27,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["attention", "blocked_attention", "resolve_implementation", "BLOCK"]
+__all__ = ["attention", "blocked_attention", "check_implementation", "resolve_implementation",
+           "BLOCK"]
 
 # Masked scores. Finite so a row with nothing to attend to (a left-pad query)
 # softmaxes to uniform instead of NaN, which would poison gradients.
