@@ -83,12 +83,7 @@ class Run:
 
   def get(self, dotted: str, default=None):
     """A config field by dotted path, e.g. run.get("rl.kl_coef")."""
-    node: Any = self.config
-    for part in dotted.split("."):
-      if not isinstance(node, Mapping) or part not in node:
-        return default
-      node = node[part]
-    return node
+    return _lookup(self.config, dotted, default)
 
   def column(self, key: str) -> np.ndarray:
     """A scalar metric as float64 per row, NaN where the row lacks it."""
@@ -178,13 +173,22 @@ def _parse_config(config: Mapping) -> dict:
               seed=seed if isinstance(seed, int) and not isinstance(seed, bool) else None)
 
 
+def _lookup(config: Mapping, dotted: str, default=None):
+  """A config field by dotted path; `default` where a part is missing."""
+  node: Any = config
+  for part in dotted.split("."):
+    if not isinstance(node, Mapping) or part not in node:
+      return default
+    node = node[part]
+  return node
+
+
 def _difficulty(config: Mapping) -> str | None:
   """The run's analysis group: data.difficulty where a study sets a label of its
   own (easy_d500, mix_tri), else a top-level "difficulty", else the split its
   study file names (sweep.split: easy, hard); None when none is set."""
-  for section, key in (("data", "difficulty"), (None, "difficulty"), ("sweep", "split")):
-    node = config.get(section) if section else config
-    value = node.get(key) if isinstance(node, Mapping) else None
+  for dotted in ("data.difficulty", "difficulty", "sweep.split"):
+    value = _lookup(config, dotted)
     if value not in (None, ""):
       return str(value)
   return None
