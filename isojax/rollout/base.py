@@ -254,8 +254,8 @@ def check_sampling(temperature=0.0, top_p=1.0, top_k=None, *, prefix: str = "") 
                      f"(0 = greedy)")
   if 0 < temperature < MIN_TEMPERATURE:
     raise ValueError(f"{prefix}temperature={temperature!r} is below {MIN_TEMPERATURE}: "
-                     "vLLM would sample at 0.01, and far below it logits / temperature lose "
-                     "float32 precision; use 0 for greedy decoding")
+                     f"vLLM would sample at {MIN_TEMPERATURE}, and far below it logits / "
+                     "temperature lose float32 precision; use 0 for greedy decoding")
   if not (number(top_p) and 0 < top_p <= 1):
     raise ValueError(f"{prefix}top_p={top_p!r} must be in (0, 1] (1 = off)")
   if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))
