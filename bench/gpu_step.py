@@ -2,7 +2,7 @@
 
     python bench/gpu_step.py                         # 0.5B, 1.5B, Qwen3-4B x 32 x {2048, 4096, 8192}
     python bench/gpu_step.py --models qwen2.5-1.5b --lengths 4096
-    python bench/gpu_step.py --models qwen2.5-1.5b --lengths 4096 --remat full,attention --no-torch
+    python bench/gpu_step.py --models qwen2.5-1.5b --lengths 4096 --micro 8,16 --no-torch
     python bench/gpu_step.py --cpu-smoke             # tiny shapes on CPU, seconds
 
 Random weights of the Qwen2.5-0.5B / 1.5B and Qwen3-4B shapes
@@ -126,11 +126,12 @@ def peak_bytes():
   return stats.get("peak_bytes_in_use")
 
 
-def run_isojax(cfg, batch, args):
+def run_isojax(cfg, batch, micro, args):
+  """The timed step; returns the model, its figures and the step (for a profile)."""
   B, T = batch.input_ids_BxT.shape
   model = Decoder(cfg, rngs=nnx.Rngs(0))
   step = make_train_step(model, LOSS, OPTIM, batch_size=B, group_size=GROUP,
-                         micro_batch_size=args.micro, logits_chunk=args.chunk)
+                         micro_batch_size=micro, logits_chunk=args.chunk)
   state = init_train_state(model, LOSS, OPTIM, batch_size=B)
   t = time.perf_counter()
   compiled = memory.step_memory(step, state, batch)  # the step's one compile
@@ -143,15 +144,11 @@ def run_isojax(cfg, batch, args):
 
   entropy = once()  # from the initial weights, as transformers' first step
   seconds, _ = best_of(once, args.repeats)
-  peak = peak_bytes()
-  if args.profile:
-    with tempfile.TemporaryDirectory() as tmp:
-      print(device_profile.profile_call(once, tmp).table(args.profile), flush=True)
-  return model, dict(seconds=seconds, entropy=entropy, compile_s=compile_s, peak=peak,
-                     compiled=compiled.total)
+  return model, dict(seconds=seconds, entropy=entropy, compile_s=compile_s,
+                     peak=peak_bytes(), compiled=compiled.total), once
 
 
-def run_transformers(path, batch, args):
+def run_transformers(path, batch, micro, repeats):
   import torch
   from transformers import AutoModelForCausalLM
 
@@ -175,8 +172,8 @@ def run_transformers(path, batch, args):
   def step():
     opt.zero_grad(set_to_none=True)
     entropy_sum = 0.0
-    for s in range(0, ids.shape[0], args.micro):
-      sl = slice(s, s + args.micro)
+    for s in range(0, ids.shape[0], micro):
+      sl = slice(s, s + micro)
       with torch.autocast(device.type, dtype=torch.bfloat16):
         logits = model(input_ids=ids[sl]).logits[:, :-1]
       logp_all = torch.log_softmax(logits.float(), -1)
@@ -198,7 +195,7 @@ def run_transformers(path, batch, args):
   if cuda:
     torch.cuda.reset_peak_memory_stats()
   entropy = step()  # warm-up (allocator, kernels), from the same initial weights
-  seconds, _ = best_of(step, args.repeats)
+  seconds, _ = best_of(step, repeats)
   peak = torch.cuda.max_memory_allocated() if cuda else None
   return dict(seconds=seconds, entropy=entropy, peak=peak)
 
@@ -215,7 +212,8 @@ def main():
                   help=f"comma-separated, from {sorted(memory.MODEL_SHAPES)}")
   ap.add_argument("--lengths", default="2048,4096,8192")
   ap.add_argument("--batch", type=int, default=32)
-  ap.add_argument("--micro", type=int, default=4, help="rows per micro-batch")
+  ap.add_argument("--micro", default="4",
+                  help="rows per micro-batch; comma-separated runs each (transformers once)")
   ap.add_argument("--chunk", type=int, default=512, help="lm-head positions per chunk")
   ap.add_argument("--remat", default="full",
                   help="ModelConfig.remat; comma-separated runs each (transformers once)")
@@ -228,7 +226,7 @@ def main():
                   help="tiny shapes (2 layers, d=64), batch 8 x 64, on CPU: seconds")
   args = ap.parse_args()
   if args.cpu_smoke:
-    args.batch, args.micro, args.chunk, args.repeats = 8, 4, 32, 1
+    args.batch, args.micro, args.chunk, args.repeats = 8, "4", 32, 1
     lengths, models = [64], [("smoke", smoke_shape())]
   else:
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -239,7 +237,8 @@ def main():
   print(f"bf16 matmul {matmul_n}^3: {matmul:.3g} TFLOP/s "
         f"({matmul / H100_BF16_TFLOPS:.1%} of the {H100_BF16_TFLOPS:g} TFLOP/s H100 spec)")
   remats = args.remat.split(",")
-  for (name, shape), T, remat in itertools.product(models, lengths, remats):
+  micros = [int(x) for x in str(args.micro).split(",")]
+  for (name, shape), T, remat, micro in itertools.product(models, lengths, remats, micros):
     cfg = shape.replace(dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=remat,
                         attention=args.attention, max_position_embeddings=max(lengths))
     B = args.batch
@@ -248,10 +247,10 @@ def main():
     flops = model_flops(cfg, B, T, head)
     palm_mfu = model_flops(cfg, B, T, head, causal=False) / H100_BF16_TFLOPS / 1e12
     print(f"\n{name}: {cfg.num_layers} layers, d={cfg.hidden_size}; batch {B} x {T}, "
-          f"micro-batch {args.micro}, remat {cfg.remat}, head chunk {args.chunk}, "
+          f"micro-batch {micro}, remat {cfg.remat}, head chunk {args.chunk}, "
           f"attention {args.attention}")
     try:
-      model, j = run_isojax(cfg, batch, args)
+      model, j, once = run_isojax(cfg, batch, micro, args)
     except Exception as e:  # e.g. out of memory: report it and go on
       print(f"  isojax: failed: {type(e).__name__}: {str(e)[:300]}")
       continue
@@ -261,14 +260,19 @@ def main():
           f"{palm_mfu / j['seconds']:.2%} by PaLM's formula, "
           f"{tflops / matmul:.1%} of matmul; peak {peak_text(j['peak'])} (compiled "
           f"{j['compiled'] / 2**30:.1f} GiB); compile {j['compile_s']:.1f} s; "
-          f"entropy {j['entropy']:.6f}")
-    if args.no_torch or remat != remats[0]:  # transformers once per shape
+          f"entropy {j['entropy']:.6f}", flush=True)
+    if args.profile:  # after the figures above, so a run cut short here keeps them
+      with tempfile.TemporaryDirectory() as tmp:
+        print(device_profile.profile_call(once, tmp).table(args.profile), flush=True)
+    del once  # holds the train state
+    if args.no_torch or (remat, micro) != (remats[0], micros[0]):  # transformers once per shape
+      del model
       continue
     with tempfile.TemporaryDirectory() as tmp:
       save_pretrained(model, cfg, tmp)
       del model
       try:
-        t = run_transformers(tmp, batch, args)
+        t = run_transformers(tmp, batch, micro, args.repeats)
       except Exception as e:
         print(f"  transformers: failed: {type(e).__name__}: {str(e)[:300]}")
         continue
@@ -276,7 +280,6 @@ def main():
           f"{flops / t['seconds'] / 1e12:.3g} TFLOP/s; peak {peak_text(t['peak'])}; "
           f"entropy {t['entropy']:.6f}")
     print(f"  isojax / transformers speed: {t['seconds'] / j['seconds']:.2f}x")
-
 
 if __name__ == "__main__":
   main()
