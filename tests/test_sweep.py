@@ -133,9 +133,37 @@ def test_a_fixed_batch_study_runs_only_its_line(monkeypatch):
       f"b_max = 8" for bp, n in ((2, 8), (4, 4), (8, 2))]
   # An experiment file's fixed B (config.sweep.batch) sets the line.
   monkeypatch.chdir(REPO)
-  plan, config = sweep.plan_sweep("experiments/easy_fixed_batch.py", "runs/t")
+  plan, config = sweep.plan_sweep("experiments/easy_fixed_batch.py", "runs/t",
+                                  extra_args=["--config.data.train=synthetic"])
   assert {sp.point.batch for sp in plan.points} == {config.sweep.batch} == {8192}
   assert len(plan.points) == len(config.sweep.n_values) and not plan.dropped
+
+
+def test_points_whose_bp_exceeds_the_training_set_are_left_out(monkeypatch, tmp_path):
+  # A batch of more problems than the training set holds would repeat one, and the run
+  # refuses it at start: the plan leaves such points out and says why.
+  monkeypatch.chdir(REPO)
+  data = tmp_path / "six.jsonl"  # one of them held out for validation
+  data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                          for i in range(6)))
+  args = [f"--config.data.train={data}", "--config.data.num_val=1"]
+  plan, _ = sweep.plan_sweep(TINY, "runs/t", bp=[4, 8], n=[2], budgets=[64], seeds=[0, 1],
+                             extra_args=args)
+  assert {sp.point.bp for sp in plan.points} == {4} and len(plan.points) == 2
+  assert plan.dropped == (f"Bp=8 n=2 M=4: Bp exceeds the 5 training problems of "
+                          f"data.train={str(data)!r}",)
+  with pytest.raises(ValueError, match=r"no point of experiments/tiny.py fits the 5 "
+                     r"training problems .* every Bp in \[8\] exceeds it"):
+    sweep.plan_sweep(TINY, "runs/t", bp=[8], n=[2], budgets=[64], extra_args=args)
+  # Data this machine cannot read (e.g. only the compute nodes see it) is left to the
+  # runs, which check Bp themselves.
+  plan, _ = sweep.plan_sweep(TINY, "runs/t", bp=[8], n=[2], budgets=[64],
+                             extra_args=[f"--config.data.train={tmp_path / 'absent.jsonl'}"])
+  assert [sp.point.bp for sp in plan.points] == [8] and not plan.dropped
+  # The committed easy split holds 220 training problems: the paper's Bp = 256..1024
+  # points of the fixed-batch study need the user's own (larger) set.
+  plan, _ = sweep.plan_sweep("experiments/easy_fixed_batch.py", "runs/t")
+  assert max(sp.point.bp for sp in plan.points) == 128 and len(plan.dropped) == 3
 
 
 def test_a_study_argument_reaches_every_point(monkeypatch):

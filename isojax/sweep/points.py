@@ -11,7 +11,8 @@ from collections.abc import Iterable, Sequence
 
 from isojax import budget as budget_lib
 from isojax import run_config
-from isojax.assets import BASE_MODEL_DIR
+from isojax.assets import ASSETS_DIR, BASE_MODEL_DIR
+from isojax.data import problem_sets
 
 DEFAULT_RUNNER = ("-m", "isojax.main")  # what follows the interpreter in a run command
 
@@ -294,10 +295,42 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
                          estimator=estimator, n_est=n_est, batch=batch)
   dropped = dropped_points(bp, n, b_max=b_max, budgets=budgets, min_n=min_n,
                            estimator=estimator, n_est=n_est, batch=batch)
+  points, too_big = _fit_training_set(points, config, config_path)
   run = (runner,) if runner.endswith(".py") else ("-m", runner)
   return Sweep(config=config_path, root=root, points=tuple(points), runner=run,
                extra_args=tuple(extra_args), python=python,
-               dropped=tuple(dropped)), config
+               dropped=tuple(dropped + too_big)), config
+
+
+def _training_problem_count(config) -> int | None:
+  """How many training problems `config.data` gives, before data.drop_too_long (which
+  needs the model's tokenizer); None when they cannot be loaded here (a file only the
+  compute nodes see, a data setting the run will name): each run checks again."""
+  data = config.get("data")
+  if data is None:
+    return None
+  try:
+    train, _ = problem_sets.load_problem_sets(data, ASSETS_DIR / "splits")
+  except (OSError, ValueError):
+    return None
+  return len(train)
+
+
+def _fit_training_set(points: list[SweepPoint], config, config_path: str
+                      ) -> tuple[list[SweepPoint], list[str]]:
+  """The points whose Bp the training set can fill, and a line for each left out:
+  a batch of more problems than the set holds would repeat one, and the run refuses it."""
+  count = _training_problem_count(config)
+  if count is None:
+    return points, []
+  kept = [sp for sp in points if sp.point.bp <= count]
+  where = f"the {count} training problems of data.train={config.data.train!r}"
+  if not kept:
+    raise ValueError(f"no point of {config_path} fits {where}: every Bp in "
+                     f"{sorted({sp.point.bp for sp in points})} exceeds it; lower Bp or use "
+                     f"more problems")
+  too_big = sorted({sp.point for sp in points if sp.point.bp > count})
+  return kept, [f"Bp={p.bp} n={p.n} M={p.m}: Bp exceeds {where}" for p in too_big]
 
 
 # What the launcher sets in each point's `--config=FILE:ARG` (`SweepPoint.config_arg`).
