@@ -43,6 +43,8 @@ FAKE_RUNNER = textwrap.dedent('''
     ckpt = os.path.join(workdir, "ckpt.json")
     start = json.load(open(ckpt))["step"] if os.path.exists(ckpt) else 0
     json.dump(sys.argv[1:], open(os.path.join(workdir, "argv.json"), "w"))
+    with open(os.path.join(workdir, "xla_cache.txt"), "w") as f:
+        f.write(os.environ.get("JAX_COMPILATION_CACHE_DIR", "(unset)"))
     with open(os.path.join(workdir, "starts.log"), "a") as f:
         f.write(("resumed from %d" % start if start else "run started fresh") + "\\n")
     json.dump({"bp": bp, "n": n, "m": m, "seed": int(args.get("config.seed", 0))},
@@ -228,6 +230,13 @@ def test_default_concurrency_and_env():
   assert env["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=2 ")
   assert "--xla_cpu_multi_thread_eigen=false" in env["XLA_FLAGS"]
   assert "multi_thread_eigen" not in sweep.run_env({}, threads=4).get("XLA_FLAGS", "")
+  # The runs' shared compilation cache: an absolute path under the root, unless the
+  # user set one (empty turns it off).
+  cache = sweep.with_compilation_cache({}, "runs/x")["JAX_COMPILATION_CACHE_DIR"]
+  assert cache == os.path.join(os.getcwd(), "runs", "x", sweep.COMPILATION_CACHE_DIR)
+  for mine in ("/scratch/xla", ""):
+    env = sweep.with_compilation_cache({"JAX_COMPILATION_CACHE_DIR": mine}, "runs/x")
+    assert env["JAX_COMPILATION_CACHE_DIR"] == mine
 
 
 # ------------------------------------------------------------------------------ dry run
@@ -289,6 +298,8 @@ def test_failure_is_reported_with_log_tail_and_the_sweep_goes_on(tmp_path, fake_
   assert "skip   bp4_n4_m4_s0" in proc.stdout
   assert os.path.exists(root / "bp4_n2_m8_s0" / "DONE")
   assert _starts(root / "bp4_n4_m4_s0") == ["run started fresh"]
+  # Every run of the sweep shares one persistent compilation cache under its root.
+  assert (root / "bp4_n4_m4_s0" / "xla_cache.txt").read_text() == str(root / "xla_cache")
 
 
 def test_two_launchers_never_run_the_same_point(tmp_path, fake_runner):
@@ -385,6 +396,7 @@ def test_slurm_array_script_one_task_per_point(tmp_path, fake_runner):
                  capture_output=True, timeout=60)
   done = [e["name"] for e in spec["points"] if (root / e["name"] / "DONE").exists()]
   assert done == [spec["points"][3]["name"]]
+  assert (root / done[0] / "xla_cache.txt").read_text() == str(root / "xla_cache")
   # A finished task is skipped when the array task is rerun (e.g. requeued).
   out = subprocess.run(["bash", str(root / "slurm" / "sweep.sbatch")], env=env,
                        check=True, capture_output=True, text=True, timeout=60).stdout
@@ -628,6 +640,8 @@ def test_kill_and_rerun_real_tiny_sweep(tmp_path):
     assert [r["step"] for r in rows] == list(range(sp.point.m + 1)), sp.name
     assert rows[-1]["rollouts"] == sp.point.compute
 
+  # The runs (one shape, three seeds, resumed ones) shared their compiled programs.
+  assert list((root / sweep.COMPILATION_CACHE_DIR).glob("jit_step-*"))
   result = read_runs(root)
   assert sorted(r.name for r in result.runs) == sorted(dirs)
   assert not result.problems, result.problems

@@ -8,7 +8,8 @@ sweep root, named from the point (`bp32_n64_m12_s0`). All budget arithmetic live
     points.py   SweepPoint, Sweep (a run's command and directory), plan_sweep, dry run
     attempts.py a point's lock, log and attempts record (the run's own files:
                 isojax.rundir)
-    local.py    run_local: a bounded pool of subprocesses on this machine
+    local.py    run_local: a bounded pool of subprocesses on this machine; the
+                compilation cache a sweep's runs share
     slurm.py    write_array / run_task: one SLURM array task per point
 
 Nothing here imports JAX: the launcher must start quickly and run where the trainer is
@@ -17,18 +18,20 @@ not importable (a login node, a laptop that only writes SLURM scripts).
 
 from isojax.sweep.attempts import (ATTEMPTS_FILE, LOCK_FILE, LOG_FILE, lock_holder,
                                    record_attempt, try_lock)
-from isojax.sweep.local import (CORES_PER_RUN, SweepReport, cpu_count, default_concurrency,
-                                has_accelerator, run_env, run_local)
+from isojax.sweep.local import (COMPILATION_CACHE_DIR, CORES_PER_RUN, SweepReport, cpu_count,
+                                default_concurrency, has_accelerator, run_env, run_local,
+                                with_compilation_cache)
 from isojax.sweep.points import (BASE_MODEL_DIR, DEFAULT_RUNNER, RESERVED_RUN_FLAGS,
                                  Sweep, SweepPoint, apply_overrides, check_run_args,
                                  expand_points, format_points, load_experiment,
                                  max_tokens, plan_sweep, vllm_model)
 
 __all__ = [
-    "ATTEMPTS_FILE", "BASE_MODEL_DIR", "CORES_PER_RUN", "DEFAULT_RUNNER", "LOCK_FILE",
-    "LOG_FILE", "RESERVED_RUN_FLAGS", "Sweep", "SweepPoint", "SweepReport",
+    "ATTEMPTS_FILE", "BASE_MODEL_DIR", "COMPILATION_CACHE_DIR", "CORES_PER_RUN",
+    "DEFAULT_RUNNER", "LOCK_FILE", "LOG_FILE", "RESERVED_RUN_FLAGS", "Sweep", "SweepPoint",
+    "SweepReport",
     "apply_overrides", "check_run_args", "cpu_count", "default_concurrency",
     "expand_points", "format_points", "has_accelerator", "load_experiment",
     "lock_holder", "max_tokens", "plan_sweep", "record_attempt", "run_env", "run_local",
-    "try_lock", "vllm_model",
+    "try_lock", "vllm_model", "with_compilation_cache",
 ]

@@ -74,6 +74,22 @@ def run_env(base: dict | None = None, *, threads: int) -> dict:
   return env
 
 
+# JAX's persistent compilation cache, shared by the runs of one sweep, under its root.
+COMPILATION_CACHE_DIR = "xla_cache"
+
+
+def with_compilation_cache(env, root: str) -> dict:
+  """`env` with JAX_COMPILATION_CACHE_DIR at the sweep's shared cache, unless it is set
+  (set empty, it turns the cache off). Runs of one shape (a Bp and n at several
+  budgets or seeds, a resumed run) then load their compiled programs instead of
+  compiling them again; on a GPU the update step of a 1.5B model alone compiles for
+  one to two minutes."""
+  env = dict(env)
+  env.setdefault("JAX_COMPILATION_CACHE_DIR",
+                 os.path.abspath(os.path.join(root, COMPILATION_CACHE_DIR)))
+  return env
+
+
 def _die_with_launcher(launcher_pid: int) -> Callable[[], None]:
   """preexec_fn: the run gets SIGTERM when the launcher dies (Linux), so a killed
   launcher does not leave orphans; elsewhere the inherited lock still protects."""
@@ -129,7 +145,8 @@ def run_local(sweep: Sweep, *, max_concurrent: int, env: dict | None = None,
   if max_concurrent < 1:
     raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
   threads = max(1, cpu_count() // max_concurrent)
-  pool = _Pool(sweep, run_env(env, threads=threads), print_fn)
+  pool = _Pool(sweep, with_compilation_cache(run_env(env, threads=threads), sweep.root),
+               print_fn)
   print_fn(f"sweep: {pool.total} runs under {sweep.root}, up to {max_concurrent} at a "
            f"time ({threads} thread(s) each)")
   try:

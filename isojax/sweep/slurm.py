@@ -26,6 +26,7 @@ import sys
 from isojax import files
 from isojax import rundir
 from isojax.sweep import attempts
+from isojax.sweep.local import with_compilation_cache
 from isojax.sweep.points import Sweep
 
 POINTS_FILE = "points.json"
@@ -254,7 +255,8 @@ def run_task(points_path: str, index: int, *, print_fn=print) -> int:
     command = task_command(command, nodes=int(spec.get("nodes", 1)))
     print_fn(f"run {entry['name']}: {shlex.join(command)}")
     sys.stdout.flush()  # before the run's own output
-    rc = subprocess.run(command, pass_fds=(fd,)).returncode
+    rc = subprocess.run(command, pass_fds=(fd,),
+                        env=with_compilation_cache(os.environ, spec["root"])).returncode
   finally:
     if server is not None:
       server.stop()
