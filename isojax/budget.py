@@ -148,6 +148,19 @@ class BudgetPoint:
     cls(bp=bp, n=n, m=1, n_est=n_est).validate(b_max)
     return cls.from_budget(compute, bp=bp, n=n, n_est=n_est)
 
+  def log_spaced_steps(self, per_doubling: int) -> tuple[int, ...]:
+    """The update steps at which this point's rollouts first reach 2^(j / per_doubling),
+    j = 0, 1, ... (within its M): after step s it has spent s * Bp * n_est. Points of
+    any (Bp, n, M) evaluated there are compared at the same compute values, spaced
+    evenly in log compute, as the frontier and n*(C) fits read them.
+    """
+    k = _as_positive_int(per_doubling, "per_doubling")
+    steps, j = set(), 0
+    while (threshold := 2.0 ** (j / k)) <= self.compute:
+      steps.add(math.ceil(threshold / self.sampled_batch))
+      j += 1
+    return tuple(sorted(steps))
+
   def to_dict(self) -> dict:
     """Plain dict for config.json / metrics, including the derived numbers.
 

@@ -1,6 +1,7 @@
 """Budget points, sweep grids and the compute ledger (isojax/budget.py)."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -119,6 +120,28 @@ def test_grid_all_infeasible_names_numbers():
   with pytest.raises(ValueError) as e:
     sweep_grid([64], [128], b_max=4096, budget=1e9)
   assert "4096" in str(e.value) and "64" in str(e.value) and "128" in str(e.value)
+
+
+@pytest.mark.parametrize("bp,n,n_est,m,k", [(32, 8, None, 7812, 8), (32, 2048, None, 30, 8),
+                                            (8, 2, None, 128, 4), (4, 2, 8, 50, 3),
+                                            (3, 5, None, 1, 8)])
+def test_log_spaced_steps_are_the_first_to_reach_each_power(bp, n, n_est, m, k):
+  # Step s spends (s-1)*r .. s*r rollouts (r = Bp * n_est): it is in the schedule iff a
+  # threshold 2^(j/k) falls in that interval, counted here with logs instead.
+  point = BudgetPoint(bp=bp, n=n, m=m, n_est=n_est)
+  r = point.sampled_batch
+  below = lambda x: 0 if x < 1 else math.floor(k * math.log2(x) + 1e-9) + 1
+  expected = tuple(s for s in range(1, m + 1) if below(s * r) > below((s - 1) * r))
+  steps = point.log_spaced_steps(k)
+  assert steps == expected and steps[0] == 1 and steps[-1] <= m
+  # Two points of one budget reach the same thresholds: their evaluations sit at the
+  # same compute values up to one update of each.
+  if m > 1:
+    other = BudgetPoint.from_budget(point.compute, bp=bp * 2, n=n, n_est=n_est)
+    reached = lambda p: {below(s * p.sampled_batch) for s in p.log_spaced_steps(k)}
+    assert reached(other) <= reached(point)
+  with pytest.raises(ValueError, match="per_doubling must be a positive integer, got 0"):
+    point.log_spaced_steps(0)
 
 
 def test_estimate_tokens_and_table():
