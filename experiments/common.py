@@ -86,6 +86,8 @@ def base_config() -> ml_collections.ConfigDict:
   # sees every run at the same small compute values, not only at multiples of
   # eval_every (whose first point sits at a different compute for each n).
   c.eval_steps = ()
+  # Evaluations after the first update to reach each 2^(j/k) rollouts (0: none).
+  c.evals_per_doubling = 0
   c.checkpoint_every = 10  # update steps between checkpoints (and at the end)
   c.keep_checkpoints = 2
   # A non-finite loss/gradient skips the update (state unchanged); this many

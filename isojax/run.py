@@ -193,7 +193,6 @@ def train_loop(opened: OpenRun, config, run_plan: RunPlan) -> dict | None:
   else:
     start, ledger = opened.resumed.step, opened.resumed.ledger
     skips = opened.resumed.consecutive_skips
-  extra_evals = frozenset(config.eval_steps)
   bar = _progress(point.m, start, point.name)
   devices = compute_devices(config, parts.mesh)
   checkpoint_due = False
@@ -206,7 +205,7 @@ def train_loop(opened: OpenRun, config, run_plan: RunPlan) -> dict | None:
         ledger = ledger.add_rollouts(batch.rollouts, dropped_rollouts=batch.dropped,
                                      updates=0)
       state, record = update_on(parts, state, sampled, stale=run_plan.stale)
-      eval_due = step % config.eval_every == 0 or step == point.m or step in extra_evals
+      eval_due = run_plan.eval_due(step)
       # The step donated the old arrays, so the sampler gets the new ones even
       # after a skipped update (same values, fresh buffers).
       source.after_update(step, model_of(parts, state), eval_due=eval_due)

@@ -32,6 +32,7 @@ from isojax.rundir import CHECKPOINT_DIR, CONFIG_FILE, is_runtime_field, read_js
 # A field read as `config.x.get(name, fallback)` declares its fallback.
 ADDED_FIELDS: dict[str, Any] = {
   "eval_steps": (),  # evaluations at eval_every (and the end) only
+  "evals_per_doubling": 0,  # no log-spaced evaluations
   # The one implementation before the field ("auto", its default, is cuDNN on GPU).
   "model.attention": "xla",
   "model.lm_head_fp32": True,  # load_pretrained's default when no field passed it

@@ -46,6 +46,10 @@ class RunPlan:
       (config.rl.off_policy_k; 1: on-policy).
     max_lag: PipelineRL-k's bound on a trained token's lag
       (config.rl.pipeline.max_lag; 0: the synchronous loop).
+    eval_every: config.eval_every, update steps between regular evaluations (0: none).
+    eval_steps: the update steps that evaluate besides every eval_every-th and
+      the last: config.eval_steps, and with config.evals_per_doubling = k > 0 the
+      first to reach each 2^(j/k) rollouts (`BudgetPoint.log_spaced_steps`).
   """
   point: budget_lib.BudgetPoint
   loss: object
@@ -58,6 +62,13 @@ class RunPlan:
   critic_optim: object = None
   off_policy_k: int = 1
   max_lag: int = 0
+  eval_every: int = 10
+  eval_steps: frozenset = frozenset()
+
+  def eval_due(self, step: int) -> bool:
+    """Whether update `step` ends with an evaluation (the last one always does)."""
+    return ((self.eval_every > 0 and step % self.eval_every == 0) or step == self.point.m
+            or step in self.eval_steps)
 
   @property
   def stale(self) -> bool:
@@ -81,9 +92,8 @@ def plan_run(config) -> RunPlan:
                                           n_est=n_est, b_max=config.b_max)
   # The estimator's baseline is taken over the n_est sampled rollouts when set.
   check_min_n(per, config.rl.adv_estimator)
-  check_eval_steps(config.eval_steps, point.m)
-  for name in ("eval_every", "checkpoint_every", "keep_checkpoints",
-               "max_consecutive_skips"):
+  eval_steps = _eval_steps(config, point)
+  for name in ("checkpoint_every", "keep_checkpoints", "max_consecutive_skips"):
     if config[name] < 1:
       raise ValueError(f"config.{name}={config[name]} must be >= 1")
   server = config.sampler.server_devices
@@ -134,7 +144,8 @@ def plan_run(config) -> RunPlan:
   return RunPlan(point=point, loss=loss, optim=optim,
                  lr=learning_rate(optim, point.batch), micro_batch=micro,
                  max_tokens=max_tokens, val_sets=tuple(val_sets), value=value,
-                 critic_optim=critic_optim, off_policy_k=off_policy_k, max_lag=max_lag)
+                 critic_optim=critic_optim, off_policy_k=off_policy_k, max_lag=max_lag,
+                 eval_every=config.eval_every, eval_steps=eval_steps)
 
 
 # Seeds, and sizes where 0 means all or off: a negative one would be sliced from
@@ -181,6 +192,22 @@ def _check_model_and_sampler_fields(config) -> None:
         f"must be sampled from it; top-p and top-k renormalise over fewer tokens, which "
         f"would bias every importance ratio and TIS weight (set top_p=1.0, top_k=0)")
   check_sampling(config.eval.temperature, prefix="config.eval.")
+
+
+def _eval_steps(config, point) -> frozenset[int]:
+  """The steps that evaluate besides every eval_every-th and the last (`RunPlan`),
+  with config.eval_every, eval_steps and evals_per_doubling checked."""
+  if isinstance(config.eval_every, bool) or not isinstance(config.eval_every, int) or (
+      config.eval_every < 0):
+    raise ValueError(f"config.eval_every={config.eval_every!r} must be an integer >= 0 "
+                     f"(update steps between evaluations; 0: none but the others)")
+  check_eval_steps(config.eval_steps, point.m)
+  per_doubling = config.get("evals_per_doubling", 0)
+  if isinstance(per_doubling, bool) or not isinstance(per_doubling, int) or per_doubling < 0:
+    raise ValueError(f"config.evals_per_doubling={per_doubling!r} must be an integer >= 0 "
+                     f"(evaluations per doubling of the rollouts spent; 0: off)")
+  log_spaced = point.log_spaced_steps(per_doubling) if per_doubling else ()
+  return frozenset(config.eval_steps) | frozenset(log_spaced)
 
 
 def check_eval_steps(eval_steps, m: int) -> None:

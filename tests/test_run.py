@@ -387,6 +387,13 @@ def test_extra_eval_steps(tmp_path):
   run.run(tiny_config("bp=8,n=16,budget=384", eval_steps=(1,)), tmp_path / "r")
   evals = [r["step"] for r in run_records.records(tmp_path / "r") if "val/avg@4" in r]
   assert evals == [0, 1, 3]
+  # Log-spaced evals, and none at a fixed cadence: 128 rollouts per update reach
+  # 2^0..2^7 at step 1, 2^8 at 2, 2^9 at 4 (the last step, M = 5, evaluates anyway).
+  run.run(tiny_config("bp=8,n=16,budget=640", eval_every=0, evals_per_doubling=1),
+          tmp_path / "log")
+  rows = run_records.records(tmp_path / "log")
+  assert [r["step"] for r in rows if "val/avg@4" in r] == [0, 1, 2, 4, 5]
+  assert [r["rollouts"] for r in rows if r["step"] in (1, 2, 4)] == [128, 256, 512]
 
 
 def test_only_the_first_process_writes_the_run_files(trained, tmp_path, monkeypatch):

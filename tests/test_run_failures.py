@@ -319,6 +319,8 @@ def test_main_config_typos_are_one_line(tmp_path, args, expect):
     ("eval_steps", (2, 5), r"config.eval_steps=\(2, 5\): .* in \[1, M=4\]; not \[5\]"),
     ("eval_steps", ("abc",), r"config.eval_steps=\('abc',\): .*; not \['abc'\]"),
     ("eval_steps", (2.5,), r"not \[2.5\]"),
+    ("eval_every", -1, r"config.eval_every=-1 must be an integer >= 0"),
+    ("evals_per_doubling", -2, r"config.evals_per_doubling=-2 must be an integer >= 0"),
     ("model.attention", "cudnn", r"config.model.attention: .*'cudnn' needs a GPU and 16-bit"),
     ("seed", -1, r"config.seed=-1 must be an integer >= 0"),
     ("data.split_seed", -1, r"config.data.split_seed=-1 must be an integer >= 0"),
