@@ -81,13 +81,16 @@ def base_config() -> ml_collections.ConfigDict:
   c.budget = 2e5          # rollouts (float so `budget=2e6` parses)
   c.b_max = 65_536        # largest feasible batch bp * n (memory bound)
 
-  c.eval_every = 10       # update steps between validation evals (and at the end)
-  # Extra eval steps, e.g. log-spaced below eval_every so that an n-vs-M study
-  # sees every run at the same small compute values, not only at multiples of
-  # eval_every (whose first point sits at a different compute for each n).
-  c.eval_steps = ()
-  # Evaluations after the first update to reach each 2^(j/k) rollouts (0: none).
-  c.evals_per_doubling = 0
+  # Validation evals come after the first update to reach each 2^(j/8) rollouts
+  # (8 per doubling of compute, `BudgetPoint.log_spaced_steps`) and at the end, so
+  # runs of every (Bp, n, M) are observed at the same compute values, evenly in log
+  # compute, as the frontier and n*(C) fits read them. A fixed cadence would not: at
+  # C = 2e6 and Bp = 32, every 10 updates gives n = 2048 (M = 30) three evals (its
+  # curve then rests on R0 fixed to the base reward) and n = 8 (M = 7812) 782, whose
+  # noise the record-breaking points pick upwards, and which cost 47 % of C again.
+  c.eval_every = 0        # update steps between evals (0: only the ones below)
+  c.evals_per_doubling = 8
+  c.eval_steps = ()       # extra eval steps
   c.checkpoint_every = 10  # update steps between checkpoints (and at the end)
   c.keep_checkpoints = 2
   # A non-finite loss/gradient skips the update (state unchanged); this many
@@ -274,7 +277,7 @@ def smoke_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """
   c.data.num_val = 64
   c.eval.num_train = 64
-  c.eval_every = 4
+  c.eval_every, c.evals_per_doubling = 4, 0
   c.checkpoint_every = 8
   c.mesh.fsdp = 1
   c.rl.lr_base = TINY_LR_BASE

@@ -96,7 +96,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
   # Evaluate at the same rollout counts in every run (M/evals updates apart), so runs
   # of different n are compared at matched compute; checkpoint four times a run.
   m = budget_lib.BudgetPoint.from_budget(a.budget, bp=a.bp, n=a.n).m
-  c.eval_every = max(1, m // a.evals)
+  c.eval_every, c.evals_per_doubling = max(1, m // a.evals), 0
   c.eval_steps = early_eval_steps(a.bp, a.n, a.budget, a.evals)
   c.checkpoint_every = max(1, m // 4)
   c.max_consecutive_skips = 3

@@ -94,7 +94,7 @@ def get_config(arg=None):
     c.sampler.max_tokens = MAX_TOKENS
     c.sampler.interrupt_think_tokens = THINK_TOKENS  # the phrase: isojax's default
     c.data.num_val = 1000
-    c.eval_every = 100
+    c.eval_every, c.evals_per_doubling = 100, 0  # ScaleRL's cadence
   c.sampler.interrupt_answer_tokens = 0  # what max_tokens leaves after think + phrase
   c.sweep.bp_values, c.sweep.n_values, c.sweep.budgets = [c.bp], [c.n], [c.budget]
   return c

@@ -26,7 +26,7 @@ def get_config(arg=None):
   c = common.base_config()
   c.bp, c.n, c.budget = a.bp, a.n, a.budget
   c.b_max = 256
-  c.eval_every = 8
+  c.eval_every, c.evals_per_doubling = 8, 0
   c.checkpoint_every = 8
   c.max_consecutive_skips = 3
 

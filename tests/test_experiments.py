@@ -4,6 +4,7 @@ pre-flight validation; each docstring's launch command names a loadable config."
 import pathlib
 import re
 
+import numpy as np
 import pytest
 from absl import flags
 from ml_collections import config_flags
@@ -53,6 +54,25 @@ def test_every_file_loads_and_validates(path, monkeypatch):
   assert plan.point.m >= 1 and plan.point.batch <= config.b_max
   for field in ("eval_every", "checkpoint_every", "seed"):
     assert field in config
+
+
+def test_paper_studies_evaluate_every_n_at_the_same_log_spaced_compute(monkeypatch):
+  # At the paper's C = 2e6 and Bp = 32, n = 8 runs M = 7812 updates and n = 2048 only
+  # 30: both are evaluated at the first update to reach each 2^(j/8) rollouts, so
+  # n = 2048 gets enough points to fit its curve and n = 8 no more than it needs.
+  monkeypatch.chdir(ROOT)
+  reached = {}
+  for n in (8, 2048):
+    plan = run.plan_run(_load(f"experiments/easy_n_vs_m.py:n={n}"))
+    steps = [s for s in range(1, plan.point.m + 1) if plan.eval_due(s)]
+    compute = np.array(steps) * plan.point.sampled_batch
+    reached[n] = {int(np.floor(8 * np.log2(c) + 1e-9)) for c in compute}  # last 2^(j/8)
+    assert len(steps) == {8: 88, 2048: 23}[n] and steps[-1] == plan.point.m
+  # Every threshold n = 2048 is evaluated at (from its first batch on), n = 8 is too.
+  assert reached[2048] <= reached[8] and min(reached[2048]) == 16 * 8
+  # The laptop-scale studies keep a fixed cadence (evaluations cost CPU time there).
+  smoke = _load("experiments/easy_n_vs_m.py:smoke")
+  assert (smoke.eval_every, smoke.evals_per_doubling) == (4, 0)
 
 
 @pytest.mark.parametrize("path", DOCUMENTED, ids=lambda p: p.stem)
