@@ -34,7 +34,7 @@ from isojax.rundir import RUNTIME_FIELDS
 # budget's derived fields go with it (m, lr, budget.*); Bp and n stay (as run.bp and
 # run.n, whichever layout the config uses): the batch is part of a recipe.
 _NOT_RECIPE = ("seed", "budget", "m", "lr", "eval_every", "eval_steps",
-               "checkpoint_every", "max_consecutive_skips", "workdir",
+               "evals_per_doubling", "checkpoint_every", "max_consecutive_skips", "workdir",
                *sorted(RUNTIME_FIELDS))
 NAME_FIELDS = ("recipe", "name")
 BASE_LABEL = "base"  # the recipe that has every field at its most common value

@@ -171,7 +171,8 @@ def test_seeds_budgets_and_cadence_do_not_split_a_recipe(tmp_path):
   runs = _runs(tmp_path, {"pipeline": fake_runs.RECIPES["pipeline"]}, seeds=(0,),
                recipe_field=False)
   fake_runs.write_run(tmp_path / "longer", {**runs[0].config, "seed": 7, "m": 8000,
-                                            "eval_every": 50, "budget": {"m": 8000}},
+                                            "eval_every": 0, "evals_per_doubling": 8,
+                                            "budget": {"m": 8000}},
                       [dict(row) for row in runs[0].rows])
   runs = read_runs(tmp_path).runs
   assert set(recipe_labels(runs).values()) == {"all runs"}
