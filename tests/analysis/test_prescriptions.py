@@ -15,6 +15,7 @@ from isojax.analysis import (LawChoice, NStarFit, analyze, choose_law, fits_dict
 from isojax.analysis.bootstrap import BootstrapResult, Interval
 from isojax.analysis.prescriptions import (_unfitted_n, collapsed, is_joint_study,
                                            n_star_interval)
+from isojax.budget import BudgetPoint
 
 from . import fake_runs
 
@@ -105,6 +106,19 @@ def test_what_counts_as_a_collapse():
   # Nor is a run still rising steeply at its end (log-spaced evaluations): its last
   # quarter averages below its last evaluation, but nothing came before to fall from.
   assert not collapsed(run([0.30] * 12 + [0.32, 0.36, 0.45, 0.60]), METRIC)
+
+
+def test_a_collapse_is_seen_whatever_the_evaluation_schedule():
+  # Learned 0.3 by 40 % of the compute, back at the base reward from 80 % on. With
+  # evaluations spaced evenly in log compute most of them come early: the last
+  # quarter of the evaluations would span nearly the whole run and hide the fall.
+  point = BudgetPoint.from_budget(2e6, bp=32, n=8)
+  for steps in (range(10, point.m + 1, 10), point.log_spaced_steps(8)):
+    c = np.array(list(steps), float) * point.sampled_batch
+    up, down = np.minimum(c / 8e5, 1), np.clip(1 - (c - 8e5) / 8e5, 0, 1)
+    r = 0.3 + 0.3 * np.where(c <= 8e5, up, down)
+    assert collapsed(FakeRun([0, *c], [0.3, *r]), METRIC)
+    assert not collapsed(FakeRun([0, *c], [0.3, *(0.3 + 0.3 * up)]), METRIC)
 
 
 def test_bp_asked_for_is_used_with_the_joint_law(tmp_path):
