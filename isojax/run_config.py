@@ -101,11 +101,12 @@ def check_saved_config(path: pathlib.Path, resolved: dict) -> list[str]:
 
   Raises:
     ValueError: naming the fields that differ (a field either lacks counts,
-      unless it is one of the above); for an added field the saved config lacks,
-      the message says which value resumes the run.
+      unless it is one of the above); when flags can set every one back (the
+      saved value, or for an added field the saved config lacks, what its
+      absence means), the message gives them.
   """
   saved, new = flat_config(read_json_object(path)), flat_config(resolved)
-  lacking, diff, hints = [], [], []
+  lacking, diff, hints, predated = [], [], [], 0
   for key in sorted(saved.keys() | new.keys()):
     if saved.get(key) == new.get(key):
       continue
@@ -117,10 +118,17 @@ def check_saved_config(path: pathlib.Path, resolved: dict) -> list[str]:
         lacking.append(key)
         continue
       hints.append(f"--config.{key}={_flag_text(ADDED_FIELDS[key])}")
+      predated += 1
+    elif key in saved and key in new and not _derived(key):
+      hints.append(f"--config.{key}={_flag_text(json.loads(saved[key]))}")
     diff.append(key)
   if diff:
-    hint = (f"; it predates {len(hints)} of these fields and resumes only with "
-            f"{' '.join(hints)} (what their absence means)" if hints else "")
+    hint = ""
+    if len(hints) == len(diff):  # every difference can be set back by a flag
+      why = [w for w, n in (("the saved values", len(hints) - predated),
+                            ("for a field it predates, what its absence means", predated))
+             if n]
+      hint = f"; it resumes with {' '.join(hints)} ({'; '.join(why)})"
     raise ValueError(f"{path} was written by a run with a different config (differs in "
                      f"{diff[:8]}){hint}; use a fresh --workdir or the same config")
   return lacking
@@ -174,6 +182,12 @@ def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
     else:
       out[f"{prefix}{k}"] = json.dumps(v)
   return out
+
+
+def _derived(key: str) -> bool:
+  """Whether a config.json field is one `run_plan.resolved_config` derives (the budget
+  point, the peak learning rate, the length cap): no flag sets it."""
+  return key in ("m", "lr", "max_tokens") or key.startswith("budget.")
 
 
 def _flag_text(value) -> str:

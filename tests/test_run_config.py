@@ -87,20 +87,31 @@ def test_only_added_fields_at_their_declared_values_may_be_absent(tmp_path):
   new["sampler"]["interrupt_phrase"] = "time's up"
   del old["sampler"]["interrupt_phrase"]
   with pytest.raises(ValueError, match=(
-      r"differs in \['critic\.lam', 'sampler\.interrupt_phrase'\]\); it predates 2 of "
-      r"these fields and resumes only with --config\.critic\.lam=1\.0 "
-      r"--config\.sampler\.interrupt_phrase='Okay, time is up\. [^']*' \(what")):
+      r"differs in \['critic\.lam', 'sampler\.interrupt_phrase'\]\); it resumes with "
+      r"--config\.critic\.lam=1\.0 --config\.sampler\.interrupt_phrase='Okay, time is "
+      r"up\. [^']*' \(for a field it predates, what its absence means\)")):
     check_saved_config(_saved(tmp_path, old), new)
-  # An undeclared field the saved config lacks is a difference, hint or not.
+  # An undeclared field the saved config lacks is a difference no flag undoes.
   del old["rl"]["kl_coef"], new["sampler"]["interrupt_phrase"]
   with pytest.raises(ValueError, match=r"differs in \['critic\.lam', 'rl\.kl_coef'\]\); "
-                                       r"it predates 1 of"):
+                                       r"use a fresh"):
     check_saved_config(_saved(tmp_path, old), new)
   # So is a field the new config lacks (declared or not).
   old = _schema()
   del new["rl"]["pipeline"]
   with pytest.raises(ValueError, match=r"differs in \['critic\.lam', 'rl\.pipeline\.max_lag', "
                                        r"'sampler\.interrupt_phrase'\]\); use a fresh"):
+    check_saved_config(_saved(tmp_path, old), new)
+  # A changed field resumes at its saved value (with the added ones beside it); a
+  # derived one (the budget point) has no flag.
+  old, new = _schema(), _schema()
+  del old["critic"]
+  old["eval_every"], new["critic"]["lam"] = 10, 0.95
+  with pytest.raises(ValueError, match=r"it resumes with --config\.critic\.lam=1\.0 "
+                     r"--config\.eval_every=10 \(the saved values; for a field it predates"):
+    check_saved_config(_saved(tmp_path, old), new)
+  new["m"] = 7
+  with pytest.raises(ValueError, match=r"differs in \[.*'m'\]\); use a fresh"):
     check_saved_config(_saved(tmp_path, old), new)
 
 
@@ -123,10 +134,11 @@ def test_a_run_from_before_two_fields_resumes_with_their_values(tmp_path, monkey
   old = _strip_fields(workdir)
 
   with pytest.raises(ValueError, match=(
-      r"differs in \['rl\.pipeline\.max_lag'\]\); it predates 1 of these fields and "
-      r"resumes only with --config\.rl\.pipeline\.max_lag=0 \(what")):
+      r"differs in \['rl\.pipeline\.max_lag'\]\); it resumes with "
+      r"--config\.rl\.pipeline\.max_lag=0 \(for a field it predates")):
     run.run(small_config(**{"rl.pipeline.max_lag": 2}), workdir)
-  with pytest.raises(ValueError, match=r"differs in \['rl\.kl_coef'\]\); use a fresh"):
+  with pytest.raises(ValueError, match=r"differs in \['rl\.kl_coef'\]\); it resumes with "
+                     r"--config\.rl\.kl_coef=0\.001 \(the saved values\)"):
     run.run(small_config(**{"rl.kl_coef": 0.5}), workdir)
   assert (workdir / "config.json").read_bytes() == old  # refusals write nothing
 
@@ -165,5 +177,6 @@ def test_a_rerun_may_change_where_its_services_are_not_what_it_computes(tmp_path
       "keep_checkpoints", "sampler.vllm_request_timeout_s", "sampler.vllm_url",
       "sweep.budgets"]
   new["sampler"]["temperature"] = 0.7
-  with pytest.raises(ValueError, match=r"differs in \['sampler\.temperature'\]\); use"):
+  with pytest.raises(ValueError, match=r"differs in \['sampler\.temperature'\]\); it "
+                     r"resumes with --config\.sampler\.temperature=0\.6 \(the saved"):
     check_saved_config(_saved(tmp_path, old), new)
