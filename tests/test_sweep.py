@@ -77,6 +77,7 @@ def _env(**extra):
   env = dict(os.environ)
   # One CPU device per run: the tests' 8 fake devices would only slow the trainer.
   env["XLA_FLAGS"] = ""
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the sweep's own cache, not the caller's
   env.update({k: str(v) for k, v in extra.items()})
   return env
 

@@ -230,7 +230,8 @@ class Sweep:
   runner: tuple[str, ...] = DEFAULT_RUNNER
   extra_args: tuple[str, ...] = ()
   python: str = sys.executable
-  dropped: tuple[str, ...] = ()  # grid points left out, with the reason (`dropped_points`)
+  # Grid points left out, with the reason (`dropped_points`; Bp above the training set).
+  dropped: tuple[str, ...] = ()
 
   def __post_init__(self):
     check_run_args(self.extra_args)
@@ -269,6 +270,10 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
 
   Returns:
     (sweep, config) where config is `get_config(ARG)` of the file.
+
+  Raises:
+    ValueError: for a bad grid or argument, or when no point is left (every one
+      infeasible, or every Bp above the training problems the launcher counted).
   """
   check_run_args(extra_args)
   path, arg = _split_config(config_path)
@@ -305,13 +310,14 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
 def _training_problem_count(config) -> int | None:
   """How many training problems `config.data` gives, before data.drop_too_long (which
   needs the model's tokenizer); None when they cannot be loaded here (a file only the
-  compute nodes see, a data setting the run will name): each run checks again."""
+  compute nodes see, a reader this machine lacks, a data setting the run will name):
+  each run checks again."""
   data = config.get("data")
   if data is None:
     return None
   try:
     train, _ = problem_sets.load_problem_sets(data, ASSETS_DIR / "splits")
-  except (OSError, ValueError):
+  except (OSError, ImportError, ValueError):
     return None
   return len(train)
 
