@@ -3,9 +3,9 @@ r"""Trains one budget point: `python -m isojax.main --config=FILE[:ARGS] --workd
   python -m isojax.main --config=experiments/tiny.py:bp=8,n=4,budget=2048 --workdir=/tmp/isojax/tiny
 
 Any config field is overridable (`--config.rl.kl_coef=0`). Rerunning the same
-command resumes from the last checkpoint; a finished run is not rerun. Set
-JAX_COMPILATION_CACHE_DIR to share compiled steps between the runs of a sweep
-(points with the same batch shape compile once).
+command resumes from the last checkpoint; a finished run is not rerun.
+JAX_COMPILATION_CACHE_DIR (which launch/sweep.py sets for its runs) shares compiled
+steps between runs: points with the same batch shape compile once.
 
 `--dry_run` compiles the update step from shapes only (no weights are loaded,
 nothing is trained or written), prints its memory per device and whether it

@@ -150,8 +150,8 @@ def plan_run(config) -> RunPlan:
 
 # Seeds, and sizes where 0 means all or off: a negative one would be sliced from
 # the end or reach numpy's SeedSequence, which names no field.
-COUNT_FIELDS = ("seed", "data.split_seed", "data.num_train", "rl.micro_batch",
-                "eval.num_train", "eval.batch_problems")
+COUNT_FIELDS = ("seed", "eval_every", "data.split_seed", "data.num_train",
+                "rl.micro_batch", "eval.num_train", "eval.batch_problems")
 
 
 def _check_model_and_sampler_fields(config) -> None:
@@ -196,11 +196,8 @@ def _check_model_and_sampler_fields(config) -> None:
 
 def _eval_steps(config, point) -> frozenset[int]:
   """The steps that evaluate besides every eval_every-th and the last (`RunPlan`),
-  with config.eval_every, eval_steps and evals_per_doubling checked."""
-  if isinstance(config.eval_every, bool) or not isinstance(config.eval_every, int) or (
-      config.eval_every < 0):
-    raise ValueError(f"config.eval_every={config.eval_every!r} must be an integer >= 0 "
-                     f"(update steps between evaluations; 0: none but the others)")
+  with config.eval_steps and evals_per_doubling checked (eval_every is a count field:
+  0, no fixed cadence)."""
   check_eval_steps(config.eval_steps, point.m)
   per_doubling = config.get("evals_per_doubling", 0)
   if isinstance(per_doubling, bool) or not isinstance(per_doubling, int) or per_doubling < 0:
