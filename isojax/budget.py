@@ -151,8 +151,9 @@ class BudgetPoint:
   def log_spaced_steps(self, per_doubling: int) -> tuple[int, ...]:
     """The update steps at which this point's rollouts first reach 2^(j / per_doubling),
     j = 0, 1, ... (within its M): after step s it has spent s * Bp * n_est. Points of
-    any (Bp, n, M) evaluated there are compared at the same compute values, spaced
-    evenly in log compute, as the frontier and n*(C) fits read them.
+    any (Bp, n, M) evaluated there are compared at the same compute values (each to
+    within one of its updates), spaced evenly in log compute, as the frontier and
+    n*(C) fits read them.
     """
     k = _as_positive_int(per_doubling, "per_doubling")
     steps, j = set(), 0
