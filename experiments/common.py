@@ -87,7 +87,8 @@ def base_config() -> ml_collections.ConfigDict:
   # compute, as the frontier and n*(C) fits read them. A fixed cadence would not: at
   # C = 2e6 and Bp = 32, every 10 updates gives n = 2048 (M = 30) three evals (its
   # curve then rests on R0 fixed to the base reward) and n = 8 (M = 7812) 782, whose
-  # noise the record-breaking points pick upwards, and which cost 47 % of C again.
+  # noise the record-breaking points pick upwards, and whose validation rollouts
+  # alone cost 47 % of C again (87 % with the pass@1 histogram's).
   c.eval_every = 0        # update steps between evals (0: only the ones below)
   c.evals_per_doubling = 8
   c.eval_steps = ()       # extra eval steps
