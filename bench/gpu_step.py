@@ -213,7 +213,8 @@ def main():
   ap.add_argument("--lengths", default="2048,4096,8192")
   ap.add_argument("--batch", type=int, default=32)
   ap.add_argument("--micro", default="4",
-                  help="rows per micro-batch; comma-separated runs each (transformers once)")
+                  help="rows per micro-batch; comma-separated runs each (transformers once; "
+                       "peak memory is the process's so far)")
   ap.add_argument("--chunk", type=int, default=512, help="lm-head positions per chunk")
   ap.add_argument("--remat", default="full",
                   help="ModelConfig.remat; comma-separated runs each (transformers once)")
@@ -280,6 +281,7 @@ def main():
           f"{flops / t['seconds'] / 1e12:.3g} TFLOP/s; peak {peak_text(t['peak'])}; "
           f"entropy {t['entropy']:.6f}")
     print(f"  isojax / transformers speed: {t['seconds'] / j['seconds']:.2f}x")
+
 
 if __name__ == "__main__":
   main()
