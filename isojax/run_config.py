@@ -191,8 +191,9 @@ def _derived(key: str) -> bool:
 
 
 def _flag_text(value) -> str:
-  """`value` as a shell command line writes it after `--config.FIELD=`."""
-  return shlex.quote(value) if isinstance(value, str) else repr(value)
+  """`value` as a shell command line writes it after `--config.FIELD=` (quoted when
+  it holds spaces, as a list's text does)."""
+  return shlex.quote(value if isinstance(value, str) else repr(value))
 
 
 def check_none_override(config, path: str) -> None:

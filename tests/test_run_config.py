@@ -106,9 +106,10 @@ def test_only_added_fields_at_their_declared_values_may_be_absent(tmp_path):
   # derived one (the budget point) has no flag.
   old, new = _schema(), _schema()
   del old["critic"]
-  old["eval_every"], new["critic"]["lam"] = 10, 0.95
+  old["eval_every"], old["eval_steps"], new["critic"]["lam"] = 10, [1, 2], 0.95
   with pytest.raises(ValueError, match=r"it resumes with --config\.critic\.lam=1\.0 "
-                     r"--config\.eval_every=10 \(the saved values; for a field it predates"):
+                     r"--config\.eval_every=10 --config\.eval_steps='\[1, 2\]' \(the saved "
+                     r"values; for a field it predates"):
     check_saved_config(_saved(tmp_path, old), new)
   new["m"] = 7
   with pytest.raises(ValueError, match=r"differs in \[.*'m'\]\); use a fresh"):
