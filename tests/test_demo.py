@@ -19,6 +19,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests", "analysis"))
 
 from experiments import demo as study  # noqa: E402
+from isojax import sweep  # noqa: E402
 from launch import demo as driver  # noqa: E402
 import fake_runs  # noqa: E402
 
@@ -37,10 +38,17 @@ def smoke(tmp_path_factory):
   return root, first
 
 
+def _run_names(root):
+  """The run directories under the sweep root (beside them: the shared XLA cache)."""
+  entries = sorted(os.listdir(os.path.join(root, "runs")))
+  assert sweep.COMPILATION_CACHE_DIR in entries  # the runs shared their compiled programs
+  return [e for e in entries if e != sweep.COMPILATION_CACHE_DIR]
+
+
 def test_smoke_trains_every_point_and_writes_the_report(smoke):
   root, first = smoke
   spec = study.study_spec(smoke=True)
-  runs = sorted(os.listdir(os.path.join(root, "runs")))
+  runs = _run_names(root)
   expected = sorted(f"bp{spec['bp']}_n{n}_m{int(spec['budget']) // (spec['bp'] * n)}_s{s}"
                     for n in spec["n_values"] for s in spec["seeds"])
   assert runs == expected
@@ -88,7 +96,7 @@ def test_problem_pool_is_the_documented_one(smoke):
 def test_rerun_resumes_and_skips_finished_points(smoke):
   root, _ = smoke
   metrics = {name: open(os.path.join(root, "runs", name, "metrics.jsonl")).read()
-             for name in os.listdir(os.path.join(root, "runs"))}
+             for name in _run_names(root)}
   second = _run_demo(root)
   assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
   assert second.stdout.count("already finished") == len(metrics)
