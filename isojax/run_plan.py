@@ -172,9 +172,7 @@ def _check_model_and_sampler_fields(config) -> None:
     raise ValueError(f"config.model.attention: {e}") from None
   for name in COUNT_FIELDS:
     section, field = name.split(".") if "." in name else (None, name)
-    value = (config[section] if section else config)[field]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-      raise ValueError(f"config.{name}={value!r} must be an integer >= 0")
+    _check_count(name, (config[section] if section else config)[field])
   for field in ("max_rows", "decode_chunk", "kv_budget_gib"):
     value = config.sampler.get(field, 0)
     if value is not None and value < 0:
@@ -194,15 +192,20 @@ def _check_model_and_sampler_fields(config) -> None:
   check_sampling(config.eval.temperature, prefix="config.eval.")
 
 
+def _check_count(name: str, value, what: str = "") -> None:
+  """A count field (`COUNT_FIELDS`): an int >= 0, else a ValueError naming it."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ValueError(f"config.{name}={value!r} must be an integer >= 0{what}")
+
+
 def _eval_steps(config, point) -> frozenset[int]:
   """The steps that evaluate besides every eval_every-th and the last (`RunPlan`),
   with config.eval_steps and evals_per_doubling checked (eval_every is a count field:
   0, no fixed cadence)."""
   check_eval_steps(config.eval_steps, point.m)
   per_doubling = config.get("evals_per_doubling", 0)
-  if isinstance(per_doubling, bool) or not isinstance(per_doubling, int) or per_doubling < 0:
-    raise ValueError(f"config.evals_per_doubling={per_doubling!r} must be an integer >= 0 "
-                     f"(evaluations per doubling of the rollouts spent; 0: off)")
+  _check_count("evals_per_doubling", per_doubling,
+               " (evaluations per doubling of the rollouts spent; 0: off)")
   log_spaced = point.log_spaced_steps(per_doubling) if per_doubling else ()
   return frozenset(config.eval_steps) | frozenset(log_spaced)
 
