@@ -156,11 +156,18 @@ class BudgetPoint:
     n*(C) fits read them.
     """
     k = _as_positive_int(per_doubling, "per_doubling")
-    steps, j = set(), 0
+    steps, j, batch = [], 0, self.sampled_batch
     while (threshold := 2.0 ** (j / k)) <= self.compute:
-      steps.add(math.ceil(threshold / self.sampled_batch))
-      j += 1
-    return tuple(sorted(steps))
+      steps.append(math.ceil(threshold / batch))
+      # Skip the thresholds that this step's rollouts also reach: the loop then
+      # runs once per step evaluated, not once per threshold (with a large k
+      # there are far more thresholds than steps). From a j a little below the
+      # first threshold past the step (float log2), count up to it.
+      end = steps[-1] * batch
+      j = max(j + 1, math.floor(k * math.log2(end)) - 1)
+      while 2.0 ** (j / k) <= end:
+        j += 1
+    return tuple(steps)
 
   def to_dict(self) -> dict:
     """Plain dict for config.json / metrics, including the derived numbers.

@@ -124,7 +124,8 @@ def test_grid_all_infeasible_names_numbers():
 
 @pytest.mark.parametrize("bp,n,n_est,m,k", [(32, 8, None, 7812, 8), (32, 2048, None, 30, 8),
                                             (8, 2, None, 128, 4), (4, 2, 8, 50, 3),
-                                            (3, 5, None, 1, 8)])
+                                            (3, 5, None, 1, 8), (2, 2, None, 5000, 64),
+                                            (32, 8, None, 7812, 10**9)])
 def test_log_spaced_steps_are_the_first_to_reach_each_power(bp, n, n_est, m, k):
   # Step s spends (s-1)*r .. s*r rollouts (r = Bp * n_est): it is in the schedule iff a
   # threshold 2^(j/k) falls in that interval, counted here with logs instead.
