@@ -96,8 +96,10 @@ class RunCheckpointer:
     if max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
     self.directory = pathlib.Path(directory).absolute()
+    # The first save makes the directory: opening one to ask for its latest step
+    # (a run deciding whether it resumes) leaves nothing behind.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False)
+        max_to_keep=max_to_keep, create=False, enable_async_checkpointing=False)
     self._manager = ocp.CheckpointManager(
         self.directory, item_names=("state", "host"), options=options)
 

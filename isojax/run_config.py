@@ -22,6 +22,8 @@ import pathlib
 import shlex
 from typing import Any
 
+from absl import logging
+
 from isojax.rollout.interruption import DEFAULT_PHRASE
 from isojax.rundir import CHECKPOINT_DIR, CONFIG_FILE, is_runtime_field, read_json_object
 
@@ -68,14 +70,26 @@ ADDED_FIELDS: dict[str, Any] = {
 }
 
 
-def check_run_dir(workdir: pathlib.Path, resolved: dict) -> list[str]:
+def check_run_dir(workdir: pathlib.Path, resolved: dict, *, resumable: bool = True
+                  ) -> list[str]:
   """`check_saved_config` of the run directory's config.json, if it has one.
 
   Checkpoints without a config.json are refused: their run's config is unknown,
-  and resuming them under another would mix two runs in one record.
+  and resuming them under another would mix two runs in one record. A run that
+  is not `resumable` (it never completed a checkpoint: it died in its first
+  steps, say out of memory) starts afresh and empties its metrics, so a config
+  that differs from its config.json is not held against it: the differences are
+  logged and the whole file is rewritten (the returned list says so).
   """
   if (workdir / CONFIG_FILE).exists():
-    return check_saved_config(workdir / CONFIG_FILE, resolved)
+    try:
+      return check_saved_config(workdir / CONFIG_FILE, resolved)
+    except ValueError as e:
+      if resumable:
+        raise
+      logging.warning("%s; nothing in %s was checkpointed, so the run starts afresh "
+                      "with this config", e, workdir)
+      return ["every field (a fresh start)"]
   ckpts = workdir / CHECKPOINT_DIR
   if ckpts.is_dir() and any(ckpts.iterdir()):
     raise ValueError(f"{workdir} holds checkpoints ({ckpts}) but no {CONFIG_FILE}: the "

@@ -96,20 +96,21 @@ def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun
   unlock = (lambda: None) if lock is None else functools.partial(os.close, lock)
   closes = [unlock]  # what a failure below must undo, newest first
   try:
+    files.check_not_link(workdir / CHECKPOINT_DIR)
+    ckpt = ckpt_lib.RunCheckpointer(workdir / CHECKPOINT_DIR,
+                                    max_to_keep=config.keep_checkpoints)
+    closes.insert(0, ckpt.close)
+    start = ckpt.latest_step()
     # Fields the saved config.json predates, or runtime fields this rerun changed.
-    lacking = check_run_dir(workdir, resolved)
+    lacking = check_run_dir(workdir, resolved, resumable=start is not None)
     logging.info("budget point %s: B=%d, C=%d rollouts, lr=%.3g", point.name,
                  point.batch, point.compute, run_plan.lr)
     t0 = time.time()
     parts = run_setup.build_parts(config, run_plan)
     closes.insert(0, parts.close)  # a vLLM client's snapshots go too
     state = parts.init_state()
-    files.check_not_link(workdir / CHECKPOINT_DIR)
     _log_memory_split(config, parts, state, point, pipelined=bool(run_plan.max_lag))
-    ckpt = ckpt_lib.RunCheckpointer(workdir / CHECKPOINT_DIR,
-                                    max_to_keep=config.keep_checkpoints)
-    closes.insert(0, ckpt.close)
-    resumed, start = None, ckpt.latest_step()
+    resumed = None
     digests = {"train": problems_digest(parts.train_problems),
                **{f"val/{name}": problems_digest(problems)
                   for name, problems in parts.val_sets.items()}}

@@ -4,7 +4,8 @@ mid-way says so in one message and leaves files a rerun can resume from.
 * n below the advantage estimator's minimum fails in `plan`, before any file;
 * a prompt longer than the context fails when the data is loaded (file:line);
 * a start that fails (bad model path) does not record its config, so the
-  corrected command runs in the same workdir;
+  corrected command runs in the same workdir; nor does a run that died before its
+  first checkpoint hold its config against the next (nothing to resume);
 * a link at a name the run creates (config.json.tmp, metrics.jsonl,
   checkpoints) is refused, and the file it points at is untouched;
 * a full disk while checkpointing is one DiskFullError naming the checkpoint,
@@ -145,14 +146,15 @@ def test_failed_start_then_fixed_command_links_refused(tmp_path, monkeypatch):
     with pytest.raises(UnsafePathError, match=rf"{workdir / name} -> {victim}"):
       run.run(config, workdir)
     (workdir / name).unlink()
-  assert victim.read_text() == "precious\n" and len(closed) == 7
+  # The checkpoints link is refused before any part is built (nothing to close).
+  assert victim.read_text() == "precious\n" and len(closed) == 6
   # The run directory's lock is taken first, before any part is built.
   (workdir / rundir.RUN_LOCK_FILE).unlink()  # left by the attempts above
   (workdir / rundir.RUN_LOCK_FILE).symlink_to(victim)
   with pytest.raises(UnsafePathError, match=rf"{workdir / rundir.RUN_LOCK_FILE} -> {victim}"):
     run.run(config, workdir)
   (workdir / rundir.RUN_LOCK_FILE).unlink()
-  assert victim.read_text() == "precious\n" and len(closed) == 7
+  assert victim.read_text() == "precious\n" and len(closed) == 6
 
   last = run.run(config, workdir)  # the corrected command, same workdir
   assert last["step"] == 4 and (workdir / "DONE").exists()
@@ -161,6 +163,31 @@ def test_failed_start_then_fixed_command_links_refused(tmp_path, monkeypatch):
   assert sorted(os.listdir(workdir)) == [rundir.RUN_LOCK_FILE, "DONE", "checkpoints",
                                          "config.json", "data.json", "metrics.jsonl",
                                          "tensorboard"]
+
+
+def test_a_run_dead_before_its_first_checkpoint_reruns_with_another_config(tmp_path,
+                                                                          monkeypatch):
+  workdir = tmp_path / "run"
+  real_loop = run.train_loop
+
+  def out_of_memory(*args, **kwargs):
+    raise MemoryError("the first update did not fit")
+
+  monkeypatch.setattr(run, "train_loop", out_of_memory)
+  with pytest.raises(MemoryError):
+    run.run(small_config(), workdir)
+  assert json.loads((workdir / "config.json").read_text())["rl"]["micro_batch"] == 0
+  monkeypatch.setattr(run, "train_loop", real_loop)
+  # Nothing to resume: the corrected command starts afresh and records its config.
+  fixed = small_config(**{"rl.micro_batch": 4})
+  assert run.run(fixed, workdir)["step"] == 4
+  assert json.loads((workdir / "config.json").read_text())["rl"]["micro_batch"] == 4
+  steps = [r["step"] for r in rundir.read_metrics(workdir / "metrics.jsonl").records]
+  assert steps == [0, 1, 2, 3, 4]
+  # Once it has checkpoints (here: finished), another config is refused again.
+  (workdir / "DONE").unlink()
+  with pytest.raises(ValueError, match=r"different config .*rl\.micro_batch"):
+    run.run(small_config(), workdir)
 
 
 def test_full_disk_while_checkpointing_is_one_message_and_resumable(tmp_path, monkeypatch):
