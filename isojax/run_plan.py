@@ -173,6 +173,10 @@ def _check_model_and_sampler_fields(config) -> None:
   for name in COUNT_FIELDS:
     section, field = name.split(".") if "." in name else (None, name)
     _check_count(name, (config[section] if section else config)[field])
+  if config.seed >= 2**32:
+    raise ValueError(f"config.seed={config.seed} must be below 2**32: a JAX key keeps a "
+                     f"seed's low 32 bits, so it would repeat the run of seed "
+                     f"{config.seed % 2**32}")
   for field in ("max_rows", "decode_chunk", "kv_budget_gib"):
     value = config.sampler.get(field, 0)
     if value is not None and value < 0:
