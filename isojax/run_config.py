@@ -127,6 +127,9 @@ def check_saved_config(path: pathlib.Path, resolved: dict) -> list[str]:
     if is_runtime_field(key) and key in new:
       lacking.append(key)
       continue
+    if key == "budget.requested" and all(
+        saved.get(k) == new.get(k) for k in ("budget.bp", "budget.n", "budget.m")):
+      continue  # another budget with the same point (M is floored): the same run
     if key not in saved and key in new and key in ADDED_FIELDS:
       if new[key] == json.dumps(ADDED_FIELDS[key]):
         lacking.append(key)

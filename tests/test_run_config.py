@@ -5,7 +5,8 @@
   fallback, that fallback;
 * a config.json that lacks added fields resumes when they hold the declared
   values, from its checkpoint, and is then rewritten whole; any other value, and
-  any other difference, is refused naming the fields (and the resuming value);
+  any other difference, is refused naming the fields (and the resuming value),
+  except another requested budget that gives the same point;
 * a finished run from before the fields is not rerun and keeps its file.
 """
 
@@ -13,7 +14,7 @@ import json
 
 import pytest
 
-from experiments import common
+from experiments import common, tiny
 from isojax import run, run_plan
 from isojax.run_config import ADDED_FIELDS, check_saved_config, flat_config
 from isojax.rundir import RUNTIME_FIELDS
@@ -114,6 +115,19 @@ def test_only_added_fields_at_their_declared_values_may_be_absent(tmp_path):
   new["m"] = 7
   with pytest.raises(ValueError, match=r"differs in \[.*'m'\]\); use a fresh"):
     check_saved_config(_saved(tmp_path, old), new)
+
+
+def test_another_budget_with_the_same_point_is_the_same_run(tmp_path):
+  def resolved(budget):  # B = 8: budgets 24 and 31 both give M = 3
+    config = tiny.get_config("bp=4,n=2,budget=24")
+    config.budget = budget  # --config.budget, as a sweep passes each point's compute
+    return json.loads(json.dumps(run_plan.resolved_config(config, run_plan.plan_run(config))))
+
+  path = _saved(tmp_path, resolved(24))
+  assert check_saved_config(path, resolved(31)) == []
+  with pytest.raises(ValueError, match=r"differs in \['budget\.compute', 'budget\.m', "
+                                       r"'budget\.requested', 'm'\]\)"):
+    check_saved_config(path, resolved(32))
 
 
 def _strip_fields(workdir) -> bytes:
