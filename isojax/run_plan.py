@@ -90,6 +90,14 @@ def plan_run(config) -> RunPlan:
                      f"baseline is estimated from n_est rollouts, n of them trained on")
   point = budget_lib.BudgetPoint.feasible(config.budget, bp=config.bp, n=config.n,
                                           n_est=n_est, b_max=config.b_max)
+  fixed = config.get("sweep", {}).get("batch") or 0
+  if fixed and point.batch != fixed:
+    # The file derived bp from its n argument; a flag that moves n or bp alone takes
+    # the run off its study's line (its config.json would still claim it).
+    raise ValueError(f"config.sweep.batch={fixed} (a fixed-batch study: Bp*n = {fixed}) "
+                     f"but Bp*n = {config.bp}*{config.n} = {point.batch}: give n in the "
+                     f"experiment file's argument (it sets bp = {fixed} / n), not as "
+                     f"--config.n or --config.bp")
   # The estimator's baseline is taken over the n_est sampled rollouts when set.
   check_min_n(per, config.rl.adv_estimator)
   eval_steps = _eval_steps(config, point)

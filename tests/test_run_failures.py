@@ -66,6 +66,15 @@ def test_n_below_the_estimators_minimum_fails_before_any_work(tmp_path):
   run.plan_run(small_config("bp=4,n=1,budget=64", **{"rl.n_est": 4}))
 
 
+def test_a_flag_that_moves_a_fixed_batch_point_off_its_line_is_refused(tmp_path):
+  run.plan_run(small_config(**{"sweep.batch": 8}))  # Bp * n = 4 * 2 = 8: on the line
+  with pytest.raises(ValueError, match=r"config.sweep.batch=8 \(a fixed-batch study: "
+                                       r"Bp\*n = 8\) but Bp\*n = 4\*4 = 16: give n in "
+                                       r"the experiment file's argument"):
+    run.run(small_config(**{"sweep.batch": 8, "n": 4}), tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
 def test_prompt_longer_than_the_context_fails_at_load_naming_the_line(tmp_path):
   lines = [{"id": f"p{i}", "prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(30)]
   lines[17]["prompt"] = "12+34=" * 40  # far past the tiny model's context
