@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterator
 EXIT_USER_ERROR = 2
 
 # OS errors that are the environment's (full, read-only or forbidden disk, a
-# link where isojax creates a file), reported in one line like a bad input.
+# link where isojax creates a file, a file where a path needs a directory),
+# reported in one line like a bad input.
 _ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
-                       errno.EPERM, errno.ELOOP, errno.ENOENT, errno.EEXIST)
+                       errno.EPERM, errno.ELOOP, errno.ENOENT, errno.EEXIST, errno.ENOTDIR)
 
 
 class IsojaxError(RuntimeError):

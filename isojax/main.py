@@ -58,7 +58,7 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    raise ValueError(f"unexpected arguments: {argv[1:]} (flags are written --name=value)")
   logging.set_verbosity(logging.INFO)
   for path, value in config_flags.get_override_values(flags.FLAGS["config"]).items():
     if value is None:
@@ -72,7 +72,7 @@ def main(argv):
     return
   if not (_WORKDIR.value or "").strip():
     # An unset shell variable (`--workdir=$WD`) must not train into the cwd.
-    raise app.UsageError("flag --workdir is required (the run directory), unless --dry_run"
+    raise ValueError("flag --workdir is required (the run directory), unless --dry_run"
                          + ("; it was given empty" if _WORKDIR.value is not None else ""))
   from isojax import run  # after flag parsing, like memory: JAX loads only for work
   run.run(_CONFIG.value, _WORKDIR.value)

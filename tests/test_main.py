@@ -64,8 +64,16 @@ def test_an_empty_workdir_or_a_missing_experiment_file_is_named(tmp_path):
                          f"--config={ROOT / 'experiments/tiny.py'}:bp=4,n=2,budget=16",
                          "--workdir="], cwd=tmp_path, env=env, capture_output=True,
                         text=True, timeout=120)
-  assert proc.returncode != 0 and "--workdir is required" in proc.stderr
-  assert "given empty" in proc.stderr and not os.listdir(tmp_path)
+  assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+      "isojax.main: error: flag --workdir is required (the run directory), unless "
+      "--dry_run; it was given empty (--verbose prints the traceback)"]
+  assert not os.listdir(tmp_path)
+  (tmp_path / "notes").write_text("")  # a file where the run directory's parent goes
+  proc = _main(f"--config={ROOT / 'experiments/tiny.py'}:bp=4,n=2,budget=16",
+               f"--workdir={tmp_path / 'notes' / 'run'}", timeout=120)
+  assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+      f"isojax.main: error: Not a directory on {tmp_path / 'notes' / 'run'} (--verbose "
+      "prints the traceback)"]
   proc = _main("--config=experiments/no_such_study.py", f"--workdir={tmp_path / 'x'}",
                timeout=120)
   assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
