@@ -72,6 +72,30 @@ def _support(name: str) -> tuple[float, float] | None:
   return fits_lib.NSTAR_K_RANGE if where.endswith("|law") and param == "k" else None
 
 
+def unresampled_curves(boot: BootstrapResult | None, sweep) -> tuple[str, ...]:
+  """The curves on `sweep`'s frontier that more resamples lacked than the interval's tail.
+
+  A configuration fitted only from its seeds' records pooled (too few evaluations
+  in any k - 1 of them) is absent from such resamples, and each of their frontiers
+  then picks n* from the other curves: the spread of n* they give is not the
+  estimate's, and an interval built from it can exclude every resample. A curve that
+  never attains the estimate's frontier changes no n* by its absence, so only those
+  that do count. Each entry names the configuration and how many resamples fitted it.
+  """
+  if boot is None or sweep is None or sweep.frontier is None:
+    return ()
+  ran = boot.n_boot - boot.n_failed
+  tail = boot.n_boot * (1 - boot.level) / 2
+  fr = sweep.frontier
+  out = []
+  for k in sorted({fr.keys[w] for w in fr.winner if w >= 0}):
+    iv = boot.intervals.get(_curve_param(sweep_name(sweep), k, fits_lib.SIGMOID_PARAMS[0]))
+    fitted = 0 if iv is None else iv.n_ok
+    if ran - fitted > tail + 1e-9:
+      out.append(f"{key_label(k)} (fitted in {fitted} of {ran} resamples)")
+  return tuple(out)
+
+
 def group_intervals(runs, refit: Callable, sweeps, fixed, *, law_name: str, budgets,
                     n_boot: int, seed: int) -> tuple[BootstrapResult | None, list[str]]:
   """The bootstrap of a group's fitted numbers over its runs, and the problems to report.

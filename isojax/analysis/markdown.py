@@ -134,7 +134,8 @@ def _prescriptions_md(g: GroupAnalysis) -> list[str]:
     cells = ([str(pt.n), str(pt.bp), str(pt.m), str(pt.compute)] if pt else
              ["–"] * 4)
     out.append(f"| {pr.budget:.3g} | {pr.n_star:.3g}"
-               f"{_ci(g, n_star_key(pr.budget))} | " + " | ".join(cells)
+               f"{_ci(g, n_star_key(pr.budget)) if pr.interval else ''} | "
+               + " | ".join(cells)
                + f" | {note} |")
   return out + ["", "n is n* rounded to a power of two (in log2); M = floor(C / (Bp·n)). "
                 "An extrapolation whose n* interval spans more than a factor of "

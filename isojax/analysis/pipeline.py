@@ -30,7 +30,7 @@ from isojax.analysis.bootstrap import BootstrapResult
 from isojax.analysis.frontier import (CurveSet, ExtrapolationCheck, Frontier,
                                       extrapolation_check, fit_curves, frontier, key_label,
                                       log_grid)
-from isojax.analysis.intervals import group_intervals
+from isojax.analysis.intervals import group_intervals, sweep_name, unresampled_curves
 from isojax.analysis.runs import (LoadProblem, eval_metrics, evaluation_gaps,
                                   pass1_histogram)
 from isojax.rundir import METRICS_FILE
@@ -303,9 +303,16 @@ def analyze_group(runs, *, metric: str, difficulty=None,
       intervals, why = group_intervals(runs, refit, sweeps, fixed, law_name=law_name,
                                        budgets=budgets, n_boot=n_boot, seed=seed)
       problems += why
+    unresampled = unresampled_curves(
+        intervals, next((s for s in sweeps if sweep_name(s) == law_name), None))
+    if unresampled:
+      problems.append(f"bootstrap: the resamples lack {', '.join(unresampled)} of the "
+                      f"{choice.label} law's frontier, so its intervals of n* and of the "
+                      f"law's parameters rest on other curves and are not reported for "
+                      f"prescriptions")
     n_star_intervals = {c: rx.n_star_interval(intervals, c) for c in budgets}
     prescriptions = rx.prescribe(choice, budgets, b_max=_b_max(runs),
-                                 intervals=n_star_intervals)
+                                 intervals=n_star_intervals, unresampled=unresampled)
   elif primary is not None:
     problems.append("no n*(C) law, so no prescriptions")
   else:

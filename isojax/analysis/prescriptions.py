@@ -245,8 +245,17 @@ def _refusal(interval, max_spread: float) -> str:
           f"narrows with them), first")
 
 
+def _unresampled_note(unresampled) -> str:
+  """Why the n* intervals of a law whose resamples lacked some of its curves are void."""
+  return (f"no interval of n*: the bootstrap's resamples lack {', '.join(unresampled)}, "
+          f"which the estimate's frontier used (fitted only from its seeds' records "
+          f"pooled), so their n* is not the estimate's; evaluate those runs more "
+          f"often, or run more seeds")
+
+
 def prescribe(choice: LawChoice, budgets, *, b_max=None, intervals=None,
-              max_spread: float = MAX_SPREAD) -> tuple[Prescription, ...]:
+              max_spread: float = MAX_SPREAD,
+              unresampled=()) -> tuple[Prescription, ...]:
   """A Prescription per budget from `choice`.
 
   Args:
@@ -256,6 +265,9 @@ def prescribe(choice: LawChoice, budgets, *, b_max=None, intervals=None,
     intervals: budget -> (low, high) bootstrap interval of n* (`n_star_interval`),
       or None, when computed.
     max_spread: refuse an extrapolation whose n* interval spans more than this.
+    unresampled: the law's curves that too many resamples lacked
+      (`intervals.unresampled_curves`): the n* intervals are then void (None, and
+      a note says why), and an extrapolation is refused.
   """
   intervals = intervals or {}
   out = []
@@ -263,14 +275,16 @@ def prescribe(choice: LawChoice, budgets, *, b_max=None, intervals=None,
     n_pred = float(choice.law.predict(c))
     lo, hi = choice.law.compute_range
     extrapolated = not lo * (1 - 1e-9) <= c <= hi * (1 + 1e-9)
-    interval = intervals.get(c)
+    interval = None if unresampled else intervals.get(c)
     common = dict(budget=c, n_star=n_pred, extrapolated=extrapolated, law=choice.label,
                   interval=interval)
-    refusal = _refusal(interval, max_spread) if extrapolated else ""
+    void = _unresampled_note(unresampled) if unresampled else ""
+    refusal = ("refused: " + void if void else _refusal(interval, max_spread)
+               ) if extrapolated else ""
     if refusal:
       out.append(Prescription(point=None, note=refusal, refused=True, **common))
       continue
-    notes = ["no bootstrap interval: the extrapolation is unchecked"
+    notes = [void, "no bootstrap interval: the extrapolation is unchecked"
              if extrapolated and interval is None else ""]
     try:
       point = plan(c, choice.law, bp=choice.bp, b_max=b_max)

@@ -128,7 +128,8 @@ def fits_dict(analysis: Analysis) -> dict:
                            "extrapolated": p.extrapolated, "refused": p.refused,
                            "note": p.note,
                            "point": None if p.point is None else p.point.to_dict(),
-                           "n_star_interval": _interval(g, n_star_key(p.budget))}
+                           "n_star_interval": _interval(g, n_star_key(p.budget))
+                           if p.interval else None}
                           for p in g.prescriptions],
         "bootstrap": None if g.intervals is None else {
             "n_boot": g.intervals.n_boot, "n_failed": g.intervals.n_failed,

@@ -171,3 +171,24 @@ def make_recipes(root, truths, *, budget, bp=8, n=16, seeds=(0, 1, 2), noise=0.0
           row["device_hours"] = row["rollouts"] / ROLLOUTS_PER_DEVICE_HOUR.get(label, 2e3)
       paths.append(write_run(os.path.join(root, f"{label}_s{seed}"), config, rows))
   return paths
+
+
+def memory_run(bp, n, seed, steps, curve, *, base=None, metric="val/avg@4"):
+  """An in-memory `Run` of (bp, n) evaluated at `steps`: metric = curve(rollouts),
+  after a step-0 evaluation of `base` when given."""
+  from isojax.analysis.runs import Run
+  rows = [] if base is None else [{"step": 0, "rollouts": 0.0, metric: float(base)}]
+  for s in steps:
+    c = float(s * bp * n)
+    rows.append({"step": int(s), "rollouts": c, metric: float(curve(c))})
+  name = f"bp{bp}_n{n}_s{seed}"
+  return Run(name=name, path=f"/fake/{name}", bp=bp, n=n, m=None, difficulty=None,
+             seed=seed, config={"budget": {"bp": bp, "n": n}, "seed": seed},
+             rows=tuple(rows))
+
+
+def log_steps(bp, n, c_max, per_doubling=8):
+  """Update steps at which a (bp, n) run is evaluated, 8 per doubling of rollouts."""
+  steps = sorted({math.ceil(2 ** (j / per_doubling) / (bp * n))
+                  for j in range(int(per_doubling * math.log2(c_max)) + 1)})
+  return [s for s in steps if s * bp * n <= c_max]
