@@ -124,11 +124,18 @@ def fit_frontier(runs, *, metric: str, unit: str = "rollouts", key="n",
 
 
 def _law_caveats(where: str, fr: Frontier, law, opts: FrontierOptions) -> list[str]:
-  """What the law cannot tell: too few values of n*, or an n*(C) that is no sigmoid."""
+  """What the law cannot tell: too few values of n*, an n*(C) that is no sigmoid, or a
+  saturation where the n grid stops."""
   c, n = fr.n_star_points()
   steps = [0] + [i + 1 for i in np.flatnonzero(np.diff(n))]
   path = " -> ".join(f"{int(n[i])} (from C={c[i]:.3g})" for i in steps)
   out, distinct = [], len(set(n.astype(int)))
+  largest = rx.n_grid_censored(fr, law)
+  if largest is not None:
+    out.append(f"{where}: n* reaches n={largest}, the largest n tried, at the frontier's "
+               f"end (C={c[-1]:.3g}; the law's n* tends to {2 ** (law.L + law.b):.3g}): "
+               f"the law's saturation comes from where the n grid stops, not from larger "
+               f"n tried and lost (§4.1); try larger n before trusting n* beyond the data")
   if distinct < 3:
     out.append(f"{where}: n* takes fewer than 3 values along the frontier ({path}), so "
                f"the law's steepness k reflects how its points are drawn "

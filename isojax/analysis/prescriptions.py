@@ -46,6 +46,8 @@ class LawChoice:
     reason: one sentence: which law and why this Bp.
     unfitted_n: the n of configurations of the law's sweep left out of its
       frontier (too few record points, `frontier.CurveSet.skipped`).
+    grid_end_n: the largest n of the law's sweep when n* is stuck there
+      (`n_grid_censored`), else None.
   """
 
   label: str
@@ -54,6 +56,7 @@ class LawChoice:
   joint: bool
   reason: str
   unfitted_n: tuple[int, ...] = ()
+  grid_end_n: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,31 +174,54 @@ def choose_law(sweeps, runs, *, primary, primary_bp: int | None, bp: int | None 
         bp, why = _smallest_stable_bp(runs, unstable_runs, primary.metric)
       else:
         why = f"Bp={bp} as asked"
-      return LawChoice("joint", joint.law, bp, True,
-                       f"the joint (Bp, n, M) study's n*(C) law (App. C); {why}",
-                       _unfitted_n(joint))
+      return _choice(joint, bp, True,
+                     f"the joint (Bp, n, M) study's n*(C) law (App. C); {why}")
     caveat = " (the joint study's law could not be fitted)"
   own = by_label.get(f"bp={bp}") if bp is not None else None
   if own is not None and own is not primary:
-    return LawChoice(own.label, own.law, bp, False,
-                     f"the fixed-Bp n*(C) law measured at Bp={bp}, as asked{caveat}",
-                     _unfitted_n(own))
+    return _choice(own, bp, False,
+                   f"the fixed-Bp n*(C) law measured at Bp={bp}, as asked{caveat}")
   if primary.law is None:
     return None
   if bp is None or bp == primary_bp:
-    return LawChoice(primary.label, primary.law, primary_bp, False,
-                     f"the fixed-Bp n*(C) law measured at Bp={primary_bp} (§4.1), at "
-                     f"its own Bp{caveat}", _unfitted_n(primary))
-  return LawChoice(primary.label, primary.law, bp, False,
-                   f"the fixed-Bp n*(C) law measured at Bp={primary_bp}, used at Bp={bp} "
-                   f"as asked: no runs measured it there, and where n* saturates "
-                   f"depends on Bp (App. B){caveat}", _unfitted_n(primary))
+    return _choice(primary, primary_bp, False,
+                   f"the fixed-Bp n*(C) law measured at Bp={primary_bp} (§4.1), at "
+                   f"its own Bp{caveat}")
+  return _choice(primary, bp, False,
+                 f"the fixed-Bp n*(C) law measured at Bp={primary_bp}, used at Bp={bp} "
+                 f"as asked: no runs measured it there, and where n* saturates "
+                 f"depends on Bp (App. B){caveat}")
+
+
+def _choice(sweep, bp: int, joint: bool, reason: str) -> LawChoice:
+  return LawChoice(sweep.label, sweep.law, bp, joint, reason, _unfitted_n(sweep),
+                   n_grid_censored(sweep.frontier, sweep.law))
 
 
 def _unfitted_n(sweep) -> tuple[int, ...]:
   """The n of the sweep's skipped curves that no fitted curve has (at another Bp)."""
   fitted = {key_n(k) for k in sweep.curves.fits}
   return tuple(sorted({key_n(k) for k in sweep.curves.skipped} - fitted))
+
+
+def n_grid_censored(fr, law) -> int | None:
+  """The largest n of the frontier's curves when n* may lie beyond it, else None.
+
+  Saturation of n* is established only because larger n were tried and lost (§4.1).
+  Where the frontier's n* at its largest compute is the largest n tried, or the law's
+  asymptote (log2 n* -> L + b as C grows) is at or above it, the law flattens where
+  the n grid stops, not where n* does.
+  """
+  if fr is None or law is None:
+    return None
+  _, n = fr.n_star_points()
+  if n.size == 0:
+    return None
+  largest = max(key_n(k) for k in fr.keys)
+  asymptote = law.L + law.b  # log2 n* as C -> inf (k > 0)
+  if int(n[-1]) == largest or asymptote >= math.log2(largest) - 1e-9:
+    return largest
+  return None
 
 
 def default_budgets(law: fits_lib.NStarFit) -> list[float]:
@@ -239,7 +265,7 @@ def _refusal(interval, max_spread: float) -> str:
   low, high = interval
   if low > 0 and math.isfinite(high) and high / low <= max_spread:
     return ""
-  return (f"refused: the law's interval of n* here, [{low:.3g}, {high:.3g}], spans more "
+  return (f"the law's interval of n* here, [{low:.3g}, {high:.3g}], spans more "
           f"than a factor of {max_spread:g}: beyond its data the law does not pin n "
           f"down; run larger budgets, or more seeds per configuration (the interval "
           f"narrows with them), first")
@@ -279,10 +305,17 @@ def prescribe(choice: LawChoice, budgets, *, b_max=None, intervals=None,
     common = dict(budget=c, n_star=n_pred, extrapolated=extrapolated, law=choice.label,
                   interval=interval)
     void = _unresampled_note(unresampled) if unresampled else ""
-    refusal = ("refused: " + void if void else _refusal(interval, max_spread)
-               ) if extrapolated else ""
-    if refusal:
-      out.append(Prescription(point=None, note=refusal, refused=True, **common))
+    reasons = []
+    if extrapolated and choice.grid_end_n is not None:
+      reasons.append(f"n* is at the largest n tried ({choice.grid_end_n}) where the data "
+                     f"end, so the law's saturation is where the n grid stops, not a "
+                     f"measured one (§4.1); try larger n (e.g. {2 * choice.grid_end_n}) "
+                     f"at the largest budget first")
+    if extrapolated:
+      reasons.append(void or _refusal(interval, max_spread))
+    if any(reasons):
+      note = "refused: " + "; ".join(filter(None, reasons))
+      out.append(Prescription(point=None, note=note, refused=True, **common))
       continue
     notes = [void, "no bootstrap interval: the extrapolation is unchecked"
              if extrapolated and interval is None else ""]

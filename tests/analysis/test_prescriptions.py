@@ -14,7 +14,7 @@ from isojax.analysis import (LawChoice, NStarFit, analyze, choose_law, fits_dict
                              read_runs, report_markdown)
 from isojax.analysis.bootstrap import BootstrapResult, Interval
 from isojax.analysis.prescriptions import (_unfitted_n, collapsed, is_joint_study,
-                                           n_star_interval)
+                                           n_grid_censored, n_star_interval)
 from isojax.budget import BudgetPoint
 
 from . import fake_runs
@@ -230,3 +230,48 @@ def test_runs_with_non_finite_values_make_their_bp_unstable(tmp_path):
 def test_what_counts_as_a_joint_study(tmp_path, configs, joint):
   _write_grid(tmp_path, configs)
   assert is_joint_study(read_runs(tmp_path).runs) == joint
+
+
+def _memory_sweep(ns, curve, c_max=2 ** 17, seeds=(0, 1)):
+  """Bp=16 runs at each n, on noise-free curves curve(j, c) (j: the n's index)."""
+  return [fake_runs.memory_run(16, n, s, fake_runs.log_steps(16, n, c_max),
+                               lambda c, j=j: curve(j, c), base=0.3)
+          for j, n in enumerate(ns) for s in seeds]
+
+
+def test_n_star_at_the_largest_n_tried_is_no_saturation():
+  # Every larger n reaches higher, later: n* still rises where the grid stops at 32.
+  runs = _memory_sweep([2, 4, 8, 16, 32], lambda j, c: fake_runs.sigmoid(
+      c, a=0.45 + 0.08 * j, b=1.5, c_mid=60 * 3 ** j, r0=0.3))
+  g = analyze(runs, n_boot=4, budgets=[1e5, 1e6]).groups[0]
+  assert int(g.primary.frontier.n_star[-1]) == max(r.n for r in runs) == 32
+  assert g.law_choice.grid_end_n == 32
+  assert any("n* reaches n=32, the largest n tried" in p and "§4.1" in p
+             for p in g.problems)
+  inside, beyond = g.prescriptions
+  assert not inside.extrapolated and inside.point is not None
+  assert beyond.extrapolated and beyond.refused and beyond.point is None
+  assert "largest n tried (32)" in beyond.note and "try larger n (e.g. 64)" in beyond.note
+
+
+def test_a_saturation_that_larger_n_lost_to_is_not_flagged():
+  # n = 8 has the highest ceiling; 16 and 32 were tried and lose everywhere.
+  ceilings = [0.5, 0.6, 0.7, 0.62, 0.55]
+  runs = _memory_sweep([2, 4, 8, 16, 32], lambda j, c: fake_runs.sigmoid(
+      c, a=ceilings[j], b=1.5, c_mid=60 * 3 ** j, r0=0.3))
+  g = analyze(runs, n_boot=0, budgets=[1e6]).groups[0]
+  assert int(g.primary.frontier.n_star[-1]) == 8
+  assert g.law_choice.grid_end_n is None
+  assert not any("largest n tried" in p for p in g.problems)
+  assert "largest n tried" not in g.prescriptions[0].note
+
+
+def test_a_law_whose_asymptote_reaches_the_largest_n_is_censored_too():
+  fr = types.SimpleNamespace(keys=(2, 4, 8), n_star_points=lambda: (
+      np.array([1e3, 1e4, 1e5]), np.array([2.0, 4.0, 4.0])))
+  # log2 n* -> L + b: 8 at the largest n tried (8), 5.7 below it.
+  assert n_grid_censored(fr, law(L=2.0, b=1.0)) == 8
+  assert n_grid_censored(fr, law(L=1.5, b=1.0)) is None
+  ends_at_8 = types.SimpleNamespace(keys=fr.keys, n_star_points=lambda: (
+      np.array([1e3, 1e5]), np.array([2.0, 8.0])))
+  assert n_grid_censored(ends_at_8, law(L=1.0, b=1.0)) == 8
