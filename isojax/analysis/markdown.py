@@ -138,8 +138,9 @@ def _prescriptions_md(g: GroupAnalysis) -> list[str]:
                + " | ".join(cells)
                + f" | {note} |")
   return out + ["", "n is n* rounded to a power of two (in log2); M = floor(C / (Bp·n)). "
-                "An extrapolation whose n* interval spans more than a factor of "
-                f"{MAX_SPREAD:g} is refused.", ""]
+                "A prescription whose n* interval spans more than a factor of "
+                f"{MAX_SPREAD:g} is refused, and so is an extrapolation without an "
+                "interval or with n* at the largest n tried.", ""]
 
 
 def _fixed_batch_md(g: GroupAnalysis) -> list[str]:

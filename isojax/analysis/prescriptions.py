@@ -14,9 +14,11 @@ Which law (`choose_law`):
   * otherwise the law of the fixed-Bp sweep at the Bp asked (if the runs have one),
     else the primary sweep's law at its own Bp.
 
-When to refuse (`prescribe`): a budget beyond the law's data is an extrapolation;
-where the bootstrap interval of n* there spans more than `max_spread` (8x) in n, the
-law does not pin n down and no point is prescribed (the reason is the note).
+When to refuse (`prescribe`): where the bootstrap interval of n* spans more than
+`max_spread` (8x) in n, the law does not pin n down and no point is prescribed (the
+reason is the note). A budget beyond the law's data is an extrapolation, refused
+too without an interval to check it, or where n* is at the largest n tried. Inside
+the data a prescription whose n differs from the frontier's n* there says so.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from isojax.analysis.frontier import key_n
 from isojax.analysis.plan import plan
 from isojax.analysis.records import base_reward
 
-MAX_SPREAD = 8.0  # refuse to extrapolate where n*'s interval spans more than this
+MAX_SPREAD = 8.0  # refuse to prescribe where n*'s interval spans more than this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,8 @@ class LawChoice:
       frontier (too few record points, `frontier.CurveSet.skipped`).
     grid_end_n: the largest n of the law's sweep when n* is stuck there
       (`n_grid_censored`), else None.
+    frontier: the law's sweep's `frontier.Frontier` (what the law was fitted to), or
+      None.
   """
 
   label: str
@@ -57,6 +61,7 @@ class LawChoice:
   reason: str
   unfitted_n: tuple[int, ...] = ()
   grid_end_n: int | None = None
+  frontier: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +200,7 @@ def choose_law(sweeps, runs, *, primary, primary_bp: int | None, bp: int | None 
 
 def _choice(sweep, bp: int, joint: bool, reason: str) -> LawChoice:
   return LawChoice(sweep.label, sweep.law, bp, joint, reason, _unfitted_n(sweep),
-                   n_grid_censored(sweep.frontier, sweep.law))
+                   n_grid_censored(sweep.frontier, sweep.law), sweep.frontier)
 
 
 def _unfitted_n(sweep) -> tuple[int, ...]:
@@ -258,17 +263,49 @@ def n_star_interval(boot, budget: float) -> tuple[float, float] | None:
   return low, high
 
 
-def _refusal(interval, max_spread: float) -> str:
-  """Why an extrapolation with this n* interval is refused ("" when it is not)."""
-  if interval is None:
-    return ""
+def _refusal(interval, max_spread: float, extrapolated: bool) -> str:
+  """Why a prescription with this n* interval is refused ("" when it is not)."""
   low, high = interval
   if low > 0 and math.isfinite(high) and high / low <= max_spread:
     return ""
+  where = "beyond its data" if extrapolated else "even inside its data"
+  more = "run larger budgets, or more seeds" if extrapolated else "run more seeds"
   return (f"the law's interval of n* here, [{low:.3g}, {high:.3g}], spans more "
-          f"than a factor of {max_spread:g}: beyond its data the law does not pin n "
-          f"down; run larger budgets, or more seeds per configuration (the interval "
-          f"narrows with them), first")
+          f"than a factor of {max_spread:g}: {where} the law does not pin n down; "
+          f"{more} per configuration (the interval narrows with them) first")
+
+
+def _refusals(choice: LawChoice, interval, extrapolated: bool, void: str,
+              max_spread: float) -> list[str]:
+  """Every reason to refuse a prescription (none: it is made)."""
+  reasons = []
+  if extrapolated and choice.grid_end_n is not None:
+    reasons.append(f"n* is at the largest n tried ({choice.grid_end_n}) where the data "
+                   f"end, so the law's saturation is where the n grid stops, not a "
+                   f"measured one (§4.1); try larger n (e.g. {2 * choice.grid_end_n}) "
+                   f"at the largest budget first")
+  if void or interval is None:
+    # Beyond the data nothing else checks the law; inside it the frontier does.
+    if extrapolated:
+      reasons.append(void or "no bootstrap interval of n* to check the extrapolation "
+                     "(one run per configuration, or none drawn): run two seeds or "
+                     "more per configuration first")
+  elif why := _refusal(interval, max_spread, extrapolated):
+    reasons.append(why)
+  return reasons
+
+
+def _frontier_note(fr, budget: float, n: int, n_law: float) -> str:
+  """Where, inside the data, the frontier's n* is not the prescribed n, say so."""
+  if fr is None or not fr.defined.any():
+    return ""
+  i = int(np.clip(np.searchsorted(fr.compute, budget, side="right") - 1, 0,
+                  fr.compute.size - 1))
+  if not fr.defined[i] or int(fr.n_star[i]) == n:
+    return ""
+  return (f"the frontier's n* here is {int(fr.n_star[i])}, not the law's {n_law:.3g} "
+          f"(n={n}): the law smooths n* along the frontier, the frontier is what the "
+          f"runs measured")
 
 
 def _unresampled_note(unresampled) -> str:
@@ -290,7 +327,7 @@ def prescribe(choice: LawChoice, budgets, *, b_max=None, intervals=None,
     b_max: the largest batch Bp * n the hardware takes, if known.
     intervals: budget -> (low, high) bootstrap interval of n* (`n_star_interval`),
       or None, when computed.
-    max_spread: refuse an extrapolation whose n* interval spans more than this.
+    max_spread: refuse a prescription whose n* interval spans more than this.
     unresampled: the law's curves that too many resamples lacked
       (`intervals.unresampled_curves`): the n* intervals are then void (None, and
       a note says why), and an extrapolation is refused.
@@ -305,22 +342,16 @@ def prescribe(choice: LawChoice, budgets, *, b_max=None, intervals=None,
     common = dict(budget=c, n_star=n_pred, extrapolated=extrapolated, law=choice.label,
                   interval=interval)
     void = _unresampled_note(unresampled) if unresampled else ""
-    reasons = []
-    if extrapolated and choice.grid_end_n is not None:
-      reasons.append(f"n* is at the largest n tried ({choice.grid_end_n}) where the data "
-                     f"end, so the law's saturation is where the n grid stops, not a "
-                     f"measured one (§4.1); try larger n (e.g. {2 * choice.grid_end_n}) "
-                     f"at the largest budget first")
-    if extrapolated:
-      reasons.append(void or _refusal(interval, max_spread))
-    if any(reasons):
-      note = "refused: " + "; ".join(filter(None, reasons))
+    reasons = _refusals(choice, interval, extrapolated, void, max_spread)
+    if reasons:
+      note = "refused: " + "; ".join(reasons)
       out.append(Prescription(point=None, note=note, refused=True, **common))
       continue
-    notes = [void, "no bootstrap interval: the extrapolation is unchecked"
-             if extrapolated and interval is None else ""]
+    notes = [void]
     try:
       point = plan(c, choice.law, bp=choice.bp, b_max=b_max)
+      if not extrapolated:
+        notes.append(_frontier_note(choice.frontier, c, point.n, n_pred))
       above = [n for n in choice.unfitted_n if n > point.n]
       if above:
         notes.append(f"n={above} had too few record points to be fitted, so the law "

@@ -142,26 +142,54 @@ def test_fixed_bp_study_prescribes_at_its_own_bp_and_says_so_elsewhere(tmp_path)
   assert "measured at Bp=8" in other.reason and "App. B" in other.reason
 
 
-def test_extrapolation_with_a_wide_interval_is_refused_with_the_reason():
+def test_a_wide_interval_is_refused_with_the_reason_at_every_budget():
   choice = LawChoice("joint", law(), bp=32, joint=True, reason="test")
-  inside, beyond, far = 1e5, 5e6, 1e7
-  out = prescribe(choice, [inside, beyond, far],
-                  intervals={inside: (2.0, 40.0), beyond: (20.0, 150.0), far: (10.0, 90.0)})
-  # Inside the data a wide interval is shown, not refused.
-  assert out[0].point is not None and not out[0].refused
-  # Beyond the data: 150/20 = 7.5 is within a factor of 8; 90/10 = 9 is not.
-  assert out[1].point is not None and out[1].extrapolated and not out[1].refused
-  assert out[2].point is None and out[2].refused
-  assert "[10, 90]" in out[2].note and "factor of 8" in out[2].note
+  inside, wide_inside, beyond, far = 1e5, 2e5, 5e6, 1e7
+  out = prescribe(choice, [inside, wide_inside, beyond, far],
+                  intervals={inside: (10.0, 60.0), wide_inside: (2.0, 40.0),
+                             beyond: (20.0, 150.0), far: (10.0, 90.0)})
+  # 60/10 = 6 and 150/20 = 7.5 are within a factor of 8; 40/2 = 20 and 90/10 = 9 not.
+  assert [p.refused for p in out] == [False, True, False, True]
+  assert [p.point is None for p in out] == [False, True, False, True]
+  assert "[2, 40]" in out[1].note and "even inside its data" in out[1].note
+  assert "[10, 90]" in out[3].note and "factor of 8" in out[3].note
+  assert "beyond its data" in out[3].note
   assert all(p.law == "joint" for p in out)
 
 
-def test_extrapolation_without_an_interval_says_it_is_unchecked():
+def test_an_extrapolation_without_an_interval_is_refused():
   choice = LawChoice("bp=32", law(), bp=32, joint=False, reason="test")
-  (pr,) = prescribe(choice, [1e7])
-  assert pr.point is not None and "unchecked" in pr.note
+  inside, beyond = prescribe(choice, [1e5, 1e7])
+  assert inside.point is not None and not inside.refused
+  assert beyond.refused and beyond.point is None
+  assert "no bootstrap interval of n*" in beyond.note and "two seeds" in beyond.note
   (unbounded,) = prescribe(choice, [1e7], intervals={1e7: (4.0, float("inf"))})
   assert unbounded.refused
+
+
+def test_one_configuration_prescribes_inside_its_data_only():
+  steps = fake_runs.log_steps(16, 4, 2 ** 14)
+  one = [fake_runs.memory_run(16, 4, 0, steps, lambda c: fake_runs.sigmoid(
+      c, a=0.6, b=1.2, c_mid=3000, r0=0.3), base=0.3)]
+  g = analyze(one, n_boot=20).groups[0]
+  assert g.intervals is None
+  *inside, beyond = g.prescriptions
+  assert all(p.point is not None and p.point.n == 4 for p in inside)
+  assert beyond.extrapolated and beyond.refused
+  assert "largest n tried (4)" in beyond.note and "no bootstrap interval" in beyond.note
+
+
+def test_a_prescription_the_frontier_disagrees_with_says_so():
+  # The law: n* = 4 * 2**(4 / (1 + e**(-2 (log10 C - 4.5)))) = 21.0 at C = 5e4 (n = 16)
+  # and 40.2 at 2e5 (n = 32); the frontier's n* is 8 from 3e4 to 1e5, 32 from 1e5 on.
+  fr = types.SimpleNamespace(compute=np.array([1e3, 3e4, 1e5, 1e6]),
+                             n_star=np.array([4, 8, 32, 32]),
+                             defined=np.array([True] * 4))
+  choice = LawChoice("bp=32", law(), bp=32, joint=False, reason="test", frontier=fr)
+  at_5e4, at_2e5 = prescribe(choice, [5e4, 2e5])
+  assert at_5e4.point.n == 16 and at_2e5.point.n == 32
+  assert "the frontier's n* here is 8, not the law's 21 (n=16)" in at_5e4.note
+  assert "frontier" not in at_2e5.note
 
 
 def test_a_budget_below_the_data_is_an_extrapolation_too():
