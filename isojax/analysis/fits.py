@@ -40,6 +40,8 @@ def _validate(x, y, weights, what: str, min_points: int):
   y = np.asarray(y, dtype=np.float64).ravel()
   if x.shape != y.shape:
     raise ValueError(f"{what}: compute has {x.size} points but the target has {y.size}")
+  if x.size == 0:  # before the weights, whose check would blame them
+    raise ValueError(f"{what}: no points to fit")
   w = np.ones_like(x) if weights is None else np.asarray(weights, np.float64).ravel()
   if w.shape != x.shape:
     raise ValueError(f"{what}: weights has {w.size} entries, expected {x.size}")

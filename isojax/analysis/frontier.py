@@ -93,6 +93,14 @@ def _base_r0(runs, metric: str, unit: str, num_records: int) -> float | None:
   return float(np.clip(np.mean(base), 0.0, 1.0)) if base else None
 
 
+def _no_records(runs, metric: str, unit: str, bin_width: float) -> str:
+  """Why runs with evaluations after training have no record-breaking point."""
+  base = max(b for run in runs if (b := records.base_reward(run, metric, unit)) is not None)
+  return (f"no evaluation beat the base model's reward bin "
+          f"{math.floor(base / bin_width) * bin_width:.4g} (base {base:.4g}, bin width "
+          f"{bin_width:g}); try a finer --bin-width")
+
+
 def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rollouts",
                bin_width: float = 0.005, max_compute: float | None = None) -> CurveSet:
   """Fits one sigmoid per configuration to the union of its runs' record points.
@@ -121,6 +129,9 @@ def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rol
                                     max_compute=max_compute)
     if points[k][0].size == 0:
       skipped[k] = f"no '{metric}' points with {unit} > 0"
+      continue
+    if recs[k][0].size == 0:  # every evaluation sat in or below the base model's bin
+      skipped[k] = _no_records(groups[k], metric, unit, bin_width)
       continue
     distinct = np.unique(recs[k][0]).size  # records at distinct compute
     r0 = _base_r0(groups[k], metric, unit, distinct)

@@ -168,3 +168,10 @@ def test_n_star_errors():
     fit_n_star([1e2, 1e3, 1e4, 1e5], [4, 8, 16, 16])
   with pytest.raises(ValueError, match="n_star must be > 0"):
     fit_n_star(C, np.zeros(C.size))
+
+
+def test_no_points_is_named_before_the_weights():
+  with pytest.raises(ValueError, match="fit_sigmoid: no points to fit"):
+    fit_sigmoid([], [])
+  with pytest.raises(ValueError, match="fit_n_star: no points to fit"):
+    fit_n_star([], [])

@@ -268,3 +268,18 @@ def test_four_records_fit_with_r0_at_the_base_models_reward(tmp_path):
                        n_evals=8, base_eval=True)
   (fit,) = fit_curves(read_runs(tmp_path / "many").runs, metric=METRIC).fits.values()
   assert not fit.r0_fixed and fit.flags == ()
+
+
+def test_a_configuration_that_never_beats_its_base_bin_says_to_try_a_finer_bin():
+  # n = 8 rises from 0.3012 to 0.3049: inside the base model's bin [0.300, 0.305).
+  rise = [fake_runs.memory_run(8, 8, s, [1, 2, 4, 8, 16, 32], lambda c: 0.3012 + 0.0037 * (
+      1 - 1 / (1 + c / 500)), base=0.3012) for s in (0, 1)]
+  grows = [fake_runs.memory_run(8, 4, 0, fake_runs.log_steps(8, 4, 2 ** 12), lambda c:
+                                fake_runs.sigmoid(c, a=0.6, b=1.2, c_mid=500, r0=0.3),
+                                base=0.3)]
+  curves = fit_curves(rise + grows, metric=METRIC)
+  assert 4 in curves.fits and 8 not in curves.fits
+  assert curves.skipped[8] == ("no evaluation beat the base model's reward bin 0.3 (base "
+                               "0.3012, bin width 0.005); try a finer --bin-width")
+  finer = fit_curves(rise + grows, metric=METRIC, bin_width=0.0005)
+  assert "base model's reward bin" not in finer.skipped.get(8, "")
