@@ -52,10 +52,14 @@ def _validate(x, y, weights, what: str, min_points: int):
   if np.any(w < 0) or not np.any(w > 0):
     raise ValueError(f"{what}: weights must be >= 0 and not all zero")
   used = int(np.count_nonzero(w > 0))
-  if used < min_points:
-    raise ValueError(f"{what}: {used} points with positive weight; need at least "
-                     f"{min_points} (free parameters + 1) so the fit is checked by "
-                     f"its own residuals")
+  # Points repeated at one compute (seeds evaluated at the same steps) constrain the
+  # curve only there: its residuals check its shape only with more distinct compute
+  # values than free parameters; the repeats check just the noise.
+  distinct = int(np.unique(x[w > 0]).size)
+  if distinct < min_points:
+    raise ValueError(f"{what}: {used} points with positive weight at {distinct} "
+                     f"distinct compute values; need at least {min_points} (free "
+                     f"parameters + 1) so the fit is checked by its own residuals")
   return x, y, w
 
 

@@ -175,3 +175,14 @@ def test_no_points_is_named_before_the_weights():
     fit_sigmoid([], [])
   with pytest.raises(ValueError, match="fit_n_star: no points to fit"):
     fit_n_star([], [])
+
+
+def test_repeated_compute_values_count_once():
+  # Two seeds at the same three computes: 6 points, but only 3 places the curve is
+  # checked, fewer than the 4 a fit with R0 given needs.
+  c = np.array([1e3, 2e3, 4e3] * 2)
+  r = np.array([0.35, 0.45, 0.52, 0.36, 0.44, 0.53])
+  with pytest.raises(ValueError, match="6 points with positive weight at 3 distinct "
+                     "compute values; need at least 4"):
+    fit_sigmoid(c, r, r0=0.3)
+  fit_sigmoid(np.append(c, 8e3), np.append(r, 0.56), r0=0.3)  # a fourth compute does

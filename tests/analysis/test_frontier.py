@@ -283,3 +283,15 @@ def test_a_configuration_that_never_beats_its_base_bin_says_to_try_a_finer_bin()
                                "0.3012, bin width 0.005); try a finer --bin-width")
   finer = fit_curves(rise + grows, metric=METRIC, bin_width=0.0005)
   assert "base model's reward bin" not in finer.skipped.get(8, "")
+
+
+def test_seeds_evaluated_at_the_same_computes_are_not_extra_points():
+  # n = 16's two seeds are evaluated at the same 3 steps (records at 3 distinct
+  # computes, 6 points): too few to check a curve even with R0 from the base model.
+  curve = lambda c: fake_runs.sigmoid(c, a=0.7, b=1.2, c_mid=2000, r0=0.3)  # noqa: E731
+  same = [fake_runs.memory_run(8, 16, s, [4, 16, 64], lambda c, s=s: curve(c) + 0.01 * s,
+                               base=0.3) for s in (0, 1)]
+  curves = fit_curves(same, metric=METRIC)
+  assert curves.records[16][0].size == 6 and np.unique(curves.records[16][0]).size == 3
+  assert 16 not in curves.fits
+  assert "at 3 distinct compute values; need at least 4" in curves.skipped[16]
