@@ -242,8 +242,11 @@ def default_budgets(law: fits_lib.NStarFit) -> list[float]:
 
 
 def n_star_key(budget: float) -> str:
-  """The bootstrap's name for n* at `budget` (`pipeline._params` fills it)."""
-  return f"n_star@{budget:g}"
+  """The bootstrap's name for n* at `budget` (`intervals.params` fills it).
+
+  repr of a float is exact (shortest round trip), so distinct budgets never share a
+  name, as 1048576 and 1048580 would at six significant digits."""
+  return f"n_star@{float(budget)!r}"
 
 
 def n_star_interval(boot, budget: float) -> tuple[float, float] | None:

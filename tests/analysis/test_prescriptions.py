@@ -14,7 +14,7 @@ from isojax.analysis import (LawChoice, NStarFit, analyze, choose_law, fits_dict
                              read_runs, report_markdown)
 from isojax.analysis.bootstrap import BootstrapResult, Interval
 from isojax.analysis.prescriptions import (_unfitted_n, collapsed, is_joint_study,
-                                           n_grid_censored, n_star_interval)
+                                           n_grid_censored, n_star_interval, n_star_key)
 from isojax.budget import BudgetPoint
 
 from . import fake_runs
@@ -202,7 +202,7 @@ def test_a_budget_below_the_data_is_an_extrapolation_too():
 def test_resamples_without_a_law_leave_the_upper_end_unknown():
   def boot(n_ok, high=40.0):
     iv = Interval(estimate=20.0, low=10.0, high=high, n_ok=n_ok)
-    return BootstrapResult(intervals={"n_star@1e+07": iv}, n_boot=100, n_failed=0,
+    return BootstrapResult(intervals={n_star_key(1e7): iv}, n_boot=100, n_failed=0,
                            level=0.9, stratified=False)
   # Up to the upper tail (5 of 100 at 90 %), missing resamples cannot move it.
   assert n_star_interval(boot(95), 1e7) == (10.0, 40.0)
@@ -210,7 +210,7 @@ def test_resamples_without_a_law_leave_the_upper_end_unknown():
   assert n_star_interval(boot(0), 1e7) is None and n_star_interval(None, 1e7) is None
   assert n_star_interval(boot(100), 1e6) is None
   nan = Interval(estimate=20.0, low=float("nan"), high=float("nan"), n_ok=1)
-  assert n_star_interval(BootstrapResult({"n_star@1e+07": nan}, 100, 0, 0.9, True),
+  assert n_star_interval(BootstrapResult({n_star_key(1e7): nan}, 100, 0, 0.9, True),
                          1e7) == (0.0, float("inf"))
   choice = LawChoice("bp=32", law(), bp=32, joint=False, reason="test")
   (pr,) = prescribe(choice, [1e7], intervals={1e7: n_star_interval(boot(90), 1e7)})
@@ -303,3 +303,13 @@ def test_a_law_whose_asymptote_reaches_the_largest_n_is_censored_too():
   ends_at_8 = types.SimpleNamespace(keys=fr.keys, n_star_points=lambda: (
       np.array([1e3, 1e5]), np.array([2.0, 8.0])))
   assert n_grid_censored(ends_at_8, law(L=1.0, b=1.0)) == 8
+
+
+def test_budgets_that_differ_anywhere_get_their_own_n_star():
+  assert n_star_key(1048576) != n_star_key(1048580)
+  assert n_star_key(1048576) == n_star_key(1048576.0)
+  a, b = 1048576, 1048580
+  boot = BootstrapResult({n_star_key(a): Interval(40.0, 30.0, 50.0, 100),
+                          n_star_key(b): Interval(40.0, 35.0, 45.0, 100)},
+                         n_boot=100, n_failed=0, level=0.9, stratified=True)
+  assert (n_star_interval(boot, a), n_star_interval(boot, b)) == ((30.0, 50.0), (35.0, 45.0))
