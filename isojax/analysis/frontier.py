@@ -93,6 +93,22 @@ def _base_r0(runs, metric: str, unit: str, num_records: int) -> float | None:
   return float(np.clip(np.mean(base), 0.0, 1.0)) if base else None
 
 
+def _check_seeds(groups) -> None:
+  """Raises unless the runs of each curve differ only in seed: pooling another Bp or
+  difficulty as seeds would fit one curve through two configurations."""
+  for k, group in groups.items():
+    settings: dict = {}
+    for run in group:
+      settings.setdefault((run.difficulty or "", run.bp), []).append(run.name)
+    if len(settings) > 1:
+      which = "; ".join(f"difficulty={d!r}, Bp={bp}: {', '.join(names[:3])}"
+                        + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+                        for (d, bp), names in sorted(settings.items()))
+      raise ValueError(f"fit_curves: the runs of {key_label(k)} differ in (difficulty, "
+                       f"Bp), so they are not seeds of one configuration ({which}); "
+                       f"select one Bp and difficulty first, or use key='bp_n'")
+
+
 def _no_records(runs, metric: str, unit: str, bin_width: float) -> str:
   """Why runs with evaluations after training have no record-breaking point."""
   base = max(b for run in runs if (b := records.base_reward(run, metric, unit)) is not None)
@@ -106,7 +122,9 @@ def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rol
   """Fits one sigmoid per configuration to the union of its runs' record points.
 
   Records are taken per run (`records.record_points`), never of the runs pooled
-  into one best-so-far curve, which would fit a maximum over seeds. A configuration
+  into one best-so-far curve, which would fit a maximum over seeds. With key "n" or
+  "bp_n" the runs of one curve must be seeds of one configuration: the same
+  difficulty and Bp. A configuration
   with fewer records than a free fit needs has R0 fixed to its base reward
   (`_base_r0`), and a flag saying so.
 
@@ -117,11 +135,17 @@ def fit_curves(runs, *, metric: str, key: str | Callable = "n", unit: str = "rol
     unit: compute unit, one of `runs.UNITS`.
     bin_width: reward bin of the record-breaking extraction.
     max_compute: use only points at compute <= this (for extrapolation checks).
+
+  Raises:
+    ValueError: naming the runs, when runs of one curve differ in difficulty or Bp
+      (with key "n" or "bp_n").
   """
   key_fn = _KEYS[key] if isinstance(key, str) else key
   groups: dict = {}
   for run in runs:
     groups.setdefault(key_fn(run), []).append(run)
+  if isinstance(key, str):  # a key function of the caller's defines its own pooling
+    _check_seeds(groups)
   fits, points, recs, skipped = {}, {}, {}, {}
   for k in sorted(groups):
     points[k] = records.pool_points(groups[k], metric, unit, max_compute=max_compute)

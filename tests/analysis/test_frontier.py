@@ -1,5 +1,6 @@
 """Per-n fits, the frontier and n*(C) against synthetic ground truth."""
 
+import dataclasses
 import math
 import random
 
@@ -295,3 +296,18 @@ def test_seeds_evaluated_at_the_same_computes_are_not_extra_points():
   assert curves.records[16][0].size == 6 and np.unique(curves.records[16][0]).size == 3
   assert 16 not in curves.fits
   assert "at 3 distinct compute values; need at least 4" in curves.skipped[16]
+
+
+def test_runs_of_another_bp_or_difficulty_are_not_pooled_as_seeds():
+  curve = lambda c: fake_runs.sigmoid(c, a=0.7, b=1.2, c_mid=2000, r0=0.3)  # noqa: E731
+  at8 = fake_runs.memory_run(8, 8, 0, fake_runs.log_steps(8, 8, 2 ** 14), curve)
+  at16 = fake_runs.memory_run(16, 8, 0, fake_runs.log_steps(16, 8, 2 ** 14), curve)
+  with pytest.raises(ValueError, match=r"runs of n=8 differ in \(difficulty, Bp\).*"
+                     r"Bp=8: bp8_n8_s0; difficulty='', Bp=16: bp16_n8_s0"):
+    fit_curves([at8, at16], metric=METRIC)
+  assert set(fit_curves([at8, at16], metric=METRIC, key="bp_n").fits) == {(8, 8), (16, 8)}
+  hard = dataclasses.replace(at8, name="hard_n8", difficulty="hard")
+  with pytest.raises(ValueError, match="difficulty='hard', Bp=8: hard_n8"):
+    fit_curves([at8, hard], metric=METRIC, key="bp_n")
+  # A key function of the caller's pools what it names (recipes pool a recipe's runs).
+  assert list(fit_curves([at8, at16], metric=METRIC, key=lambda r: "all").fits) == ["all"]
