@@ -137,8 +137,8 @@ def _prescriptions_md(g: GroupAnalysis) -> list[str]:
                f"{_ci(g, n_star_key(pr.budget)) if pr.interval else ''} | "
                + " | ".join(cells)
                + f" | {note} |")
-  return out + ["", "n is n* rounded to a power of two (in log2); M = floor(C / (Bp·n)). "
-                "A prescription whose n* interval spans more than a factor of "
+  return out + ["", "n is the n of the study nearest to n* (in log2); "
+                "M = floor(C / (Bp·n)). A prescription whose n* interval spans more than a factor of "
                 f"{MAX_SPREAD:g} is refused, and so is an extrapolation without an "
                 "interval or with n* at the largest n tried.", ""]
 

@@ -30,8 +30,9 @@ import numpy as np
 
 from isojax.analysis import fits as fits_lib
 from isojax.analysis.frontier import key_n
-from isojax.analysis.plan import plan
+from isojax.analysis.plan import MIN_N, nearest_n, plan
 from isojax.analysis.records import base_reward
+from isojax.budget import BudgetPoint
 
 MAX_SPREAD = 8.0  # refuse to prescribe where n*'s interval spans more than this
 
@@ -52,6 +53,8 @@ class LawChoice:
       (`n_grid_censored`), else None.
     frontier: the law's sweep's `frontier.Frontier` (what the law was fitted to), or
       None.
+    n_values: the n of the law's sweep's configurations (what `plan` snaps n to);
+      empty: powers of two.
   """
 
   label: str
@@ -62,6 +65,7 @@ class LawChoice:
   unfitted_n: tuple[int, ...] = ()
   grid_end_n: int | None = None
   frontier: object = None
+  n_values: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +204,8 @@ def choose_law(sweeps, runs, *, primary, primary_bp: int | None, bp: int | None 
 
 def _choice(sweep, bp: int, joint: bool, reason: str) -> LawChoice:
   return LawChoice(sweep.label, sweep.law, bp, joint, reason, _unfitted_n(sweep),
-                   n_grid_censored(sweep.frontier, sweep.law), sweep.frontier)
+                   n_grid_censored(sweep.frontier, sweep.law), sweep.frontier,
+                   tuple(sorted({key_n(k) for k in sweep.curves.n_runs})))
 
 
 def _unfitted_n(sweep) -> tuple[int, ...]:
@@ -319,6 +324,33 @@ def _unresampled_note(unresampled) -> str:
           f"often, or run more seeds")
 
 
+def _plan(budget: float, n_pred: float, choice: LawChoice, b_max) -> tuple[object, str]:
+  """`plan`'s point, at the nearest feasible n when its own is not; and a note where
+  n was held to a bound rather than the nearest to n*."""
+  n_values = choice.n_values or None
+  try:
+    point, why = plan(budget, choice.law, bp=choice.bp, b_max=b_max,
+                      n_values=n_values), ""
+  except ValueError as e:
+    # A batch over b_max or a budget short of one update: the nearest n that fits.
+    cap = min(int(budget // choice.bp), b_max // choice.bp if b_max else math.inf)
+    try:
+      n = nearest_n(n_pred, n_values, at_most=cap)
+    except ValueError:
+      raise e from None
+    point = BudgetPoint.feasible(budget, bp=choice.bp, n=n, b_max=b_max)
+    why = f"{e}; n={n}, the nearest n{' tried' if n_values else ''} that fits, instead"
+  lowest = min(n_values) if n_values else MIN_N
+  if n_pred < lowest / math.sqrt(2) and point.n == lowest:
+    why = why or (f"n*={n_pred:.3g} is below the smallest n "
+                  f"{'tried' if n_values else 'a group-normalised estimator needs'} "
+                  f"({lowest}), which is prescribed")
+  if n_values and n_pred > max(n_values) * math.sqrt(2) and point.n == max(n_values):
+    why = why or (f"n*={n_pred:.3g} is above the largest n tried ({point.n}), which is "
+                  f"prescribed")
+  return point, why
+
+
 def prescribe(choice: LawChoice, budgets, *, b_max=None, intervals=None,
               max_spread: float = MAX_SPREAD,
               unresampled=()) -> tuple[Prescription, ...]:
@@ -352,7 +384,8 @@ def prescribe(choice: LawChoice, budgets, *, b_max=None, intervals=None,
       continue
     notes = [void]
     try:
-      point = plan(c, choice.law, bp=choice.bp, b_max=b_max)
+      point, clamped = _plan(c, n_pred, choice, b_max)
+      notes.append(clamped)
       if not extrapolated:
         notes.append(_frontier_note(choice.frontier, c, point.n, n_pred))
       above = [n for n in choice.unfitted_n if n > point.n]

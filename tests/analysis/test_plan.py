@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from isojax.analysis import NStarFit, plan, round_pow2
+from isojax.analysis.plan import nearest_n
 from isojax.budget import BudgetPoint
 
 
@@ -51,3 +52,21 @@ def test_plan_errors_name_the_numbers():
     plan(1e7, law(unit="tokens"), bp=32)
   with pytest.raises(ValueError, match="bp must be"):
     plan(1e7, f, bp=0)
+
+
+def test_nearest_n_snaps_to_the_study_s_n_and_never_below_two():
+  # log2 distance: 12 is nearer 11.9 than 16 is; 8.49 sits just past sqrt(6 x 12) = 8.485.
+  assert nearest_n(11.9, [3, 6, 12, 24]) == 12
+  assert nearest_n(8.48, [6, 12]) == 6 and nearest_n(8.49, [6, 12]) == 12
+  assert [nearest_n(x) for x in (0.3, 1.0, 2.7, 2.9)] == [2, 2, 2, 4]
+  assert nearest_n(1.0, [1, 2, 4]) == 1  # a study that ran n = 1 may get it
+  assert nearest_n(100, [3, 6, 12, 24], at_most=10) == 6
+  with pytest.raises(ValueError, match=r"no n among \[4, 8\] is at most 2"):
+    nearest_n(5, [4, 8], at_most=2)
+
+
+def test_plan_uses_the_study_s_n():
+  f = law()  # n* at 1e5: 2**(4 / 2 + 2) = 16
+  assert plan(1e5, f, bp=32).n == 16
+  assert plan(1e5, f, bp=32, n_values=(3, 6, 12, 24)).n == 12
+  assert plan(1e5, law(b=-4.0), bp=32).n == 2  # n* = 1: a group needs two

@@ -233,10 +233,36 @@ def test_a_larger_n_the_law_never_saw_is_named():
   assert _unfitted_n(types.SimpleNamespace(curves=curves)) == (128,)
 
 
-def test_infeasible_point_is_reported_not_raised():
+def test_an_infeasible_n_gives_way_to_the_nearest_that_fits_and_says_so():
+  # n* at 1e6 is 2**(4 / (1 + e^-3) + 2) = 56.1 -> 64, but Bp=1024 x 64 exceeds b_max
+  # = 4096: n = 4096 / 1024 = 4 is the largest that fits.
   choice = LawChoice("bp=32", law(), bp=1024, joint=False, reason="test")
   (pr,) = prescribe(choice, [1e6], b_max=4096)
-  assert pr.point is None and not pr.refused and "b_max = 4096" in pr.note
+  assert pr.point == BudgetPoint(bp=1024, n=4, m=int(1e6 // 4096))
+  assert "b_max = 4096" in pr.note and "n=4, the nearest n that fits" in pr.note
+  # With the study's n, the nearest of those that fits.
+  tried = dataclasses.replace(choice, n_values=(3, 6, 12, 24))
+  (pr,) = prescribe(tried, [1e6], b_max=4096)
+  assert pr.point.n == 3 and "n=3, the nearest n tried that fits" in pr.note
+  # Nothing fits: reported, not raised.
+  (none,) = prescribe(choice, [1000.0], b_max=1024)
+  assert none.point is None and not none.refused and "b_max = 1024" in none.note
+
+
+def test_n_is_snapped_to_the_study_s_n_and_held_to_two():
+  # n* = 2**(4 / (1 + e^(-2 (log10 C - 4.5))) + b): 12.19 at C = 2e4 with b = 2,
+  # 0.57 at C = 1e3 with b = -1.
+  choice = LawChoice("bp=32", law(), bp=32, joint=False, reason="test",
+                     n_values=(3, 6, 12, 24))
+  (at_2e4,) = prescribe(choice, [2e4])
+  assert at_2e4.n_star == pytest.approx(12.19, abs=0.005)
+  assert at_2e4.point.n == 12 and at_2e4.note == ""  # 16 was never tried
+  # A law below n = 2 is held to the smallest n allowed.
+  low = LawChoice("bp=32", law(b=-1.0), bp=32, joint=False, reason="test")
+  (pr,) = prescribe(low, [1e3])
+  assert pr.point.n == 2 and "below the smallest n a group-normalised" in pr.note
+  (pr,) = prescribe(dataclasses.replace(low, n_values=(4, 8)), [1e3])
+  assert pr.point.n == 4 and "below the smallest n tried (4)" in pr.note
 
 
 def test_runs_with_non_finite_values_make_their_bp_unstable(tmp_path):
