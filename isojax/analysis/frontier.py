@@ -111,7 +111,8 @@ def _check_seeds(groups) -> None:
 
 def _no_records(runs, metric: str, unit: str, bin_width: float) -> str:
   """Why runs with evaluations after training have no record-breaking point."""
-  base = max(b for run in runs if (b := records.base_reward(run, metric, unit)) is not None)
+  base = max(b for run in runs
+             if (b := records.base_reward(run, metric, unit)) is not None)
   return (f"no evaluation beat the base model's reward bin "
           f"{math.floor(base / bin_width) * bin_width:.4g} (base {base:.4g}, bin width "
           f"{bin_width:g}); try a finer --bin-width")

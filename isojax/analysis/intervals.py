@@ -89,7 +89,8 @@ def unresampled_curves(boot: BootstrapResult | None, sweep) -> tuple[str, ...]:
   fr = sweep.frontier
   out = []
   for k in sorted({fr.keys[w] for w in fr.winner if w >= 0}):
-    iv = boot.intervals.get(_curve_param(sweep_name(sweep), k, fits_lib.SIGMOID_PARAMS[0]))
+    name = _curve_param(sweep_name(sweep), k, fits_lib.SIGMOID_PARAMS[0])
+    iv = boot.intervals.get(name)
     fitted = 0 if iv is None else iv.n_ok
     if ran - fitted > tail + 1e-9:
       out.append(f"{key_label(k)} (fitted in {fitted} of {ran} resamples)")
