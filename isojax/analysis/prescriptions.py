@@ -31,7 +31,7 @@ import numpy as np
 from isojax.analysis import fits as fits_lib
 from isojax.analysis.frontier import key_n
 from isojax.analysis.plan import MIN_N, nearest_n, plan
-from isojax.analysis.records import base_reward
+from isojax.analysis.stability import smallest_stable_bp
 from isojax.budget import BudgetPoint
 
 MAX_SPREAD = 8.0  # refuse to prescribe where n*'s interval spans more than this
@@ -101,64 +101,6 @@ def is_joint_study(runs) -> bool:
   return sum(len(v) >= 2 for v in ns.values()) >= 2
 
 
-# A run collapsed when its last evaluations (the mean of those in the last quarter of
-# its compute, at least 3) lost more than this fraction of its gain over the base
-# model before them (the best mean of 3 consecutive earlier evaluations: a single
-# noisy high is no peak)...
-COLLAPSE_FRACTION = 0.5
-# ...and that gain was at least this much reward (a smaller one is not told apart
-# from evaluation noise). Healthy runs (a sigmoid rise, noise of sd 0.02 on each
-# evaluation) are called collapsed in about 6% of draws at a rise of 0.05 with 8
-# evaluations per doubling of compute (1-2% at one every 10 updates, whose tails
-# hold more), under 0.5% from a rise of 0.1; a run still rising at its end never is.
-COLLAPSE_MIN_GAIN = 0.05
-
-
-def collapsed(run, metric: str) -> bool:
-  """Whether `run` learned and then lost most of it (the playbook's instability:
-  entropy or length explosion, a reward that falls back, §3 and App. A). Its
-  record points keep the peak, so its fitted curve would not show it."""
-  base = base_reward(run, metric)
-  c, r = run.points(metric, "rollouts")
-  c, after = c[c > 0], r[c > 0]
-  # The last quarter of the compute, not of the evaluations: spaced evenly in log
-  # compute, the last quarter of those spans most of the run.
-  tail = max(3, int(np.sum(c >= 0.75 * c.max()))) if c.size else 0
-  if base is None or after.size < tail + 3:
-    return False
-  before = np.convolve(after[:-tail], np.ones(3) / 3, mode="valid")
-  gain = float(before.max()) - base
-  end = float(after[-tail:].mean())
-  return bool(gain >= COLLAPSE_MIN_GAIN and end < base + (1 - COLLAPSE_FRACTION) * gain)
-
-
-def unstable_bps(runs, unstable_runs, metric: str) -> dict[int, list[str]]:
-  """Bp -> names of its runs that skipped an update ("train/skipped" > 0), are named
-  in `unstable_runs` (e.g. runs whose non-finite values were dropped at loading) or
-  `collapsed` on `metric`."""
-  out: dict[int, list[str]] = {}
-  for r in runs:
-    skipped = any(isinstance(v := row.get("train/skipped"), (int, float)) and v > 0
-                  for row in r.rows)
-    if skipped or r.name in unstable_runs or collapsed(r, metric):
-      out.setdefault(r.bp, []).append(r.name)
-  return out
-
-
-def _smallest_stable_bp(runs, unstable_runs, metric) -> tuple[int, str]:
-  bps = sorted({r.bp for r in runs})
-  bad = unstable_bps(runs, unstable_runs, metric)
-  stable = [b for b in bps if b not in bad]
-  if stable:
-    skipped = f" (unstable runs at Bp={sorted(b for b in bad if b < stable[0])})" if any(
-        b < stable[0] for b in bad) else ""
-    return stable[0], (f"Bp={stable[0]}: the smallest Bp of the study with no unstable "
-                       f"run{skipped}")
-  return bps[0], (f"Bp={bps[0]}: the smallest Bp tried; every Bp of the study had an "
-                  f"unstable run ({', '.join(n for b in bps for n in bad[b])}), so "
-                  f"choose Bp by hand (--bp)")
-
-
 def choose_law(sweeps, runs, *, primary, primary_bp: int | None, bp: int | None = None,
                unstable_runs=frozenset()) -> LawChoice | None:
   """The law and Bp of the prescriptions (see the module docstring); None without one.
@@ -180,7 +122,7 @@ def choose_law(sweeps, runs, *, primary, primary_bp: int | None, bp: int | None 
   if is_joint_study(runs):
     if joint is not None:
       if bp is None:
-        bp, why = _smallest_stable_bp(runs, unstable_runs, primary.metric)
+        bp, why = smallest_stable_bp(runs, unstable_runs, primary.metric)
       else:
         why = f"Bp={bp} as asked"
       return _choice(joint, bp, True,

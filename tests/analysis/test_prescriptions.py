@@ -13,8 +13,9 @@ import pytest
 from isojax.analysis import (LawChoice, NStarFit, analyze, choose_law, fits_dict, prescribe,
                              read_runs, report_markdown)
 from isojax.analysis.bootstrap import BootstrapResult, Interval
-from isojax.analysis.prescriptions import (_unfitted_n, collapsed, is_joint_study,
-                                           n_grid_censored, n_star_interval, n_star_key)
+from isojax.analysis.prescriptions import (_unfitted_n, is_joint_study, n_grid_censored,
+                                           n_star_interval, n_star_key)
+from isojax.analysis.stability import collapsed
 from isojax.budget import BudgetPoint
 
 from . import fake_runs
