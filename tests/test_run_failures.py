@@ -241,7 +241,7 @@ def test_trainer_and_sampler_over_the_device_fail_before_the_first_update(
   with pytest.raises(ValueError, match=rf"trainer \(\d\.\d\d GiB\){copy} \+ sampler KV "
                      rf"cache \(\d\.\d\d GiB per device: {caches}; \d\.\d\d MiB per row of "
                      rf"24 positions{concurrency}\) = .* > device memory 0\.00 GiB; not one "
-                     rf"cache row fits beside the trainer"):
+                     rf"cache row per device fits beside the trainer"):
     run.run(small_config(**{"rl.pipeline.max_lag": max_lag}), tmp_path / "run")
   assert not (tmp_path / "run" / rundir.CHECKPOINT_DIR).exists()
 

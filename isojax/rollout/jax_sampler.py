@@ -110,12 +110,13 @@ class JaxSampler:
       short prompts, at little cost).
     max_rows: decode at most this many rollouts at once (None: all of a
       request's); finished rows are refilled with waiting ones.
-    kv_budget_gib: cap the KV cache at this many GiB (over all the devices
-      its rows are split across): every rollout of a request at once when
-      their lockstep cache fits (each prompt held once,
+    kv_budget_gib: cap the KV cache at this many GiB (all the devices its
+      rows are split across together): every rollout of a request at once
+      when their lockstep cache fits (each prompt held once, or on every
+      device when the prompts do not split evenly,
       `isojax.rollout.memory.lockstep_cache_bytes`), else the rows of the
-      request's cache length that fit (`rows_for_budget`); together with
-      max_rows the smaller.
+      request's cache length that fit (`rows_for_budget`), fewer than its
+      rollouts; together with max_rows the smaller.
     cache_block: slots per KV-cache block. Attention reads a power-of-two number
       of blocks covering the fullest row, widened between chunks of decode
       steps as rows grow (one compilation of the decode loop per extent).

@@ -42,12 +42,16 @@ def kv_bytes_per_row(cfg, max_len: int, block: int = DEFAULT_BLOCK) -> int:
 
 
 def lockstep_cache_bytes(cfg, rollouts: int, n: int, prompt_len: int,
-                         completion_len: int, block: int = DEFAULT_BLOCK) -> int:
-  """Bytes of the cache of `rollouts` decoding at once (in lockstep): each of
-  their rollouts / n prompts' `prompt_len` positions held once, and every
-  rollout's own `completion_len`."""
-  return (-(-rollouts // n) * kv_bytes_per_row(cfg, prompt_len, block)
-          + rollouts * kv_bytes_per_row(cfg, completion_len, block))
+                         completion_len: int, block: int = DEFAULT_BLOCK,
+                         row_multiple: int = 1) -> int:
+  """Bytes of the cache of `rollouts` decoding at once (in lockstep), all the
+  `row_multiple` devices their rows are split across together: every rollout's
+  own `completion_len`, and each of their rollouts / n prompts' `prompt_len`
+  positions, held once when the prompt count divides the devices, else on
+  every device (`decode` replicates prompts it cannot split evenly)."""
+  layout = CacheLayout(prompt_len, completion_len, pairs=rollouts, rows=rollouts, n=n,
+                       row_multiple=row_multiple, block=block)
+  return layout.bytes_per_device(cfg) * row_multiple
 
 
 def padded_prompts(num_prompts: int, n: int, row_multiple: int) -> int:
@@ -63,9 +67,11 @@ def rows_at_once(cfg, rollouts: int, cache_len: int, *, n: int = 1, prompt_len: 
                  row_multiple: int = 1, block: int = DEFAULT_BLOCK) -> int:
   """Rows decoded at once for `rollouts` pairs (n per prompt) with `cache_len`
   positions each, `prompt_len` of them the prompt's: all of them when their
-  lockstep cache (each prompt's positions held once) fits the KV budget, else
-  as many rows of `cache_len` as it holds; at most `max_rows`; a multiple of
-  `row_multiple` (the devices rows are split over) below `rollouts`.
+  lockstep cache over all devices (`lockstep_cache_bytes`) fits the KV budget,
+  else fewer rows of `cache_len`, as many as it holds; at most `max_rows`; a
+  multiple of `row_multiple` (the devices rows are split over) below
+  `rollouts`. Whatever the caps, the cache all devices hold together stays
+  within the budget.
 
   Raises ValueError naming the cap when it allows fewer rows than `row_multiple`
   (each device must decode at least one).
@@ -73,9 +79,15 @@ def rows_at_once(cfg, rollouts: int, cache_len: int, *, n: int = 1, prompt_len: 
   caps = {"rollouts": rollouts}
   if max_rows is not None:
     caps["max_rows"] = max_rows
-  if kv_budget_gib is not None and lockstep_cache_bytes(
-      cfg, rollouts, n, prompt_len, cache_len - prompt_len, block) > kv_budget_gib * GIB:
-    caps["kv_budget_gib"] = rows_for_budget(cfg, kv_budget_gib, cache_len, block)
+  if kv_budget_gib is not None:
+    refilled = max_rows is not None and max_rows < rollouts
+    if refilled or lockstep_cache_bytes(cfg, rollouts, n, prompt_len, cache_len - prompt_len,
+                                        block, row_multiple) > kv_budget_gib * GIB:
+      # A cache of fewer rows than pairs is refilled, each row holding its own
+      # prompt: one of every pair's rows can cost more than the lockstep cache
+      # (whose prompts are shared), so it is capped below the pairs too.
+      caps["kv_budget_gib"] = min(rows_for_budget(cfg, kv_budget_gib, cache_len, block),
+                                  rollouts - 1)
   cap = min(caps, key=caps.get)
   rows = caps[cap]
   if rows >= rollouts:
@@ -128,7 +140,7 @@ class CacheLayout:
     m, blk = self.row_multiple, self.block
     if not self.lockstep:
       return -(-self.rows // m) * kv_bytes_per_row(cfg, self.cache_len, blk)
-    prompts = self.pairs // self.n
+    prompts = -(-self.pairs // self.n)
     held = prompts // m if prompts % m == 0 else prompts  # split, else replicated
     return (held * kv_bytes_per_row(cfg, self.prompt_len, blk)
             + -(-self.rows // m) * kv_bytes_per_row(cfg, self.completion_len, blk))
@@ -233,7 +245,9 @@ def check_memory_split(cfg, *, device_gib: float, trainer_gib: float,
     {"rows", "kv_gib", "trainer_gib", "sampler_weights_gib", "device_gib"}: the
     split per device (rows: of all the calls together, over all devices).
   Raises:
-    ValueError naming every number when trainer + sampler exceed the device.
+    ValueError naming every number when trainer + sampler exceed the device,
+    and the kv_budget_gib and max_rows under which the caches, laid out again
+    (`relayout`), fit.
   """
   kv_gib = sum(c.bytes_per_device(cfg) for c in caches) / GIB
   used = trainer_gib + sampler_weights_gib + kv_gib
@@ -241,22 +255,66 @@ def check_memory_split(cfg, *, device_gib: float, trainer_gib: float,
     left = max(device_gib - trainer_gib - sampler_weights_gib, 0)
     concurrent = len(caches)  # each call may fill its own budget at once
     widest = max(caches, key=lambda c: c.cache_len)
-    per_row = kv_bytes_per_row(cfg, widest.cache_len)
-    devices = widest.row_multiple  # a call's budget and rows span its devices
-    fit_rows = int(left * GIB // per_row) // concurrent * devices
+    per_row = kv_bytes_per_row(cfg, widest.cache_len, widest.block)
     copy = (f" + sampler's weight copy ({sampler_weights_gib:.2f} GiB)"
             if sampler_weights_gib else "")
     at_once = f", {concurrent} generate calls at once" if concurrent > 1 else ""
-    advice = (f"set sampler.kv_budget_gib <= {left * devices / concurrent:.2f} (or "
-              f"sampler.max_rows <= {fit_rows})" if fit_rows else
-              "not one cache row fits beside the trainer")
     raise ValueError(
         f"trainer ({trainer_gib:.2f} GiB){copy} + sampler KV cache ({kv_gib:.2f} GiB per "
         f"device: {'; '.join(map(str, caches))}; {per_row / 2**20:.2f} MiB per row of "
         f"{widest.cache_len} positions{at_once}) = {used:.2f} GiB > device memory "
-        f"{device_gib:.2f} GiB; {advice}")
+        f"{device_gib:.2f} GiB; {_split_advice(cfg, caches, left)}")
   return {"rows": sum(c.rows for c in caches), "kv_gib": kv_gib, "trainer_gib": trainer_gib,
           "sampler_weights_gib": sampler_weights_gib, "device_gib": device_gib}
+
+
+def relayout(cfg, layout: CacheLayout, *, max_rows: int | None = None,
+             kv_budget_gib: float | None = None) -> CacheLayout:
+  """`layout`'s request (buckets, pairs, devices) laid out under these caps."""
+  rows = rows_at_once(cfg, layout.pairs, layout.cache_len, n=layout.n,
+                      prompt_len=layout.prompt_len, max_rows=max_rows,
+                      kv_budget_gib=kv_budget_gib, row_multiple=layout.row_multiple,
+                      block=layout.block)
+  return dataclasses.replace(layout, rows=rows)
+
+
+def _fits(cfg, caches: Sequence[CacheLayout], left_gib: float, **caps) -> bool:
+  """Whether the caches, laid out again under `caps`, fit in `left_gib` per device."""
+  try:
+    held = sum(relayout(cfg, c, **caps).bytes_per_device(cfg) for c in caches)
+  except ValueError:  # the cap leaves a device without a row
+    return False
+  return held <= left_gib * GIB * (1 + 1e-9)  # device - trainer in floats: 0.09999...
+
+
+def _round_down(x: float, digits: int = 3) -> float:
+  """`x` cut to `digits` significant digits, never rounded up (advice to follow)."""
+  if x <= 0:
+    return 0.0
+  unit = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
+  return math.floor(x / unit * (1 + 1e-9)) * unit  # 0.0999...9 is 0.1
+
+
+def _split_advice(cfg, caches: Sequence[CacheLayout], left_gib: float) -> str:
+  """A kv_budget_gib and a max_rows under which the caches, laid out again as the
+  sampler would, fit in `left_gib` per device (checked, not estimated)."""
+  # A budget B keeps a call's cache within B over its devices, so within
+  # B / devices on each (`rows_at_once`); the calls share what is left.
+  budget = _round_down(left_gib / sum(1 / c.row_multiple for c in caches))
+  advice = []
+  if budget and _fits(cfg, caches, left_gib, kv_budget_gib=budget):
+    advice.append(f"sampler.kv_budget_gib <= {budget:g}")
+  m = max(c.row_multiple for c in caches)
+  per_row = max(kv_bytes_per_row(cfg, c.cache_len, c.block) for c in caches)
+  rows = int(left_gib * GIB // per_row) // len(caches) * m
+  for c in sorted(caches, key=lambda c: c.pairs):
+    if rows >= c.pairs and not _fits(cfg, [c], left_gib / len(caches), max_rows=rows):
+      rows = (c.pairs - 1) // m * m  # its lockstep cache does not fit: refill rows
+  if rows >= m and _fits(cfg, caches, left_gib, max_rows=rows):
+    advice.append(f"sampler.max_rows <= {rows}")
+  if not advice:
+    return "not one cache row per device fits beside the trainer"
+  return "set " + " (or ".join(advice) + ")" * (len(advice) - 1)
 
 
 def device_gib() -> float | None:

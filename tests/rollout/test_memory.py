@@ -1,5 +1,7 @@
 """The sampler's KV-cache sizing and the trainer + sampler memory-split check."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -64,19 +66,70 @@ def test_memory_split_check_names_the_numbers():
   with pytest.raises(ValueError, match=r"trainer \(0\.90 GiB\) \+ sampler KV cache "
                      rf"\(0\.20 GiB per device: {rows} rows x 24 positions; 0\.01 MiB per row "
                      r"of 24 positions\).*> device memory 1\.00 GiB; "
-                     r"set sampler.kv_budget_gib <= 0\.10"):
+                     r"set sampler.kv_budget_gib <= 0\.1 \(or sampler.max_rows <= 8721\)$"):
     memory.check_memory_split(cfg, device_gib=1.0, trainer_gib=0.9,
                               caches=[_rows(cfg, rows, 24)])
   # Rows split over 8 devices: each holds an eighth; a budget spans all 8.
   split = memory.check_memory_split(cfg, device_gib=1.0, trainer_gib=0.9,
                                     caches=[_rows(cfg, rows, 24, row_multiple=8)])
   assert split["kv_gib"] == pytest.approx(-(-rows // 8) * per_row / memory.GIB)
-  with pytest.raises(ValueError, match=r"over 8 devices.*kv_budget_gib <= 0\.08"):
+  with pytest.raises(ValueError, match=r"over 8 devices.*kv_budget_gib <= 0\.08 "):
     memory.check_memory_split(cfg, device_gib=1.0, trainer_gib=0.99,
                               caches=[_rows(cfg, rows, 24, row_multiple=8)])
-  with pytest.raises(ValueError, match=r"not one cache row fits beside the trainer"):
+  with pytest.raises(ValueError, match=r"not one cache row per device fits beside the trainer"):
     memory.check_memory_split(cfg, device_gib=1.0, trainer_gib=1.0,
                               caches=[_rows(cfg, 1, 24)])
+
+
+def test_kv_budget_counts_prompts_copied_to_every_device():
+  """4 prompts x n=64 over 8 devices: 4 prompts do not split 8 ways, so every
+  device holds all 4 (32 prompt caches in all). A budget holding them once is
+  far from what the lockstep cache takes; the rows it holds are refilled."""
+  cfg = _cfg()
+  once = 4 * memory.kv_bytes_per_row(cfg, 256) + 256 * memory.kv_bytes_per_row(cfg, 16)
+  held = memory.lockstep_cache_bytes(cfg, 256, 64, 256, 16, row_multiple=8)
+  assert held == 32 * memory.kv_bytes_per_row(cfg, 256) + 256 * memory.kv_bytes_per_row(
+      cfg, 16) > 2 * once
+  layout = memory.cache_layout(cfg, 4, 64, 200, 16, row_multiple=8,
+                               kv_budget_gib=once / memory.GIB)
+  rows = once // memory.kv_bytes_per_row(cfg, 256 + 16)  # 10 (272 positions: 512 slots)
+  assert not layout.lockstep and layout.rows == rows // 8 * 8 == 8
+  assert 8 * layout.bytes_per_device(cfg) <= once
+  fits = memory.cache_layout(cfg, 4, 64, 200, 16, row_multiple=8,
+                             kv_budget_gib=held / memory.GIB)
+  assert fits.lockstep and 8 * fits.bytes_per_device(cfg) == held
+  # A row cap below the pairs refills rows of prompt + completion: the budget
+  # holds them too, though the lockstep cache would have fitted.
+  capped = memory.cache_layout(cfg, 4, 64, 200, 16, row_multiple=8, max_rows=128,
+                               kv_budget_gib=held / memory.GIB)
+  assert capped.rows == held // memory.kv_bytes_per_row(cfg, 256 + 16) // 8 * 8 == 24
+
+
+def _advice(message: str) -> dict:
+  """{"kv_budget_gib": float, "max_rows": int} advised by a failed split check."""
+  found = dict(re.findall(r"sampler\.(kv_budget_gib|max_rows) <= ([\d.e-]+)", message))
+  return {"kv_budget_gib": float(found["kv_budget_gib"]), "max_rows": int(found["max_rows"])}
+
+
+@pytest.mark.parametrize("prompts, n, devices, calls", [
+    (4, 64, 8, 1),  # prompts copied to every device
+    (2, 4, 4, 1),  # a row per device: the lockstep cache must be refilled
+    (64, 4, 8, 2),  # prompts split; two calls at once
+    (4, 64, 1, 2)])
+def test_following_the_split_advice_fits(prompts, n, devices, calls):
+  """The kv_budget_gib and the max_rows a failed check advises each make the
+  caches the sampler then lays out fit beside the trainer."""
+  cfg = _cfg()
+  layout = lambda **caps: memory.cache_layout(cfg, prompts, n, 100, 16,
+                                              row_multiple=devices, **caps)
+  per_device = layout().bytes_per_device(cfg) / memory.GIB
+  device_gib, trainer_gib = 1.0, 1.0 - 0.9 * calls * per_device
+  with pytest.raises(ValueError, match=r"> device memory") as failed:
+    memory.check_memory_split(cfg, device_gib=device_gib, trainer_gib=trainer_gib,
+                              caches=[layout()] * calls)
+  for cap, value in _advice(str(failed.value)).items():
+    memory.check_memory_split(cfg, device_gib=device_gib, trainer_gib=trainer_gib,
+                              caches=[layout(**{cap: value})] * calls)
 
 
 def caches_on_device_0(sampler, generate) -> list[int]:
@@ -127,6 +180,28 @@ def test_cache_layout_is_what_generate_allocates_on_a_device(mesh, max_rows, loc
     assert got == layout.bytes_per_device(cfg), (prompts, n, layout)
     lockstep.discard(layout.lockstep)
   assert not lockstep  # both layouts met where expected
+
+
+def test_generate_on_a_mesh_stays_within_the_kv_budget():
+  """A budget holding 4 prompts' caches once (and 32 rollouts' completions): on
+  8 devices the 4 prompts are copied to each, so the sampler refills rows, and
+  what the 8 devices hold together stays within the budget."""
+  from flax import nnx
+
+  from isojax import sharding
+  from isojax.models import Decoder
+  from isojax.rollout.jax_sampler import JaxSampler
+
+  cfg = _cfg(num_hidden_layers=1)
+  budget = memory.lockstep_cache_bytes(cfg, 32, 8, 16, 8)  # one device's reckoning
+  mesh = sharding.make_mesh(devices=jax.devices()[:8])
+  sampler = JaxSampler(Decoder(cfg, rngs=nnx.Rngs(0)), mesh=mesh,
+                       kv_budget_gib=budget / memory.GIB)
+  (layout,) = sampler.cache_layouts(4, 8, 3, 5)
+  assert not layout.lockstep
+  (got,) = caches_on_device_0(sampler, lambda: sampler.generate(
+      [[1, 2, 3]] * 4, n=8, max_tokens=5, temperature=1.0))
+  assert got == layout.bytes_per_device(cfg) and 8 * got <= budget
 
 
 def test_run_split_counts_the_train_state_on_the_device():
