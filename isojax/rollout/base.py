@@ -28,6 +28,8 @@ _FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH)
 # raises any lower one to it (logging a warning), which the trainer, scoring at the
 # configured temperature, would not know.
 MIN_TEMPERATURE = 0.01
+# Seeds are 64-bit: a larger one could only be reduced, colliding with a smaller.
+MAX_SEED = 2**64
 
 
 # The server's error types live here, not in vllm_client, because both the client
@@ -266,14 +268,17 @@ def check_sampling(temperature=0.0, top_p=1.0, top_k=None, *, prefix: str = "") 
 def validate_request(prompt_ids: Sequence[Sequence[int]], *, n: int,
                      max_tokens: int, temperature: float, top_p: float = 1.0,
                      top_k: int | None = None, stop_token_ids: Sequence[int] = (),
-                     vocab_size: int | None = None,
+                     seed: int = 0, vocab_size: int | None = None,
                      max_model_len: int | None = None) -> None:
   """Checks a generate() request before any work is done.
 
   Raises ValueError naming the offending argument. `max_model_len` is the
   model's context (e.g. max_position_embeddings): every prompt plus
-  `max_tokens` must fit in it.
+  `max_tokens` must fit in it. `seed` is an int in [0, 2**64).
   """
+  if (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
+      or not 0 <= seed < MAX_SEED):
+    raise ValueError(f"seed={seed!r} must be an int in [0, 2**64)")
   if not isinstance(prompt_ids, Sequence) or isinstance(prompt_ids, (str, bytes)):
     raise ValueError(f"prompt_ids must be a list of token-id lists, got "
                      f"{type(prompt_ids).__name__}")

@@ -30,10 +30,10 @@ logits / temperature -> top-k -> top-p (smallest set of tokens whose
 probability reaches top_p) -> sample. The returned logprob is that of the
 distribution actually sampled from, i.e. log-softmax of the processed logits.
 With temperature 0 (greedy) the argmax token is taken and its logprob is the
-log-softmax of the unscaled logits. Randomness is keyed by (seed, pair), so a
-rollout does not depend on which row or chunk decoded it, nor on max_rows (up
-to float rounding: the shared-prefix and copied layouts sum attention in a
-different order).
+log-softmax of the unscaled logits. Randomness is keyed by (seed, pair), each
+seed in [0, 2**64) its own stream, so a rollout does not depend on which row or
+chunk decoded it, nor on max_rows (up to float rounding: the shared-prefix and
+copied layouts sum attention in a different order).
 """
 
 from __future__ import annotations
@@ -83,6 +83,14 @@ def _stopped_at_step_limit(done_R, lengths_R, min_free: int, read_len: int) -> b
   neither `min_free` rows were done nor did a live row reach the read extent
   (`decode.decode_steps`' other reasons to stop)."""
   return bool(done_R.sum() < min_free and lengths_R[~done_R].max(initial=0) < read_len)
+
+
+def _seed_key(seed: int):
+  """The key of a seed in [0, 2**64). `jax.random.key` keeps only a seed's low 32
+  bits (without x64), so the high ones are folded in: distinct seeds give
+  distinct streams, and a seed below 2**32 the key it has always had."""
+  key = jax.random.key(seed & 0xFFFFFFFF)
+  return key if seed >> 32 == 0 else jax.random.fold_in(key, seed >> 32)
 
 
 def _eos_ids(cfg) -> tuple[int, ...]:
@@ -269,7 +277,7 @@ class JaxSampler:
     weights that sampled it (see the module doc).
     """
     validate_request(prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature,
-                     top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
+                     top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, seed=seed,
                      vocab_size=self._vocab_size, max_model_len=self._max_len)
     greedy = temperature == 0
     k = 0 if (greedy or not top_k or top_k >= self._vocab_size) else int(top_k)
@@ -286,7 +294,7 @@ class JaxSampler:
     prompt_QxL, mask_QxL = _left_pad(prompt_ids, l_bucket)
     stop_V = np.zeros((self._vocab_size,), bool)
     stop_V[list(self._eos_ids) + [int(t) for t in stop_token_ids]] = True
-    key, *consts = self._put(jax.random.key(seed),
+    key, *consts = self._put(_seed_key(int(seed)),
                              np.float32(temperature if not greedy else 1.0),
                              np.float32(top_p), np.int32(max_tokens))
     stop_V = self._put(stop_V)[0]

@@ -234,7 +234,7 @@ class VLLMSampler:
     """
     version = self._version  # before any request: a lower bound for all its tokens
     request = dict(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                   top_k=top_k, stop_token_ids=stop_token_ids)
+                   top_k=top_k, stop_token_ids=stop_token_ids, seed=seed)
     if self._model_info is None:  # before the first contact: what needs no server
       validate_request(prompt_ids, **request)
     info = self.model_info()

@@ -117,7 +117,7 @@ def test_forced_tokens_must_be_real_unsampled_tokens():
 
 def test_validate_request_accepts_good_request():
   validate_request([[1, 2], [3]], n=4, max_tokens=8, temperature=1.0, top_p=0.9, top_k=5,
-                   stop_token_ids=(7,), vocab_size=10, max_model_len=10)
+                   stop_token_ids=(7,), seed=2**64 - 1, vocab_size=10, max_model_len=10)
 
 
 @pytest.mark.parametrize("kwargs,msg", [
@@ -141,6 +141,11 @@ def test_validate_request_accepts_good_request():
     (dict(top_k=-1), r"top_k=-1 must be None or an int >= 0"),
     (dict(top_k=True), "top_k=True must be None or an int"),
     (dict(stop_token_ids=(10,)), "stop_token_ids entry 10"),
+    (dict(seed=2**64), r"seed=18446744073709551616 must be an int in \[0, 2\*\*64\)"),
+    (dict(seed=-1), r"seed=-1 must be an int"),
+    (dict(seed=1.5), r"seed=1.5 must be an int"),
+    (dict(seed=None), r"seed=None must be an int"),
+    (dict(seed=True), r"seed=True must be an int"),
     # 7 prompt tokens + 4 new tokens > context of 10.
     (dict(prompt_ids=[[1], [1] * 7]), r"prompt_ids\[1\] has 7 tokens.*11 > the model's context of 10"),
 ])

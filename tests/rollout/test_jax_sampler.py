@@ -151,6 +151,26 @@ def test_same_seed_same_rollouts_different_seed_different(sampler):
   assert len({tuple(x) for x in a.tokens_BxT[:4]}) > 1
 
 
+def test_64_bit_seeds_give_distinct_rollouts_32_bit_ones_as_before(sampler, monkeypatch):
+  """jax.random.key keeps a seed's low 32 bits: 2**40 would sample seed 0's
+  rollouts. Seeds below 2**32 keep the key they had (jax.random.key(seed))."""
+  kw = dict(n=4, max_tokens=10, temperature=1.0)
+  got = {s: sampler.generate(PROMPTS[:2], seed=s, **kw).tokens_BxT
+         for s in (0, 5, 2**32 - 1, 2**40, 2**40 + 5, 2**64 - 1)}
+  assert len({x.tobytes() for x in got.values()}) == len(got)
+  from isojax.rollout import jax_sampler
+  monkeypatch.setattr(jax_sampler, "_seed_key", jax.random.key)  # the key of old
+  for s in (5, 2**32 - 1):
+    np.testing.assert_array_equal(sampler.generate(PROMPTS[:2], seed=s, **kw).tokens_BxT,
+                                  got[s])
+
+
+@pytest.mark.parametrize("seed", [2**64, -1, 1.5, None, True, "3"])
+def test_bad_seed_is_refused_naming_it(sampler, seed):
+  with pytest.raises(ValueError, match=rf"seed={seed!r} must be an int in \[0, 2\*\*64\)"):
+    sampler.generate(PROMPTS[:1], n=1, max_tokens=2, temperature=1.0, seed=seed)
+
+
 def _target_probs(logits_V, temperature, top_p, top_k):
   """temperature -> top-k -> top-p (smallest prefix reaching top_p), from the formulas."""
   z = logits_V / temperature

@@ -537,6 +537,8 @@ def test_bad_arguments_fail_before_contacting_a_down_server():
   s = _sampler("http://127.0.0.1:9", max_retries=5, backoff_s=10.0)  # ~5 min if contacted
   with pytest.raises(ValueError, match="n must be a positive int"):
     s.generate([[1, 2]], n=0, max_tokens=4, temperature=1.0)
+  with pytest.raises(ValueError, match=r"seed=1180591620717411303424 must be an int"):
+    s.generate([[1, 2]], n=1, max_tokens=4, temperature=1.0, seed=2**70)
 
 
 def test_slow_generate_logs_while_waiting(fake, caplog):
