@@ -12,14 +12,22 @@ from typing import Any
 
 from isojax.rollout.base import FINISH_LENGTH, FINISH_STOP, VLLMResponseError
 
+# A log-probability is <= 0; a token of probability ~1 may come back a rounding
+# error above it, never more.
+LOGPROB_TOLERANCE = 1e-3
 
-def parse_completion(body: Any, *, prompts: list[list[int]], n: int, url: str
+
+def parse_completion(body: Any, *, prompts: list[list[int]], n: int, url: str,
+                     vocab_size: int | None = None, max_tokens: int | None = None
                      ) -> tuple[list[list[int]], list[list[float]], list[str]]:
   """Checks and unpacks one /v1/completions answer for a batch of prompts.
 
   Returns (token ids, logprobs, finish reasons) for its len(prompts) * n
   choices in prompt-major index order. Raises VLLMResponseError naming the
-  first missing or malformed field.
+  first missing or malformed field, or the value out of range: a token id >=
+  `vocab_size` (the trainer's gather would clamp it and score another token),
+  more than `max_tokens` tokens, a log-probability above 0 (beyond
+  LOGPROB_TOLERANCE). None skips the check.
   """
   choices = answer_field(body, "choices", list, url)
   b = len(prompts) * n
@@ -57,6 +65,7 @@ def parse_completion(body: Any, *, prompts: list[list[int]], n: int, url: str
       raise VLLMResponseError(
           f"vLLM answer from {url}: field '{where}logprobs.token_logprobs' holds "
           f"null/NaN/non-numeric values (was the request sent with logprobs=0?)")
+    _check_ranges(ids, lps, vocab_size, max_tokens, url, where)
     reason = c.get("finish_reason")
     if reason not in (FINISH_STOP, FINISH_LENGTH):
       raise VLLMResponseError(
@@ -66,6 +75,21 @@ def parse_completion(body: Any, *, prompts: list[list[int]], n: int, url: str
     logprobs.append([float(x) for x in lps])
     finish.append(reason)
   return tokens, logprobs, finish
+
+
+def _check_ranges(ids: list, lps: list, vocab_size: int | None, max_tokens: int | None,
+                  url: str, where: str) -> None:
+  """Token ids in the vocabulary, at most max_tokens of them, log-probs <= 0."""
+  if vocab_size is not None and ids and max(ids) >= vocab_size:
+    raise VLLMResponseError(f"vLLM answer from {url}: field '{where}token_ids' holds "
+                            f"token id {max(ids)}, outside the vocabulary of "
+                            f"vocab_size={vocab_size}")
+  if max_tokens is not None and len(ids) > max_tokens:
+    raise VLLMResponseError(f"vLLM answer from {url}: field '{where}token_ids' holds "
+                            f"{len(ids)} tokens, more than max_tokens={max_tokens}")
+  if lps and max(lps) > LOGPROB_TOLERANCE:
+    raise VLLMResponseError(f"vLLM answer from {url}: field '{where}logprobs."
+                            f"token_logprobs' holds log-probability {max(lps)!r} > 0")
 
 
 def answer_field(obj: Any, name: str, kind: type, url: str, where: str = "") -> Any:

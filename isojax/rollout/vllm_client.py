@@ -19,7 +19,8 @@ share their samples' random streams: each rollout is still an exact sample of
 its prompt, but rollouts of different prompts are dependent. A prompt is never
 sent twice in one request (it would get identical samples).
 
-Answers are checked field by field (`isojax.rollout.vllm_answers`). Weight sync
+Answers are checked field by field, token ids against the vocabulary, lengths
+against max_tokens and log-probs against 0 (`isojax.rollout.vllm_answers`). Weight sync
 (`update_weights`) is in `isojax.rollout.weight_sync`. vLLM does
 not say which tokens of a request came after a reload, so every token of a
 `generate` call carries the version label current when the call started
@@ -134,7 +135,8 @@ class VLLMSampler:
 
     Raises:
       VLLMError: naming the URL, when the server stays unreachable through all
-        retries, times out, or answers with an HTTP error.
+        retries, times out, answers with an HTTP error or sends a broken
+        answer (only refused connections and HTTP 503 are retried).
     """
     url = f"{self.base_url}{path}"
     timeout = (self.connect_timeout_s, timeout_s or self.request_timeout_s)
@@ -155,6 +157,12 @@ class VLLMSampler:
         raise VLLMError(f"vLLM server at {url} did not answer within "
                         f"{timeout[1]:g} s (it accepts connections but does not "
                         f"respond: overloaded or hung?): {e}") from e
+      except requests.RequestException as e:
+        # An answer cut off or undecodable (a body shorter than its length, a
+        # bad chunk): the server may have acted on the request, so it is not
+        # sent again.
+        raise VLLMError(f"vLLM server at {url} sent a broken answer to {method} "
+                        f"({type(e).__name__}): {e}") from e
       if r.status_code == 503 and attempt < self.max_retries:
         time.sleep(self.backoff_s * 2**attempt)
         continue
@@ -330,7 +338,9 @@ class VLLMSampler:
   def _complete(self, body: dict) -> tuple[list, list, list]:
     body_out = self.request("POST", "/v1/completions", json_body=body)
     return parse_completion(body_out, prompts=body["prompt"], n=body["n"],
-                            url=f"{self.base_url}/v1/completions")
+                            url=f"{self.base_url}/v1/completions",
+                            vocab_size=self.model_info()["hf_config"].get("vocab_size"),
+                            max_tokens=body["max_tokens"])
 
 
 def chunk_prompts(prompts: list[list[int]], size: int) -> list[list[int]]:

@@ -27,6 +27,10 @@ from isojax.rollout.vllm_client import (VLLMError, VLLMResponseError, VLLMSample
                                         chunk_prompts)
 
 
+class Truncated(bytes):
+  """A body the fake cuts off: its Content-Length says more than it sends."""
+
+
 class FakeVLLM:
   """A threaded HTTP server; `routes[(method, path)]` -> fn(body, query) -> (status, obj)."""
 
@@ -53,9 +57,12 @@ class FakeVLLM:
         route = fake.routes.get((method, url.path))
         status, obj = route(body, query) if route else (404, {"detail": "Not Found"})
         data = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+        length = len(data)
+        if isinstance(obj, Truncated):  # promise more than is sent, then hang up
+          length, self.close_connection = 2 * len(data) + 100, True
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Content-Length", str(length))
         self.end_headers()
         self.wfile.write(data)
 
@@ -200,6 +207,21 @@ def _drop(path):
   return answer
 
 
+def _set(*paths_and_values):
+  """A completion answer with each field at a `path` (as `_drop`) set to its value."""
+  def answer(body, q):
+    obj = FakeVLLM.complete(body)
+    obj["choices"].sort(key=lambda c: c["index"])
+    for path, value in zip(paths_and_values[::2], paths_and_values[1::2]):
+      *parents, last = path.split(".")
+      node = obj
+      for key in parents:
+        node = node[int(key[1:-1])] if key.startswith("[") else node[key]
+      node[last] = value
+    return 200, obj
+  return answer
+
+
 @pytest.mark.parametrize("route,field", [
     (_drop("choices"), "'choices' is missing"),
     (_drop("choices.[0].token_ids"), "'choices[0].token_ids' is missing"),
@@ -221,12 +243,35 @@ def _drop(path):
                                      FakeVLLM.complete(b)["choices"]]}),
      "'choices[0].prompt_token_ids' does not match"),
     (lambda b, q: (200, b"<html>not json</html>"), "answered non-JSON"),
+    # The trainer's gather would clamp an id past the vocabulary (2000).
+    (_set("choices.[0].token_ids", [2000]),
+     "'choices[0].token_ids' holds token id 2000, outside the vocabulary of "
+     "vocab_size=2000"),
+    (_set("choices.[1].token_ids", [5, 6, 7], "choices.[1].logprobs.token_logprobs",
+          [-1.0] * 3), "'choices[1].token_ids' holds 3 tokens, more than max_tokens=2"),
+    (_set("choices.[1].logprobs.token_logprobs", [-1.0, 0.5]),
+     "'choices[1].logprobs.token_logprobs' holds log-probability 0.5 > 0"),
 ])
 def test_malformed_answer_names_the_field(fake, route, field):
   fake.routes[("POST", "/v1/completions")] = route
   with pytest.raises(VLLMResponseError, match=re.escape(field)) as e:
     _sampler(fake.url).generate([[1, 2]], n=2, max_tokens=2, temperature=1.0)
   assert f"{fake.url}/v1/completions" in str(e.value)
+
+
+def test_a_logprob_a_rounding_error_above_0_is_accepted(fake):
+  fake.routes[("POST", "/v1/completions")] = _set(
+      "choices.[1].logprobs.token_logprobs", [-1.0, 1e-6])
+  r = _sampler(fake.url).generate([[1, 2]], n=2, max_tokens=2, temperature=1.0)
+  assert r.logprobs_BxT[1].tolist() == pytest.approx([-1.0, 1e-6])
+
+
+def test_a_truncated_answer_names_the_url_and_is_not_sent_again(fake):
+  fake.routes[("POST", "/v1/completions")] = lambda b, q: (200, Truncated(b'{"choices": ['))
+  with pytest.raises(VLLMError, match=rf"vLLM server at {fake.url}/v1/completions sent a "
+                     r"broken answer to POST \(ChunkedEncodingError\)"):
+    _sampler(fake.url).generate([[1, 2]], n=2, max_tokens=2, temperature=1.0)
+  assert fake.paths().count(("POST", "/v1/completions")) == 1
 
 
 def test_malformed_models_answer_names_the_field(fake):
@@ -427,6 +472,15 @@ def test_failed_reload_names_url_and_still_resumes(fake, tiny_model, tmp_path):
   s = _sampler(fake.url, weights_root=str(tmp_path / "w"))
   with pytest.raises(VLLMError, match=rf"{fake.url}/collective_rpc answered HTTP 500: "
                                       r".*shape mismatch"):
+    s.update_weights(tiny_model)
+  assert fake.paths()[-1] == ("POST", "/resume")
+
+
+def test_a_truncated_reload_answer_names_url_and_still_resumes(fake, tiny_model, tmp_path):
+  _weight_routes(fake)
+  fake.routes[("POST", "/collective_rpc")] = lambda b, q: (200, Truncated(b'{"res'))
+  s = _sampler(fake.url, weights_root=str(tmp_path / "w"))
+  with pytest.raises(VLLMError, match=rf"{fake.url}/collective_rpc sent a broken answer"):
     s.update_weights(tiny_model)
   assert fake.paths()[-1] == ("POST", "/resume")
 
