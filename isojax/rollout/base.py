@@ -284,13 +284,19 @@ def validate_request(prompt_ids: Sequence[Sequence[int]], *, n: int,
                      f"{type(prompt_ids).__name__}")
   if len(prompt_ids) == 0:
     raise ValueError("prompt_ids is empty: need at least one prompt")
-  if not isinstance(n, (int, np.integer)) or n < 1:
+  # bool is an int to Python: True would silently mean 1.
+  if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
     raise ValueError(f"n must be a positive int, got {n!r}")
-  if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+  if (not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool)
+      or max_tokens < 1):
     raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
   check_sampling(temperature, top_p, top_k)
+  if (isinstance(stop_token_ids, (str, bytes))
+      or not isinstance(stop_token_ids, Sequence | np.ndarray)):
+    raise ValueError(f"stop_token_ids must be a list of token ids (() for none), got "
+                     f"{stop_token_ids!r}")
   for s in stop_token_ids:
-    if not isinstance(s, (int, np.integer)) or s < 0 or (
+    if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0 or (
         vocab_size is not None and s >= vocab_size):
       raise ValueError(f"stop_token_ids entry {s!r} is not a token id in "
                        f"[0, {vocab_size})")
@@ -300,10 +306,16 @@ def validate_request(prompt_ids: Sequence[Sequence[int]], *, n: int,
                        f"{type(p).__name__}")
     if len(p) == 0:
       raise ValueError(f"prompt_ids[{i}] is empty")
-    if vocab_size is not None:
+    try:
       arr = np.asarray(p)
-      if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"prompt_ids[{i}] has non-integer entries (dtype {arr.dtype})")
+    except ValueError:  # ragged: a list among the ints
+      arr = np.asarray(p, dtype=object)
+    if arr.ndim != 1:
+      raise ValueError(f"prompt_ids[{i}] must be a flat list of ints, got nested lists "
+                       f"(shape {arr.shape})")
+    if not np.issubdtype(arr.dtype, np.integer):
+      raise ValueError(f"prompt_ids[{i}] has non-integer entries (dtype {arr.dtype})")
+    if vocab_size is not None:
       if arr.min() < 0 or arr.max() >= vocab_size:
         raise ValueError(
             f"prompt_ids[{i}] has token ids outside [0, {vocab_size}): "

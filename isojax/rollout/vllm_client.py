@@ -110,6 +110,11 @@ class VLLMSampler:
       value = getattr(self, name)
       if not 0 < value < math.inf:
         raise ValueError(f"{name}={value} must be a positive, finite number of seconds")
+    if (not isinstance(max_retries, int) or isinstance(max_retries, bool)
+        or max_retries < 0):
+      raise ValueError(f"max_retries={max_retries!r} must be an int >= 0 (0: no retry)")
+    if not 0 <= backoff_s < math.inf:
+      raise ValueError(f"backoff_s={backoff_s!r} must be a finite number of seconds >= 0")
     self.max_retries = int(max_retries)
     self.backoff_s = float(backoff_s)
     self._eos_token_ids = None if eos_token_ids is None else tuple(map(int, eos_token_ids))

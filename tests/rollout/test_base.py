@@ -118,6 +118,8 @@ def test_forced_tokens_must_be_real_unsampled_tokens():
 def test_validate_request_accepts_good_request():
   validate_request([[1, 2], [3]], n=4, max_tokens=8, temperature=1.0, top_p=0.9, top_k=5,
                    stop_token_ids=(7,), seed=2**64 - 1, vocab_size=10, max_model_len=10)
+  validate_request((np.array([1, 2]),), n=np.int64(1), max_tokens=1, temperature=0,
+                   stop_token_ids=np.array([7, 8]))
 
 
 @pytest.mark.parametrize("kwargs,msg", [
@@ -128,8 +130,19 @@ def test_validate_request_accepts_good_request():
     (dict(prompt_ids=[[1, 10]]), r"prompt_ids\[0\] has token ids outside \[0, 10\)"),
     (dict(prompt_ids=[[1, -1]]), r"prompt_ids\[0\] has token ids outside"),
     (dict(prompt_ids=[[1.5]]), "non-integer"),
+    (dict(prompt_ids=[[[1, 2]]]), r"prompt_ids\[0\] must be a flat list of ints, got "
+     r"nested lists \(shape \(1, 2\)\)"),
+    (dict(prompt_ids=[[1, [2]]]), r"prompt_ids\[0\] has non-integer entries"),
+    (dict(prompt_ids=[[True, False]]), r"prompt_ids\[0\] has non-integer entries"),
+    (dict(prompt_ids=[[[1, 2]]], vocab_size=None), r"prompt_ids\[0\] must be a flat list"),
     (dict(n=0), "n must be a positive int"),
+    (dict(n=True), "n must be a positive int, got True"),
     (dict(max_tokens=0), "max_tokens must be a positive int"),
+    (dict(max_tokens=True), "max_tokens must be a positive int, got True"),
+    (dict(stop_token_ids=5), r"stop_token_ids must be a list of token ids \(\(\) for "
+     r"none\), got 5"),
+    (dict(stop_token_ids=None), "stop_token_ids must be a list of token ids"),
+    (dict(stop_token_ids=(True,)), "stop_token_ids entry True"),
     (dict(temperature=-0.1), r"temperature=-0.1 must be a number >= 0"),
     (dict(temperature=float("nan")), "temperature=nan must be a number >= 0"),
     (dict(temperature="1"), "temperature='1' must be a number"),

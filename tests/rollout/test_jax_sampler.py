@@ -277,6 +277,11 @@ def test_prompt_too_long_fails_before_any_work(model, sampler):
       sampler.generate([[1, 2], [3] * 60], n=1, max_tokens=8, temperature=1.0)
     with pytest.raises(ValueError, match=r"prompt_ids\[0\] has token ids outside \[0, 32\)"):
       sampler.generate([[1, 99]], n=1, max_tokens=8, temperature=1.0)
+    with pytest.raises(ValueError, match=r"prompt_ids\[0\] must be a flat list of ints"):
+      sampler.generate([[[1, 2]]], n=1, max_tokens=8, temperature=1.0)
+    for stop in (5, None):
+      with pytest.raises(ValueError, match=rf"stop_token_ids must be a list .* got {stop}"):
+        sampler.generate([[1, 2]], n=1, max_tokens=8, temperature=1.0, stop_token_ids=stop)
   finally:
     sampler._jit_admit, sampler._jit_decode = real
   capped = JaxSampler(model, max_len=16)

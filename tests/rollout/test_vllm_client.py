@@ -613,6 +613,18 @@ def test_timeouts_must_be_bounded():
     VLLMSampler("http://127.0.0.1:9", request_timeout_s=float("inf"))
 
 
+@pytest.mark.parametrize("kw, msg", [
+    (dict(max_retries=-1), r"max_retries=-1 must be an int >= 0"),
+    (dict(max_retries=1.5), r"max_retries=1.5 must be an int"),
+    # Else refused only at the first retry, by time.sleep.
+    (dict(backoff_s=-1), r"backoff_s=-1 must be a finite number of seconds >= 0"),
+    (dict(backoff_s=float("nan")), r"backoff_s=nan must be"),
+])
+def test_retry_settings_are_checked_at_construction(kw, msg):
+  with pytest.raises(ValueError, match=msg):
+    VLLMSampler("http://127.0.0.1:9", **kw)
+
+
 def _vllm_config(url):
   from experiments import common
   c = common.base_config()
