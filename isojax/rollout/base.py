@@ -244,6 +244,24 @@ def next_version(current: int, version: int | None, *, where: str) -> int:
   return int(version)
 
 
+class VersionLabels:
+  """The weight-version label of every pair's tokens (`Rollouts.version_BxT`),
+  filled as a sampler emits them, call by call."""
+
+  def __init__(self, num_pairs: int, width: int):
+    self.version_PxT = np.full((num_pairs, width), -1, np.int32)  # -1: not (yet) emitted
+    self._emitted_P = np.zeros((num_pairs,), np.int32)
+
+  def add(self, emitted_P: np.ndarray, label: int) -> None:
+    """Labels the tokens emitted since the last call (`emitted_P`: tokens per
+    pair so far, the outputs' lengths) with `label`."""
+    new_P = np.flatnonzero(emitted_P != self._emitted_P)
+    t_T = np.arange(self.version_PxT.shape[1])
+    new_NxT = ((t_T >= self._emitted_P[new_P, None]) & (t_T < emitted_P[new_P, None]))
+    self.version_PxT[new_P] = np.where(new_NxT, label, self.version_PxT[new_P])
+    self._emitted_P = emitted_P.astype(np.int32)
+
+
 def check_sampling(temperature=0.0, top_p=1.0, top_k=None, *, prefix: str = "") -> None:
   """Checks sampling settings: temperature 0 (greedy) or a number >=
   MIN_TEMPERATURE, top_p in (0, 1] (1 = off), top_k None or an int >= 0 (0 = off).

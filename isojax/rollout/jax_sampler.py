@@ -50,8 +50,8 @@ from jax.experimental import multihost_utils
 
 from isojax import sharding
 from isojax.rollout import decode
-from isojax.rollout.base import (FINISH_LENGTH, FINISH_STOP, Rollouts, next_version,
-                                 validate_request)
+from isojax.rollout.base import (FINISH_LENGTH, FINISH_STOP, Rollouts, VersionLabels,
+                                 next_version, validate_request)
 from isojax.rollout.memory import CacheLayout, cache_layout, rows_at_once
 
 PAD_ID = 0  # what left-pads prompts (masked: any id would do)
@@ -307,7 +307,7 @@ class JaxSampler:
                                   num_pairs // n, l_bucket)
     else:
       rows, out = self._jit_empty(self._cfg, s, num_rows, cache_len, num_pairs)
-    labels = _Labels(num_pairs, s.max_tokens)
+    labels = VersionLabels(num_pairs, s.max_tokens)
     max_steps = np.int32(self._decode_chunk or _NO_STEP_LIMIT)
     # Whole prompts are admitted together (one prefill for their n samples)
     # unless a prompt's n samples do not fit in the rows at all.
@@ -373,23 +373,6 @@ class JaxSampler:
       return tuple(jax.device_put(a) for a in arrays)
     split = prompts and arrays[0].shape[0] % self._row_multiple == 0
     return tuple(jax.device_put(a, self._rows if split else self._rep) for a in arrays)
-
-
-class _Labels:
-  """The weight-version label of every pair's tokens, filled call by call."""
-
-  def __init__(self, num_pairs: int, width: int):
-    self.version_PxT = np.full((num_pairs, width), -1, np.int32)  # -1: not (yet) emitted
-    self._emitted_P = np.zeros((num_pairs,), np.int32)
-
-  def add(self, emitted_P: np.ndarray, label: int) -> None:
-    """Labels the tokens emitted since the last call (`emitted_P`: tokens per
-    pair so far, the outputs' lengths) with `label`."""
-    new_P = np.flatnonzero(emitted_P != self._emitted_P)
-    t_T = np.arange(self.version_PxT.shape[1])
-    new_NxT = ((t_T >= self._emitted_P[new_P, None]) & (t_T < emitted_P[new_P, None]))
-    self.version_PxT[new_P] = np.where(new_NxT, label, self.version_PxT[new_P])
-    self._emitted_P = emitted_P.astype(np.int32)
 
 
 def _to_host(arrays) -> tuple[Any, ...]:
