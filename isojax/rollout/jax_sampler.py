@@ -108,7 +108,10 @@ class JaxSampler:
   Args:
     model: an `isojax.models.Decoder` (anything with prefill / decode_step and a
       config carrying vocab_size, max_position_embeddings, eos_token_ids and the
-      cache dimensions).
+      cache dimensions). The sampler holds the caller's parameter arrays
+      (`jax.device_put` does not copy arrays already placed as it needs): a
+      caller whose update donates them must pass a copy, or call
+      `update_weights` after every donating step.
     mesh: optional `jax.sharding.Mesh` with axes ("data", "fsdp", "tensor").
       Rollout rows are split over ("data", "fsdp"), parameters follow their
       logical axis names through `rules`.
@@ -246,6 +249,9 @@ class JaxSampler:
     Args:
       model: a Decoder of the same architecture, or its `nnx.state(model)`
         (e.g. the trainer's, possibly sharded differently: it is resharded).
+        Its arrays are held, not copied, where already placed as the sampler
+        needs (`jax.device_put`): a caller whose update donates them must pass
+        a copy, or call this after every donating step.
       version: the label of these weights (>= 0); None: the current label + 1
         (the weights the sampler was built with are 0).
     """
