@@ -7,6 +7,10 @@ Each point is guarded by an `fcntl.flock` on a lock file in its run directory, h
 the launcher *and* inherited by the run, so neither a second launcher nor a rerun after
 a crash can start a point that is still running; the kernel drops the lock when both
 have exited, so a killed launcher never leaves a stale lock behind.
+
+Each start event records the run's command, so that a rerun can tell a point finished
+by the same command (skipped) from one finished by another (whose run then compares
+its saved config itself: `finished_command`).
 """
 
 from __future__ import annotations
@@ -43,3 +47,26 @@ def record_attempt(run_dir: str, **event) -> None:
   event = {"time": time.time(), "launcher_pid": os.getpid(), **event}
   with files.open_append(os.path.join(run_dir, ATTEMPTS_FILE)) as f:
     f.write(json.dumps(event) + "\n")
+
+
+def finished_command(run_dir: str) -> list[str] | None:
+  """The command of the last attempt in `run_dir` that exited 0 with the run finished,
+  or None (no such attempt, one recorded before commands were, an unreadable file)."""
+  started, finished = {}, None
+  try:
+    with open(os.path.join(run_dir, ATTEMPTS_FILE)) as f:
+      lines = f.readlines()
+  except OSError:
+    return None
+  for line in lines:
+    try:
+      event = json.loads(line)
+    except ValueError:  # a line cut short by a full disk or a kill
+      continue
+    if not isinstance(event, dict):
+      continue
+    if event.get("event") == "start":
+      started[event.get("pid")] = event.get("command")
+    elif event.get("event") == "end" and event.get("rc") == 0 and event.get("done"):
+      finished = started.get(event.get("pid"))
+  return finished if isinstance(finished, list) else None

@@ -1,8 +1,12 @@
 """Local execution: a bounded pool of run subprocesses, each with its own log file.
 
-A point is skipped once its run wrote the DONE marker, and an unfinished point is simply
-rerun with the same workdir: the run resumes from its own checkpoint. A failing run is
-reported with the tail of its log while the sweep goes on.
+A point is skipped once its run wrote the DONE marker under the same command, and an
+unfinished point is simply rerun with the same workdir: the run resumes from its own
+checkpoint. A point finished under another command (other run arguments, another
+runner) is started again, so that the run compares its saved config with the new one
+itself, as it does for any rerun: it exits at once when they match and refuses, naming
+the fields, when they do not. A failing run is reported with the tail of its log while
+the sweep goes on.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from isojax import files
 from isojax.errors import IsojaxError
 from isojax.files import log_tail
 from isojax.rundir import DONE_FILE, METRICS_FILE, is_done, last_record
-from isojax.sweep.attempts import (ATTEMPTS_FILE, LOG_FILE, lock_holder, record_attempt,
-                                   try_lock)
+from isojax.sweep.attempts import (ATTEMPTS_FILE, LOG_FILE, finished_command, lock_holder,
+                                   record_attempt, try_lock)
 from isojax.sweep.points import Sweep, SweepPoint
 
 
@@ -124,6 +128,7 @@ class _Running:
   lock_fd: int
   log: object
   started: float
+  checking: bool = False  # finished under another command: the run checks its config
 
 
 def _fmt_s(seconds: float) -> str:
@@ -204,9 +209,9 @@ class _Pool:
 
   def launch(self, sp: SweepPoint) -> None:
     """Starts `sp` unless it is finished or locked by another launcher."""
-    run_dir = self.sweep.run_dir(sp)
-    if is_done(run_dir):
-      self._skip(sp, f"already finished ({DONE_FILE} present)")
+    run_dir, cmd = self.sweep.run_dir(sp), self.sweep.command(sp)
+    if is_done(run_dir) and finished_command(run_dir) == cmd:
+      self._skip(sp, f"already finished ({DONE_FILE} present, same command)")
       return
     try:
       fd = try_lock(run_dir)
@@ -219,15 +224,14 @@ class _Pool:
         self.announced.add(sp.name)
         self.print_fn(f"wait   {sp.name}: locked by {lock_holder(run_dir)}")
       return
-    if is_done(run_dir):  # finished by another launcher while we were not looking
-      os.close(fd)
+    if is_done(run_dir) and finished_command(run_dir) == cmd:
+      os.close(fd)  # finished by another launcher while we were not looking
       self._skip(sp, "finished by another launcher")
       return
-    self._start(sp, run_dir, fd)
+    self._start(sp, run_dir, fd, cmd)
 
-  def _start(self, sp: SweepPoint, run_dir: str, fd: int) -> None:
+  def _start(self, sp: SweepPoint, run_dir: str, fd: int, cmd: list[str]) -> None:
     """Starts the run of a locked point, its output appended to the point's log."""
-    cmd = self.sweep.command(sp)
     try:
       files.check_not_link(os.path.join(run_dir, ATTEMPTS_FILE))
       log = files.open_append(os.path.join(run_dir, LOG_FILE), binary=True)
@@ -239,6 +243,7 @@ class _Pool:
               f"{os.getpid()}: {' '.join(cmd)}\n".encode())
     log.flush()
     resumed = os.path.exists(os.path.join(run_dir, METRICS_FILE))
+    checking = is_done(run_dir)
     try:
       proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                               stdin=subprocess.DEVNULL, pass_fds=(fd,),
@@ -248,10 +253,12 @@ class _Pool:
       os.close(fd)
       self._fail(sp, f"could not start {cmd[0]}: {e}", f"could not start {cmd}: {e}")
       return
-    record_attempt(run_dir, event="start", pid=proc.pid, resumed=resumed)
-    self.running[sp.name] = _Running(sp, proc, fd, log, time.time())
-    self.print_fn(f"start  {sp.name} ({'resume' if resumed else 'fresh'}, "
-                  f"M={sp.point.m}) log: {os.path.join(run_dir, LOG_FILE)}")
+    record_attempt(run_dir, event="start", pid=proc.pid, resumed=resumed, command=cmd)
+    self.running[sp.name] = _Running(sp, proc, fd, log, time.time(), checking)
+    how = ("finished under another command: the run checks its config" if checking
+           else "resume" if resumed else "fresh")
+    self.print_fn(f"start  {sp.name} ({how}, M={sp.point.m}) "
+                  f"log: {os.path.join(run_dir, LOG_FILE)}")
 
   def reap(self, r: _Running) -> None:
     """Records how a run ended; a failure is printed with the tail of its log."""
@@ -262,6 +269,9 @@ class _Pool:
     record_attempt(run_dir, event="end", pid=r.proc.pid, rc=rc,
                    done=is_done(run_dir), seconds=round(seconds, 3))
     os.close(r.lock_fd)  # after the attempt is recorded: the lock orders the records
+    if rc == 0 and is_done(run_dir) and r.checking:
+      self._skip(r.sp, "already finished; the run found its config unchanged")
+      return
     if rc == 0 and is_done(run_dir):
       self.report.finished.append(r.sp.name)
       n_done = len(self.report.finished) + len(self.report.skipped)

@@ -230,33 +230,48 @@ def task_command(command: list[str], *, nodes: int) -> list[str]:
 def run_task(points_path: str, index: int, *, print_fn=print) -> int:
   """Runs array task `index` of a points file; returns its exit code.
 
-  A finished point exits 0 at once; a locked one (running in another task) exits 1.
+  A point finished under the same command exits 0 at once; one finished under another
+  command runs that command alone (no server, one node), so that the run compares its
+  saved config as on any rerun: it exits 0 when they match and refuses, naming the
+  fields, when they do not. A locked point (running in another task) exits 1.
   With a `vllm_model`, a vLLM server (isojax.rollout.vllm_server, loopback only) is
   started on a free port of this node for the task, the run is pointed at it with
   `--config.sampler.vllm_url`, and it is stopped when the run ends.
   """
   spec, entry = load_task(points_path, index)
-  run_dir = entry["run_dir"]
-  if rundir.is_done(run_dir):
-    print_fn(f"skip {entry['name']}: already finished")
+  run_dir, command = entry["run_dir"], list(entry["command"])
+  if rundir.is_done(run_dir) and attempts.finished_command(run_dir) == command:
+    print_fn(f"skip {entry['name']}: already finished under the same command")
     return 0
   fd = attempts.try_lock(run_dir)
   if fd is None:
     print_fn(f"{entry['name']} is locked by {attempts.lock_holder(run_dir)}")
     return 1
-  command, server = list(entry["command"]), None
+  server, checking = None, rundir.is_done(run_dir)
   try:
-    if spec.get("vllm_model"):
+    if checking and attempts.finished_command(run_dir) == command:
+      print_fn(f"skip {entry['name']}: finished by another task")
+      return 0
+    if checking:
+      print_fn(f"{entry['name']} finished under another command: the run checks its "
+               f"config")
+    elif spec.get("vllm_model"):
       # Imported here: only vLLM tasks need it (and its `requests` dependency).
       from isojax.rollout.vllm_server import VLLMServer
       server = VLLMServer(spec["vllm_model"], workdir=os.path.join(run_dir, "vllm"),
                           startup_timeout_s=VLLM_START_TIMEOUT_S).start()
-      command.append(f"--config.sampler.vllm_url={server.base_url}")
-    command = task_command(command, nodes=int(spec.get("nodes", 1)))
-    print_fn(f"run {entry['name']}: {shlex.join(command)}")
+    argv = list(command)
+    if server is not None:
+      argv.append(f"--config.sampler.vllm_url={server.base_url}")
+    argv = task_command(argv, nodes=1 if checking else int(spec.get("nodes", 1)))
+    print_fn(f"run {entry['name']}: {shlex.join(argv)}")
     sys.stdout.flush()  # before the run's own output
-    rc = subprocess.run(command, pass_fds=(fd,),
-                        env=with_compilation_cache(os.environ, spec["root"])).returncode
+    proc = subprocess.Popen(argv, pass_fds=(fd,),
+                            env=with_compilation_cache(os.environ, spec["root"]))
+    attempts.record_attempt(run_dir, event="start", pid=proc.pid, command=command)
+    rc = proc.wait()
+    attempts.record_attempt(run_dir, event="end", pid=proc.pid, rc=rc,
+                            done=rundir.is_done(run_dir))
   finally:
     if server is not None:
       server.stop()
