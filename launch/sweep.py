@@ -33,7 +33,8 @@ _BP = flags.DEFINE_list("bp", None, "Problems per batch Bp (default: sweep.bp_va
 _N = flags.DEFINE_list("n", None, "Rollouts per problem n (default: sweep.n_values).")
 _BUDGET = flags.DEFINE_list("budget", None,
                             "Rollout budgets C (default: config.sweep.budgets).")
-_B_MAX = flags.DEFINE_integer("b_max", None, "Largest batch Bp*n (default: config.b_max).")
+_B_MAX = flags.DEFINE_integer("b_max", None, "Largest batch Bp*n (default: config.b_max); "
+                              "given, every run gets it as --config.b_max.")
 _SEEDS = flags.DEFINE_list("seeds", ["0"], "Seeds; one run per point per seed.")
 _MAX_CONCURRENT = flags.DEFINE_integer(
     "max_concurrent", None, "Concurrent local runs (default: 1 with an accelerator, else "

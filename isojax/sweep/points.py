@@ -156,7 +156,7 @@ def check_run_args(args: Sequence[str]) -> None:
   for arg in args:
     if not arg.startswith("-"):
       continue
-    name = (arg[2:] if arg.startswith("--") else arg[1:]).partition("=")[0]
+    name = _flag_name(arg)
     if name == "flagfile":
       raise ValueError(f"run argument {arg!r}: the launcher cannot check what a flag "
                        "file sets for each point; pass its arguments after -- instead")
@@ -164,6 +164,30 @@ def check_run_args(args: Sequence[str]) -> None:
       what, instead = RESERVED_RUN_FLAGS[name]
       raise ValueError(f"run argument {arg!r} sets {what}, which the launcher sets for "
                        f"each point: use {instead}")
+
+
+def _flag_name(arg: str) -> str:
+  """The flag an argument sets, in any spelling absl accepts: `-x`, `--x`, `--x=v`."""
+  return (arg[2:] if arg.startswith("--") else arg[1:]).partition("=")[0]
+
+
+def b_max_args(b_max, args: Sequence[str]) -> tuple[str, ...]:
+  """`args` with the launcher's --b_max passed on as `--config.b_max`: each run checks
+  Bp * n against its own config.b_max, so it must hold the bound the grid was planned
+  with. None: `args` unchanged (the config's b_max, or one they set, plans the grid).
+
+  Raises:
+    ValueError: when `args` set config.b_max too (two bounds, one of them ignored).
+  """
+  if b_max is None:
+    return tuple(args)
+  for arg in args:
+    if arg.startswith("-") and _flag_name(arg) == "config.b_max":
+      raise ValueError(f"run argument {arg!r} sets b_max, which the launcher's --b_max="
+                       f"{b_max} sets for every run: give one of them")
+  if isinstance(b_max, float) and b_max.is_integer():
+    b_max = int(b_max)
+  return (f"--config.b_max={b_max}", *args)
 
 
 def apply_overrides(config, args: Sequence[str]):
@@ -262,7 +286,8 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
       sets them for each point.
     root: the sweep root.
     bp, n, budgets, b_max: the grid; None = the config's sweep.bp_values,
-      sweep.n_values, sweep.budgets and b_max.
+      sweep.n_values, sweep.budgets and b_max. A b_max given reaches every run
+      as `--config.b_max` (`b_max_args`).
     seeds: one run per point per seed.
     runner: a module (`isojax.main`) or a `.py` file run for each point.
     extra_args: appended to every run command (`--config.eval_every=2`); none may
@@ -276,6 +301,7 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
       infeasible, or every Bp above the training problems the launcher counted).
   """
   check_run_args(extra_args)
+  extra_args = b_max_args(b_max, extra_args)
   path, arg = _split_config(config_path)
   config = apply_overrides(load_experiment(path, arg), extra_args)
   config_path = f"{path}:{arg}" if arg else path
@@ -283,7 +309,7 @@ def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,
   bp = grid.get("bp_values") if bp is None else bp
   n = grid.get("n_values") if n is None else n
   budgets = grid.get("budgets") if budgets is None else budgets
-  b_max = config.get("b_max") if b_max is None else b_max
+  b_max = config.get("b_max")
   for name, value in (("bp", bp), ("n", n), ("budget", budgets), ("b_max", b_max)):
     if value is None or (not value and not isinstance(value, (int, float))):
       raise ValueError(f"no {name} values: pass --{name} or set them in "

@@ -1,0 +1,23 @@
+"""Tests for isojax/sweep/points.py: what a planned sweep hands each run."""
+
+import pytest
+
+from isojax import sweep
+from tests.test_sweep import REPO, TINY
+
+
+def test_the_launchers_b_max_reaches_every_run(monkeypatch):
+  monkeypatch.chdir(REPO)
+  # tiny.py's b_max is 256: Bp*n = 512 is planned only with the launcher's bound,
+  # and each run must hold that bound too, or it refuses the point.
+  plan, config = sweep.plan_sweep(TINY, "runs/t", bp=[64], n=[8], budgets=[1024],
+                                  b_max=512)
+  assert config.b_max == 512 and [sp.point.batch for sp in plan.points] == [512]
+  assert all("--config.b_max=512" in plan.command(sp) for sp in plan.points)
+  # Without the flag the config's own bound plans the grid, and nothing is added.
+  plan, _ = sweep.plan_sweep(TINY, "runs/t", bp=[8], n=[4], budgets=[1024])
+  assert not any("b_max" in a for sp in plan.points for a in plan.command(sp))
+  with pytest.raises(ValueError, match="'--config.b_max=128' sets b_max, which the "
+                     "launcher's --b_max=512 sets"):
+    sweep.plan_sweep(TINY, "runs/t", bp=[8], n=[4], budgets=[1024], b_max=512,
+                     extra_args=["--config.b_max=128"])
