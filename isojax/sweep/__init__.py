@@ -6,6 +6,7 @@ sweep root, named from the point (`bp32_n64_m12_s0`). All budget arithmetic live
 `isojax.budget`; launch scripts only pass numbers through.
 
     points.py   SweepPoint, Sweep (a run's command and directory), plan_sweep, dry run
+    run_args.py the arguments after `--` passed to every run: checked, applied
     attempts.py a point's lock, log and attempts record (the run's own files:
                 isojax.rundir)
     local.py    run_local: a bounded pool of subprocesses on this machine; the
@@ -21,10 +22,10 @@ from isojax.sweep.attempts import (ATTEMPTS_FILE, LOCK_FILE, LOG_FILE, lock_hold
 from isojax.sweep.local import (COMPILATION_CACHE_DIR, CORES_PER_RUN, SweepReport, cpu_count,
                                 default_concurrency, has_accelerator, run_env, run_local,
                                 with_compilation_cache)
-from isojax.sweep.points import (BASE_MODEL_DIR, DEFAULT_RUNNER, RESERVED_RUN_FLAGS,
-                                 Sweep, SweepPoint, apply_overrides, check_run_args,
+from isojax.sweep.points import (BASE_MODEL_DIR, DEFAULT_RUNNER, Sweep, SweepPoint,
                                  expand_points, format_points, load_experiment,
                                  max_tokens, plan_sweep, vllm_model)
+from isojax.sweep.run_args import RESERVED_RUN_FLAGS, apply_overrides, check_run_args
 
 __all__ = [
     "ATTEMPTS_FILE", "BASE_MODEL_DIR", "COMPILATION_CACHE_DIR", "CORES_PER_RUN",
