@@ -379,8 +379,8 @@ def test_slurm_array_script_one_task_per_point(tmp_path, fake_runner):
            for bp, n in ((4, 2), (4, 4), (8, 2), (8, 4)) for s in (0, 1)]
   assert sorted(e["name"] for e in spec["points"]) == sorted(names)
   assert "#SBATCH --array=0-7\n" in script
-  assert "#SBATCH --nodes=1\n" in script and "#SBATCH --partition=gpu\n" in script
-  assert "#SBATCH --time=01:00:00\n" in script
+  assert "#SBATCH --nodes=1\n" in script and '#SBATCH --partition="gpu"\n' in script
+  assert '#SBATCH --time="01:00:00"\n' in script
   assert '--task_index="${SLURM_ARRAY_TASK_ID}"' in script
   assert "wrote" in proc.stdout and not any((root / n).exists() for n in names)
   for i, entry in enumerate(spec["points"]):
@@ -772,7 +772,7 @@ def test_slurm_rerun_in_the_same_root_keeps_the_array_written_there(tmp_path):
   # The same grid again is idempotent, and may change the sbatch resources.
   proc = _launch(*grid, "--n=2,4", "--partition=gpu")
   assert "wrote" in proc.stdout and points.read_text() == written[0]
-  assert "#SBATCH --partition=gpu\n" in script.read_text()
+  assert '#SBATCH --partition="gpu"\n' in script.read_text()
 
 
 def test_slurm_never_writes_through_a_link_at_the_points_file(tmp_path):

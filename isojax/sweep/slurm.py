@@ -158,14 +158,17 @@ def _script(sweep, options, *, launcher, workdir, points_path, vllm) -> str:
   array = f"0-{n - 1}" + (f"%{options.max_parallel}" if options.max_parallel else "")
   study = os.path.basename(os.path.normpath(sweep.root)) or "sweep"
   logs = os.path.join(os.path.abspath(os.path.join(workdir, sweep.root)), "slurm", "logs")
-  sbatch = [f"--job-name=isojax-{study}", f"--array={array}", f"--nodes={options.nodes}",
-            "--ntasks-per-node=1", f"--output={logs}/%A_%a.out"]
+  # SLURM expands %A, %a, ... in the output pattern and reads %% as one %.
+  output = logs.replace("%", "%%") + "/%A_%a.out"
+  sbatch = [f"--job-name={_sbatch_quote(f'isojax-{study}')}", f"--array={array}",
+            f"--nodes={options.nodes}", "--ntasks-per-node=1",
+            f"--output={_sbatch_quote(output)}"]
   for flag, value in (("gpus-per-node", options.gpus_per_node),
                       ("cpus-per-task", options.cpus_per_task), ("mem", options.mem),
                       ("partition", options.partition), ("account", options.account),
                       ("time", options.time)):
     if value:
-      sbatch.append(f"--{flag}={value}")
+      sbatch.append(f"--{flag}={_sbatch_quote(value) if isinstance(value, str) else value}")
   sbatch += list(options.sbatch_args)
   lines = ["#!/bin/bash",
            f"# isojax sweep: {n} run(s) of {sweep.config} under {sweep.root}, "
@@ -181,6 +184,18 @@ def _script(sweep, options, *, launcher, workdir, points_path, vllm) -> str:
            f"--task_file={shlex.quote(points_path)} "
            '--task_index="${SLURM_ARRAY_TASK_ID}"']
   return "\n".join(lines) + "\n"
+
+
+def _sbatch_quote(value: str) -> str:
+  """`value` as one argument of an `#SBATCH` line. sbatch splits those lines itself, not
+  with a shell: at white space outside quotes, with `#` outside quotes starting a
+  comment and a backslash escaping the next character anywhere, so a double-quoted
+  value with `"` and `\\` escaped reaches sbatch as written (a root with a space, a
+  quote or a `#` in its name)."""
+  if "\n" in value:
+    raise ValueError(f"SLURM option value {value!r} holds a line break, which an "
+                     f"#SBATCH line cannot")
+  return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def submit(script_path: str) -> str:

@@ -1,0 +1,56 @@
+"""Tests for isojax/sweep/slurm.py: the #SBATCH lines as sbatch reads them."""
+
+import os
+
+from isojax import budget, sweep
+from isojax.sweep import slurm
+
+
+def sbatch_arguments(line: str) -> list[str]:
+  """The arguments sbatch takes from one `#SBATCH` line: split at white space outside
+  quotes ('...' or "..."), a backslash escaping the next character anywhere, `#`
+  outside quotes ending the line; an unmatched quote is sbatch's fatal error."""
+  args, arg, quote, escape, started = [], "", "", False, False
+  for c in line[len("#SBATCH"):]:
+    if escape:
+      arg, escape, started = arg + c, False, True
+    elif c == "\\":
+      escape = True
+    elif quote:
+      if c == quote:
+        quote = ""
+      else:
+        arg += c
+    elif c in "\"'":
+      quote, started = c, True
+    elif c == "#":
+      break
+    elif c.isspace():
+      if started or arg:
+        args.append(arg)
+      arg, started = "", False
+    else:
+      arg, started = arg + c, True
+  assert not quote, f"sbatch: unmatched {quote} in {line!r}"
+  return args + [arg] if started or arg else args
+
+
+def test_the_tokenizer_follows_sbatch():
+  assert sbatch_arguments("#SBATCH --a=1 --b=\"x y\" # note") == ["--a=1", "--b=x y"]
+  assert sbatch_arguments("#SBATCH --a='it''s' --b=x\\ y\\#") == ["--a=its", "--b=x y#"]
+  assert sbatch_arguments("#SBATCH --job-name=sweep #1") == ["--job-name=sweep"]
+
+
+def test_sbatch_values_survive_any_root_name(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  root = "my dir's \"sweep\" #1 50% a\\b"
+  sp = sweep.SweepPoint(budget.BudgetPoint(bp=8, n=4, m=2))
+  options = slurm.SlurmOptions(partition="gpu debug", account="lab#2", time="01:00:00")
+  script, _ = slurm.write_array(sweep.Sweep(config="x.py", root=root, points=(sp,)),
+                                options)
+  lines = [x for x in open(script).read().splitlines() if x.startswith("#SBATCH")]
+  argv = [a for line in lines for a in sbatch_arguments(line)]
+  logs = os.path.join(str(tmp_path), root, "slurm", "logs").replace("%", "%%")
+  assert argv == [f"--job-name=isojax-{root}", "--array=0-0", "--nodes=1",
+                  "--ntasks-per-node=1", f"--output={logs}/%A_%a.out",
+                  "--partition=gpu debug", "--account=lab#2", "--time=01:00:00"]
