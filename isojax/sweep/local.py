@@ -27,7 +27,7 @@ from isojax.files import log_tail
 from isojax.rundir import DONE_FILE, METRICS_FILE, is_done, last_record
 from isojax.sweep.attempts import (ATTEMPTS_FILE, LOG_FILE, finished_command, lock_holder,
                                    record_attempt, try_lock)
-from isojax.sweep.points import Sweep, SweepPoint
+from isojax.sweep.points import Sweep, SweepPoint, experiment_import_root
 
 
 def cpu_count() -> int:
@@ -94,6 +94,20 @@ def with_compilation_cache(env, root: str) -> dict:
   return env
 
 
+def with_experiment_imports(env, config: str) -> dict:
+  """`env` with the directory the experiment file `config`'s imports resolve from
+  (`experiment_import_root`) first on PYTHONPATH. A run starts as `python -m
+  isojax.main` in the launcher's cwd (a SLURM task in the cwd the array was written
+  from), which need not be that directory: without it the run cannot import
+  `experiments.common`."""
+  env = dict(env)
+  root = experiment_import_root(config)
+  paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+  if root not in paths:
+    env["PYTHONPATH"] = os.pathsep.join([root, *paths])
+  return env
+
+
 def _die_with_launcher(launcher_pid: int) -> Callable[[], None]:
   """preexec_fn: the run gets SIGTERM when the launcher dies (Linux), so a killed
   launcher does not leave orphans; elsewhere the inherited lock still protects."""
@@ -150,8 +164,8 @@ def run_local(sweep: Sweep, *, max_concurrent: int, env: dict | None = None,
   if max_concurrent < 1:
     raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
   threads = max(1, cpu_count() // max_concurrent)
-  pool = _Pool(sweep, with_compilation_cache(run_env(env, threads=threads), sweep.root),
-               print_fn)
+  env = with_compilation_cache(run_env(env, threads=threads), sweep.root)
+  pool = _Pool(sweep, with_experiment_imports(env, sweep.config), print_fn)
   print_fn(f"sweep: {pool.total} runs under {sweep.root}, up to {max_concurrent} at a "
            f"time ({threads} thread(s) each)")
   try:

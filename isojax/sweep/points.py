@@ -104,10 +104,12 @@ def load_experiment(config_path: str, arg: str = ""):
   """
   if not os.path.isfile(config_path):
     raise ValueError(f"experiment file {config_path!r} does not exist")
-  # Experiment files import their siblings as `experiments.common`, as under
-  # `python -m isojax.main` run from the repository root: make the cwd importable.
-  if os.getcwd() not in sys.path and "" not in sys.path:
-    sys.path.insert(0, os.getcwd())
+  # Experiment files import their siblings as `experiments.common`: make the
+  # directory above their package importable, as it is for the runs
+  # (`experiment_import_root`), and the cwd, as under `python -m isojax.main`.
+  for directory in (experiment_import_root(config_path), os.getcwd()):
+    if directory not in sys.path:
+      sys.path.insert(0, directory)
   spec = importlib.util.spec_from_file_location("_isojax_experiment", config_path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -115,6 +117,17 @@ def load_experiment(config_path: str, arg: str = ""):
   if get_config is None:
     raise ValueError(f"experiment file {config_path!r} defines no get_config(arg)")
   return get_config(arg) if inspect.signature(get_config).parameters else get_config()
+
+
+def experiment_import_root(config_path: str) -> str:
+  """The directory an experiment file's imports resolve from: the parent of the
+  outermost package that holds it (the repository root for `experiments/tiny.py`,
+  which imports `experiments.common`), or its own directory outside a package."""
+  directory = os.path.dirname(os.path.abspath(_split_config(config_path)[0]))
+  while (os.path.isfile(os.path.join(directory, "__init__.py"))
+         and os.path.dirname(directory) != directory):
+    directory = os.path.dirname(directory)
+  return directory
 
 
 def vllm_model(config) -> str | None:

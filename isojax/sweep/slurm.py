@@ -26,7 +26,7 @@ import sys
 from isojax import files
 from isojax import rundir
 from isojax.sweep import attempts
-from isojax.sweep.local import with_compilation_cache
+from isojax.sweep.local import with_compilation_cache, with_experiment_imports
 from isojax.sweep.points import Sweep
 
 POINTS_FILE = "points.json"
@@ -281,8 +281,9 @@ def run_task(points_path: str, index: int, *, print_fn=print) -> int:
     argv = task_command(argv, nodes=1 if checking else int(spec.get("nodes", 1)))
     print_fn(f"run {entry['name']}: {shlex.join(argv)}")
     sys.stdout.flush()  # before the run's own output
+    env = with_compilation_cache(os.environ, spec["root"])
     proc = subprocess.Popen(argv, pass_fds=(fd,),
-                            env=with_compilation_cache(os.environ, spec["root"]))
+                            env=with_experiment_imports(env, spec["config"]))
     attempts.record_attempt(run_dir, event="start", pid=proc.pid, command=command)
     rc = proc.wait()
     attempts.record_attempt(run_dir, event="end", pid=proc.pid, rc=rc,
