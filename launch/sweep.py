@@ -55,6 +55,10 @@ _TIME = flags.DEFINE_string("time", None, "SLURM --time, e.g. 24:00:00.")
 _MAX_PARALLEL = flags.DEFINE_integer("max_parallel", None, "SLURM array throttle (%K).")
 _SBATCH_ARG = flags.DEFINE_multi_string("sbatch_arg", [], "Extra #SBATCH option, verbatim.")
 
+# Without --slurm these would be ignored while the sweep runs here instead.
+_SLURM_ONLY = (_SUBMIT, _NODES, _GPUS, _CPUS, _MEM, _PARTITION, _ACCOUNT, _TIME,
+               _MAX_PARALLEL, _SBATCH_ARG)
+
 _VERBOSE = flags.DEFINE_bool("verbose", False,
                              "On an error, print the traceback, not just its message.")
 
@@ -88,6 +92,10 @@ def _main(argv):
     sys.exit(slurm.run_task(_TASK_FILE.value, _TASK_INDEX.value))
   if not _CONFIG.value or not _ROOT.value:
     raise app.UsageError("--config and --root are required")
+  given = [f"--{f.name}" for f in _SLURM_ONLY if flags.FLAGS[f.name].present]
+  if given and not _SLURM.value:
+    raise app.UsageError(f"{', '.join(given)} only apply to a SLURM array: add --slurm, "
+                         f"or leave {'them' if len(given) > 1 else 'it'} out to run here")
   study, config = sweep.plan_sweep(
       _CONFIG.value, _ROOT.value, bp=_numbers("bp", _BP.value, float),
       n=_numbers("n", _N.value, float), budgets=_numbers("budget", _BUDGET.value, float),
