@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Sequence
+
+from ml_collections.config_flags import tuple_parser
 
 from isojax import run_config
 
@@ -73,13 +76,20 @@ def b_max_args(b_max, args: Sequence[str]) -> tuple[str, ...]:
 
 def apply_overrides(config, args: Sequence[str]):
   """The launcher's view of `--config.a.b=value` run arguments (the run parses them
-  itself): sets each on `config` with the field's type, so that the dry-run table and
-  the vLLM decision see them, and a typo fails before N runs start.
+  itself): sets each on `config` as the run's flag parser would, so that the dry-run
+  table and the vLLM decision see them, and a typo fails before N runs start.
+
+  Both spellings absl accepts are read: `--config.x=VALUE` and `--config.x VALUE` (a
+  bool field alone means true). Tuple fields take a literal (`(1, 2, 4)`, or one
+  element), repeated copies adding up as in the run; other structured fields take a
+  Python literal.
 
   Raises:
-    ValueError: naming the argument, for an unknown field or a value of the wrong type.
+    ValueError: naming the argument, for an unknown field, a missing value or a value
+      of the wrong type.
   """
-  for arg in args:
+  args, tuples = list(args), {}
+  for i, arg in enumerate(args):
     if not arg.startswith("--config."):
       continue
     path, sep, raw = arg[len("--config."):].partition("=")
@@ -87,18 +97,34 @@ def apply_overrides(config, args: Sequence[str]):
     node = config
     for part in parents:
       node = node.get(part) if hasattr(node, "get") else None
-    if not sep or node is None or not hasattr(node, "get") or leaf not in node:
+    if node is None or not hasattr(node, "get") or leaf not in node:
       raise ValueError(f"run argument {arg!r}: no config field {path!r} in the "
                        "experiment file (expected --config.FIELD=VALUE)")
     # The field's declared type, which a None placeholder (rl.clip_dual) has too.
     kind = node.get_type(leaf) if hasattr(node, "get_type") else type(node[leaf])
-    node[leaf] = value = _parse_as(kind, raw, arg)
+    if not sep:  # absl's `--flag VALUE`: the next argument is the value
+      if issubclass(kind, bool):
+        raw = "true"
+      elif i + 1 < len(args):
+        raw, arg = args[i + 1], f"{arg} {args[i + 1]}"
+        args[i + 1] = ""  # consumed: not read as an argument of its own
+      else:
+        raise ValueError(f"run argument {arg!r} has no value (expected "
+                         f"--config.{path}=VALUE)")
+    value = _parse_as(kind, raw, arg)
+    if issubclass(kind, tuple):
+      value = tuples[path] = tuples.get(path, ()) + value
+    try:
+      node[leaf] = value
+    except TypeError as e:  # ConfigDict's type check: a list field given a string
+      raise ValueError(f"run argument {arg!r}: {e}") from e
     if value is None:
       run_config.check_none_override(config, path)
   return config
 
 
 def _parse_as(kind: type, raw: str, arg: str):
+  """`raw` as the run's flag parser reads a value of a `kind` field."""
   try:
     if issubclass(kind, bool):
       if raw.lower() not in ("true", "false", "1", "0"):
@@ -110,6 +136,13 @@ def _parse_as(kind: type, raw: str, arg: str):
       return int(raw)
     if issubclass(kind, float):
       return float(raw)
+    if issubclass(kind, str):
+      return raw
+    if issubclass(kind, tuple):
+      return tuple_parser.TupleParser().parse(raw)
   except ValueError as e:
     raise ValueError(f"run argument {arg!r}: {e}") from e
-  return raw  # strings and structured fields: the run's own parser decides
+  try:  # lists, dicts, untyped fields: a literal, else the text (as in the run)
+    return ast.literal_eval(raw)
+  except (SyntaxError, ValueError):
+    return raw
