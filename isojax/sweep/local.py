@@ -229,8 +229,8 @@ class _Pool:
       return
     try:
       fd = try_lock(run_dir)
-    except IsojaxError as e:  # a link at the run dir or its lock file: never followed
-      self._fail(sp, str(e))
+    except (IsojaxError, OSError) as e:  # a link (never followed) or a file at the run
+      self._fail(sp, _why(e, f"cannot lock {run_dir}"))  # dir, a full disk: this point
       return
     if fd is None:
       self.waiting.append(sp)
@@ -246,16 +246,19 @@ class _Pool:
 
   def _start(self, sp: SweepPoint, run_dir: str, fd: int, cmd: list[str]) -> None:
     """Starts the run of a locked point, its output appended to the point's log."""
+    log = None
     try:
       files.check_not_link(os.path.join(run_dir, ATTEMPTS_FILE))
       log = files.open_append(os.path.join(run_dir, LOG_FILE), binary=True)
-    except IsojaxError as e:
+      log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launcher "
+                f"{os.getpid()}: {' '.join(cmd)}\n".encode())
+      log.flush()
+    except (IsojaxError, OSError) as e:  # a link, a full disk: this point only
+      if log is not None:
+        _close_quietly(log)
       os.close(fd)
-      self._fail(sp, str(e))
+      self._fail(sp, _why(e, f"cannot write in {run_dir}"))
       return
-    log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launcher "
-              f"{os.getpid()}: {' '.join(cmd)}\n".encode())
-    log.flush()
     resumed = os.path.exists(os.path.join(run_dir, METRICS_FILE))
     checking = is_done(run_dir)
     try:
@@ -267,7 +270,16 @@ class _Pool:
       os.close(fd)
       self._fail(sp, f"could not start {cmd[0]}: {e}", f"could not start {cmd}: {e}")
       return
-    record_attempt(run_dir, event="start", pid=proc.pid, resumed=resumed, command=cmd)
+    try:
+      record_attempt(run_dir, event="start", pid=proc.pid, resumed=resumed, command=cmd)
+    except (IsojaxError, OSError) as e:
+      # Unrecorded, a finished run would not be known as finished by this command.
+      proc.terminate()
+      proc.wait()
+      _close_quietly(log)
+      os.close(fd)
+      self._fail(sp, _why(e, f"cannot record the attempt in {run_dir}"))
+      return
     self.running[sp.name] = _Running(sp, proc, fd, log, time.time(), checking)
     how = ("finished under another command: the run checks its config" if checking
            else "resume" if resumed else "fresh")
@@ -278,10 +290,13 @@ class _Pool:
     """Records how a run ended; a failure is printed with the tail of its log."""
     rc = r.proc.returncode
     run_dir = self.sweep.run_dir(r.sp)
-    r.log.close()
+    _close_quietly(r.log)
     seconds = time.time() - r.started
-    record_attempt(run_dir, event="end", pid=r.proc.pid, rc=rc,
-                   done=is_done(run_dir), seconds=round(seconds, 3))
+    try:
+      record_attempt(run_dir, event="end", pid=r.proc.pid, rc=rc,
+                     done=is_done(run_dir), seconds=round(seconds, 3))
+    except (IsojaxError, OSError) as e:  # the run's outcome stands; a rerun checks it
+      self.print_fn(f"note   {r.sp.name}: its end is not recorded in {run_dir}: {e}")
     os.close(r.lock_fd)  # after the attempt is recorded: the lock orders the records
     if rc == 0 and is_done(run_dir) and r.checking:
       self._skip(r.sp, "already finished; the run found its config unchanged")
@@ -308,6 +323,19 @@ class _Pool:
         r.proc.kill()
       r.log.close()
       os.close(r.lock_fd)
+
+
+def _why(error: Exception, what: str) -> str:
+  """A point's failure: isojax's own message names the path already; an OSError's
+  names at most a file, so `what` says which step met it."""
+  return str(error) if isinstance(error, IsojaxError) else f"{what}: {error}"
+
+
+def _close_quietly(f) -> None:
+  try:
+    f.close()
+  except OSError:  # a full disk refusing what is left in the buffer: nothing to keep
+    pass
 
 
 def _rollouts(sweep: Sweep, sp: SweepPoint) -> int:

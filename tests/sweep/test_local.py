@@ -1,11 +1,14 @@
 """Tests for isojax/sweep/local.py: what a local sweep gives its runs."""
 
+import errno
 import os
 import subprocess
 import sys
 import textwrap
 
-from tests.test_sweep import LAUNCHER, REPO, _env
+from isojax import budget, sweep
+from isojax.sweep import local
+from tests.test_sweep import FAKE_RUNNER, LAUNCHER, REPO, TINY, _env
 
 # A run that needs the experiment file's package, as `isojax.main` does to load it.
 IMPORTING_RUNNER = textwrap.dedent('''
@@ -42,3 +45,32 @@ def test_runs_import_the_experiment_package_from_any_cwd(tmp_path):
                         text=True, timeout=120)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert (elsewhere / "slurm" / "bp4_n2_m8_s0" / "experiments_from.txt").read_text() == REPO
+
+
+def _points(*ns):
+  return tuple(sweep.SweepPoint(budget.BudgetPoint(bp=4, n=n, m=2)) for n in ns)
+
+
+def test_a_point_that_cannot_be_written_fails_alone(tmp_path, monkeypatch):
+  runner = tmp_path / "runner.py"
+  runner.write_text(FAKE_RUNNER)
+  root = tmp_path / "root"
+  study = sweep.Sweep(config=TINY, root=str(root), points=_points(2, 4, 8),
+                      runner=(str(runner),))
+  root.mkdir()
+  (root / "bp4_n2_m2_s0").write_text("a file where the run directory goes")
+  real = local.record_attempt
+
+  def disk_full_for_n4(run_dir, **event):
+    if run_dir.endswith("bp4_n4_m2_s0"):
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return real(run_dir, **event)
+
+  monkeypatch.setattr(local, "record_attempt", disk_full_for_n4)
+  out = []
+  report = sweep.run_local(study, max_concurrent=2, env=_env(), poll_s=0.05,
+                           print_fn=out.append)
+  assert sorted(report.failed) == ["bp4_n2_m2_s0", "bp4_n4_m2_s0"], out
+  assert "bp4_n2_m2_s0" in report.failed["bp4_n2_m2_s0"]  # names the path
+  assert "No space left on device" in report.failed["bp4_n4_m2_s0"]
+  assert report.finished == ["bp4_n8_m2_s0"]
