@@ -123,9 +123,9 @@ def run_sweep(spec: dict, root: str, *, model: str, max_concurrent: int | None,
     return None
   write_problems(data_path, spec["data"], model or None)
   # A tiny CPU run is mostly one busy thread (dispatch, sampling loop), so one
-  # single-threaded run per core beats the sweep's default of two cores per run.
-  concurrent = max_concurrent or (sweep.default_concurrency() if sweep.has_accelerator()
-                                  else sweep.cpu_count())
+  # single-threaded run per core, which is the sweep's default on a CPU
+  # (sweep.CORES_PER_RUN = 1); one run at a time on an accelerator.
+  concurrent = max_concurrent or sweep.default_concurrency()
   return sweep.run_local(plan, max_concurrent=concurrent, status_every_s=status_every,
                          print_fn=lambda s: print(s, flush=True))
 
