@@ -163,7 +163,10 @@ def run_local(sweep: Sweep, *, max_concurrent: int, env: dict | None = None,
   """
   if max_concurrent < 1:
     raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
-  threads = max(1, cpu_count() // max_concurrent)
+  # The cores are shared by the runs that can be going at once: with fewer points left
+  # than slots, each run gets more threads.
+  unfinished = sum(not is_done(sweep.run_dir(sp)) for sp in sweep.points)
+  threads = max(1, cpu_count() // max(1, min(max_concurrent, unfinished)))
   env = with_compilation_cache(run_env(env, threads=threads), sweep.root)
   pool = _Pool(sweep, with_experiment_imports(env, sweep.config), print_fn)
   print_fn(f"sweep: {pool.total} runs under {sweep.root}, up to {max_concurrent} at a "

@@ -74,3 +74,16 @@ def test_a_point_that_cannot_be_written_fails_alone(tmp_path, monkeypatch):
   assert "bp4_n2_m2_s0" in report.failed["bp4_n2_m2_s0"]  # names the path
   assert "No space left on device" in report.failed["bp4_n4_m2_s0"]
   assert report.finished == ["bp4_n8_m2_s0"]
+
+
+def test_threads_per_run_count_the_runs_that_can_be_going(tmp_path, monkeypatch):
+  monkeypatch.setattr(local, "cpu_count", lambda: 8)
+  runner = tmp_path / "runner.py"
+  runner.write_text(FAKE_RUNNER)
+  study = sweep.Sweep(config=TINY, root=str(tmp_path / "r"), points=_points(2, 4, 8),
+                      runner=(str(runner),))
+  (tmp_path / "r" / "bp4_n2_m2_s0").mkdir(parents=True)
+  (tmp_path / "r" / "bp4_n2_m2_s0" / "DONE").touch()
+  out = []
+  sweep.run_local(study, max_concurrent=8, env={}, poll_s=0.05, print_fn=out.append)
+  assert "(4 thread(s) each)" in out[0]  # two points left of three, eight cores
