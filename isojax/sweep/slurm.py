@@ -87,7 +87,8 @@ def write_array(sweep: Sweep, options: SlurmOptions, *,
     (script path, points path).
 
   Raises:
-    ValueError: for an empty sweep, a vLLM config with multi-node points (the
+    ValueError: for an empty sweep, multi-node points with a `.py` runner (they
+      need a module, `task_command`), a vLLM config with multi-node points (the
       per-task server listens on the loopback of the first node only), or a root
       whose points file describes another array (`_check_no_other_array`).
   """
@@ -99,6 +100,9 @@ def write_array(sweep: Sweep, options: SlurmOptions, *,
         f"nodes={options.nodes} with the vLLM backend: the per-task vLLM server "
         "binds 127.0.0.1 on the first node, which the other nodes cannot reach; "
         "use --nodes=1 for configs that sample with vLLM")
+  # Each task checks its runner again; refusing here keeps a whole array from
+  # being queued only for every task to fail.
+  task_command(sweep.command(sweep.points[0]), nodes=options.nodes)
   workdir = os.getcwd()
   out_dir = os.path.join(sweep.root, "slurm")
   files.make_dir(out_dir)

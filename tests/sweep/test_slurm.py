@@ -1,6 +1,9 @@
-"""Tests for isojax/sweep/slurm.py: the #SBATCH lines as sbatch reads them."""
+"""Tests for isojax/sweep/slurm.py: the #SBATCH lines as sbatch reads them, and what
+write_array refuses."""
 
 import os
+
+import pytest
 
 from isojax import budget, sweep
 from isojax.sweep import slurm
@@ -54,3 +57,12 @@ def test_sbatch_values_survive_any_root_name(tmp_path, monkeypatch):
   assert argv == [f"--job-name=isojax-{root}", "--array=0-0", "--nodes=1",
                   "--ntasks-per-node=1", f"--output={logs}/%A_%a.out",
                   "--partition=gpu debug", "--account=lab#2", "--time=01:00:00"]
+
+
+def test_multi_node_points_with_a_script_runner_are_refused_when_written(tmp_path):
+  sp = sweep.SweepPoint(budget.BudgetPoint(bp=8, n=4, m=2))
+  study = sweep.Sweep(config="x.py", root=str(tmp_path / "r"), points=(sp,),
+                      runner=("fake_runner.py",))
+  with pytest.raises(ValueError, match="a multi-node point needs a module runner"):
+    slurm.write_array(study, slurm.SlurmOptions(nodes=2))
+  assert not (tmp_path / "r").exists()  # no array left behind to submit
