@@ -19,10 +19,10 @@ report.md (with `--compare-recipes`, the recipe table too).
 from isojax.analysis.allocation import (FixedBatch, Sensitivity, batch_sizes, fixed_batch,
                                         sensitivity)
 from isojax.analysis.bootstrap import BootstrapResult, Interval, bootstrap
+from isojax.analysis.extrapolation import (ExtrapolationCheck, extrapolation_check,
+                                           observed_frontier)
 from isojax.analysis.fits import NStarFit, SigmoidFit, fit_n_star, fit_sigmoid
-from isojax.analysis.frontier import (CurveSet, ExtrapolationCheck, Frontier,
-                                      extrapolation_check, fit_curves, frontier, log_grid,
-                                      observed_frontier)
+from isojax.analysis.frontier import CurveSet, Frontier, fit_curves, frontier, log_grid
 from isojax.analysis.law_points import (LawPoints, bin_points, fit_law,
                                         running_average_points)
 from isojax.analysis.pipeline import (Analysis, FrontierFit, FrontierOptions, GroupAnalysis,

@@ -27,8 +27,8 @@ from isojax.analysis import fits as fits_lib
 from isojax.analysis import law_points as law_points_lib
 from isojax.analysis import prescriptions as rx
 from isojax.analysis.bootstrap import BootstrapResult
-from isojax.analysis.frontier import (CurveSet, ExtrapolationCheck, Frontier,
-                                      extrapolation_check, fit_curves, frontier, key_label,
+from isojax.analysis.extrapolation import ExtrapolationCheck, extrapolation_check
+from isojax.analysis.frontier import (CurveSet, Frontier, fit_curves, frontier, key_label,
                                       log_grid)
 from isojax.analysis.intervals import group_intervals, sweep_name, unresampled_curves
 from isojax.analysis.runs import (LoadProblem, eval_metrics, evaluation_gaps,
