@@ -1,4 +1,4 @@
-"""Per-configuration reward curves and their upper envelope.
+"""Per-configuration reward curves, their upper envelope, and where it decides n*.
 
 (How well early fits predict it: isojax.analysis.extrapolation.)
 
@@ -12,6 +12,12 @@ A fitted curve is only evaluated where its data are, between its first and last 
 relies on it is marked). Past that it is held at its last value: the frontier at C is
 the best reward achievable with compute <= C (§4), and a run that reached a reward
 earlier has achieved it within any larger budget.
+
+The hold keeps the reward envelope honest but not n*: a configuration whose runs
+ended early is beaten beyond its end only because it stopped. The playbook compares
+configurations each run at the budget C (App. C), so where such a curve, carried on
+along its own fit, would reach the winner's reward, the grid point is *censored*:
+the data do not decide n* there, and the n*(C) law is fitted to the other points.
 """
 
 from __future__ import annotations
@@ -193,6 +199,10 @@ class Frontier:
     keys: the curve keys, sorted.
     curves: reward of each curve per grid point, shape (len(keys), G): NaN below its
       first data point, held at its last allowed value beyond its reach.
+    censors: shape (len(keys), G): True where the curve's runs ended before C (by
+      more than END_TOLERANCE) and its fit, carried on to C, reaches the winner's
+      reward there: it might have won at C had it been run that far.
+    ends: the last data point of each curve (its runs' last evaluation).
   """
 
   compute: np.ndarray
@@ -202,18 +212,86 @@ class Frontier:
   extrapolated: np.ndarray
   keys: tuple
   curves: np.ndarray
+  censors: np.ndarray
+  ends: np.ndarray
 
   @property
   def defined(self) -> np.ndarray:
     return self.winner >= 0
 
+  @property
+  def censored(self) -> np.ndarray:
+    """True where a curve that ended early might attain the frontier: n* undecided."""
+    return self.defined & self.censors.any(axis=0)
+
+  @property
+  def decided(self) -> np.ndarray:
+    """True where the frontier is defined and its n* is decided by the data."""
+    return self.defined & ~self.censored
+
   def n_star_points(self) -> tuple[np.ndarray, np.ndarray]:
-    """(compute, n*) where the frontier is defined, for `fit_n_star`."""
-    d = self.defined
+    """(compute, n*) where n* is decided (`decided`), for `fit_n_star`: a censored
+    point's n* is the winner only because another configuration stopped early."""
+    d = self.decided
     return self.compute[d], self.n_star[d].astype(np.float64)
+
+  def censoring(self) -> dict:
+    """Curve key -> (its end, first and last compute of the grid points it censors)."""
+    out = {}
+    for i, k in enumerate(self.keys):
+      c = self.compute[self.censors[i] & self.defined]
+      if c.size:
+        out[k] = (float(self.ends[i]), float(c[0]), float(c[-1]))
+    return out
+
+  def censoring_notes(self, unit: str, keys=None) -> list[str]:
+    """One sentence per curve in `keys` (default: all) that censors the frontier."""
+    return [f"{key_label(k)}'s runs end at {end:.2g} {unit}; beyond, its own curve "
+            f"would reach the frontier (C = {first:.2g} to {last:.2g}), so n* there is "
+            f"not decided by the data: run it to the full budget"
+            for k, (end, first, last) in self.censoring().items()
+            if keys is None or k in keys]
+
+  def censoring_at(self, compute: float) -> tuple:
+    """The keys censoring the grid point at or below `compute` (the last point past
+    the grid's end, the first before its start)."""
+    i = int(np.clip(np.searchsorted(self.compute, compute, side="right") - 1, 0,
+                    self.compute.size - 1))
+    if not self.censored[i]:
+      return ()
+    return tuple(k for j, k in enumerate(self.keys) if self.censors[j, i])
 
   def winner_keys(self) -> list:
     return [self.keys[i] if i >= 0 else None for i in self.winner]
+
+
+# A curve censors only grid points beyond END_TOLERANCE x its last evaluation. Runs of
+# one budget end a little apart: M = floor(C / (Bp n)) leaves up to Bp n rollouts
+# unused, and the last evaluation can fall an evaluation interval before the end
+# (a run evaluated ~8 times or more loses at most ~1/8 of its compute to it). A
+# quarter of an octave (19 %) covers both; a run stopped at a smaller budget of a
+# study's ladder (budgets a factor 2 or more apart) ends well short of it.
+END_TOLERANCE = 2.0 ** 0.25
+
+
+def _censors(fits, keys, grid, curves, winner, tie_tol: float) -> np.ndarray:
+  """(len(keys), G): where each curve, ended early, might attain the frontier.
+
+  Curve j censors C when C > END_TOLERANCE x its last data point and its fit carried
+  on to C (not held) reaches the winner's reward at C, less tie_tol (within it, j
+  could win a tie). The winner never censors itself: carried on, it only wins by more.
+  """
+  out = np.zeros((len(keys), grid.size), dtype=bool)
+  cols = np.arange(grid.size)
+  bar = np.where(winner >= 0, curves[np.maximum(winner, 0), cols], np.inf) - tie_tol
+  for j, k in enumerate(keys):
+    lo, hi = fits[k].compute_range
+    after = (grid > hi * END_TOLERANCE) & (grid >= lo) & (winner != j)
+    if after.any():
+      carried = np.full(grid.size, -np.inf)
+      carried[after] = fits[k].predict(grid[after])
+      out[j] = after & (carried >= bar)
+  return out
 
 
 def log_grid(fits: Mapping, num: int = 200) -> np.ndarray:
@@ -241,6 +319,10 @@ def frontier(fits: Mapping[Hashable, fits_lib.SigmoidFit], compute_grid=None, *,
       n (then the smallest key). Beware: it moves n* towards small n wherever curves
       lie close, which makes n* look saturated early. The envelope value stays the
       maximum.
+
+  Grid points where a curve that ended early might attain the frontier are marked
+  in `Frontier.censors` (see `_censors`); the envelope and n* there are left as they
+  are, but `Frontier.n_star_points` leaves them out.
 
   The result does not depend on the order of the mapping.
   """
@@ -279,4 +361,6 @@ def frontier(fits: Mapping[Hashable, fits_lib.SigmoidFit], compute_grid=None, *,
   n_star = np.array([key_n(keys[w]) if w >= 0 else 0 for w in winner], dtype=np.int64)
   extrapolated = defined & beyond[np.maximum(winner, 0), cols]
   return Frontier(compute=grid, reward=reward, n_star=n_star, winner=winner,
-                  extrapolated=extrapolated, keys=keys, curves=curves)
+                  extrapolated=extrapolated, keys=keys, curves=curves,
+                  censors=_censors(fits, keys, grid, curves, winner, tie_tol),
+                  ends=np.array([fits[k].compute_range[1] for k in keys]))

@@ -17,7 +17,9 @@ that estimate the underlying trend instead, in one of two ways:
     frontier climbs, sparse on its plateau.
 
 Both are computed from the fitted frontier (a `Frontier`), so they move with it under
-the bootstrap.
+the bootstrap, and only from its points where n* is decided (`Frontier.decided`):
+where a configuration that ended early might attain the frontier, the n* drawn there
+is an artefact of where its runs stopped.
 """
 
 from __future__ import annotations
@@ -69,14 +71,14 @@ def running_average_points(fr, *, window_decades: float = DEFAULT_WINDOW_DECADES
     half = min(window_decades / 2, x[i] - x[0], x[-1] - x[i])
     near = np.abs(x - x[i]) <= half + 1e-12
     mean[i] = y[near].mean()
-  return LawPoints("running_average", c, np.exp2(mean), fr.reward[fr.defined],
+  return LawPoints("running_average", c, np.exp2(mean), fr.reward[fr.decided],
                    window_decades=float(window_decades))
 
 
 def bin_points(fr, *, bin_width: float = 0.005) -> LawPoints:
   """Fig. 15: where the frontier first enters each higher reward bin, and its n*."""
   c, n = fr.n_star_points()
-  reward = fr.reward[fr.defined]
+  reward = fr.reward[fr.decided]
   idx = record_breaking_points(c, reward, bin_width=bin_width)
   return LawPoints("bins", c[idx], n[idx], reward[idx], bin_width=float(bin_width))
 

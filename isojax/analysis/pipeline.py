@@ -111,6 +111,7 @@ def fit_frontier(runs, *, metric: str, unit: str = "rollouts", key="n",
   if not curves.fits:
     return FrontierFit(label, metric, unit, curves, None, None, tuple(problems))
   fr = frontier(curves.fits, log_grid(curves.fits, num), tie_tol=opts.tie_tol)
+  problems += [f"{where}: {note}" for note in fr.censoring_notes(unit)]
   points = law = None
   try:
     points, law = opts.law_of(fr, unit)

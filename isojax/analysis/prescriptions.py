@@ -17,8 +17,12 @@ Which law (`choose_law`):
 When to refuse (`prescribe`): where the bootstrap interval of n* spans more than
 `max_spread` (8x) in n, the law does not pin n down and no point is prescribed (the
 reason is the note). A budget beyond the law's data is an extrapolation, refused
-too without an interval to check it, or where n* is at the largest n tried. Inside
-the data a prescription whose n differs from the frontier's n* there says so.
+too without an interval to check it, or where n* is at the largest n tried. A budget
+where the law's frontier is censored (a configuration that ended early might attain
+it: `frontier.Frontier.censors`; past the frontier's end, where its last point is) is
+refused whatever the interval: the data do not decide n* there, so neither can a law
+fitted to them. Inside the data a prescription whose n differs from the frontier's n*
+there says so.
 """
 
 from __future__ import annotations
@@ -225,10 +229,15 @@ def _refusal(interval, max_spread: float, extrapolated: bool) -> str:
           f"{more} per configuration (the interval narrows with them) first")
 
 
-def _refusals(choice: LawChoice, interval, extrapolated: bool, void: str,
+def _refusals(choice: LawChoice, budget: float, interval, extrapolated: bool, void: str,
               max_spread: float) -> list[str]:
   """Every reason to refuse a prescription (none: it is made)."""
   reasons = []
+  fr = choice.frontier
+  censoring = fr.censoring_at(budget) if fr is not None else ()
+  if censoring:
+    reasons.append("n* at this budget is censored: "
+                   + "; ".join(fr.censoring_notes("rollouts", censoring)))
   if extrapolated and choice.grid_end_n is not None:
     reasons.append(f"n* is at the largest n tried ({choice.grid_end_n}) where the data "
                    f"end, so the law's saturation is where the n grid stops, not a "
@@ -319,7 +328,7 @@ def prescribe(choice: LawChoice, budgets, *, b_max=None, intervals=None,
     common = dict(budget=c, n_star=n_pred, extrapolated=extrapolated, law=choice.label,
                   interval=interval)
     void = _unresampled_note(unresampled) if unresampled else ""
-    reasons = _refusals(choice, interval, extrapolated, void, max_spread)
+    reasons = _refusals(choice, c, interval, extrapolated, void, max_spread)
     if reasons:
       note = "refused: " + "; ".join(reasons)
       out.append(Prescription(point=None, note=note, refused=True, **common))

@@ -102,6 +102,13 @@ def test_a_curve_is_held_at_its_last_value_beyond_its_data():
   assert fr.n_star[grid < 5e4].tolist() == [4] * int((grid < 5e4).sum())
   assert set(fr.n_star[grid > 7e4]) == {64}
   assert np.all(np.diff(fr.reward) >= 0) and not fr.extrapolated.any()
+  # But n=4's own curve, carried on past its end, stays above n=64's: where n=64
+  # wins it does so only because n=4 stopped, so n* is censored there.
+  carried4 = fake_runs.sigmoid(grid, 0.9, 1, 100, 0.1)
+  want = (fr.n_star == 64) & (carried4 >= only64)
+  assert want.sum() >= 3 and np.array_equal(fr.censored, want)
+  assert set(fr.censoring()) == {4} and fr.censoring()[4][1] == grid[want][0]
+  np.testing.assert_array_equal(fr.n_star_points()[0], grid[~want])
   # Extrapolated, n=4 keeps rising past its data and wins everywhere, marked.
   fx = frontier(fits, grid, extrapolate=math.inf)
   assert np.all(fx.n_star == 4)
@@ -129,6 +136,23 @@ def test_runs_ending_a_few_rollouts_apart_do_not_decide_the_last_n_star(tmp_path
   best, _, argbest = true_envelope(curves.fits, fr.compute)
   np.testing.assert_allclose(fr.reward, best, atol=1e-6)
   assert fr.n_star[-1] == argbest[-1] == 64 and np.all(np.diff(fr.reward) >= -1e-12)
+  # Runs of one budget that end a little apart censor nothing.
+  assert not fr.censored.any() and fr.n_star_points()[0].size == fr.compute.size
+
+
+def test_a_curve_that_ended_early_below_the_winner_censors_nothing():
+  # n=4 stops at C=1e3, nearly at its plateau of 0.5; n=64, run to 1e5, passes 0.5
+  # before 1e3. Carried on, n=4 never reaches n=64 past its end: n* = 64 is decided.
+  c1, c2 = np.geomspace(10, 1e3, 12), np.geomspace(100, 1e5, 12)
+  fits = {4: fit_sigmoid(c1, fake_runs.sigmoid(c1, 0.5, 1, 10, 0.1)),
+          64: fit_sigmoid(c2, fake_runs.sigmoid(c2, 0.95, 1, 1e3, 0.1))}
+  fr = frontier(fits, np.geomspace(10, 1e5, 50))
+  assert fr.n_star[0] == 4 and set(fr.n_star[fr.compute > 1e3]) == {64}
+  assert not fr.censored.any() and fr.censoring() == {}
+  # The same n=4 with a ceiling above n=64's would censor the end.
+  fits[4] = fit_sigmoid(c1, fake_runs.sigmoid(c1, 0.99, 1, 1e3, 0.1))
+  late = frontier(fits, np.geomspace(10, 1e5, 50))
+  assert late.n_star[-1] == 64 and late.censored[-1] and set(late.censoring()) == {4}
 
 
 def test_a_lead_of_0_004_makes_n_star_by_default(tmp_path):

@@ -47,7 +47,9 @@ def frontier_of(compute, n_star, reward=None):
   reward = np.linspace(0.1, 0.6, compute.size) if reward is None else np.asarray(reward)
   return Frontier(compute=compute, reward=reward, n_star=np.asarray(n_star, np.int64),
                   winner=winner, extrapolated=np.zeros(compute.size, bool), keys=keys,
-                  curves=np.tile(reward, (len(keys), 1)))
+                  curves=np.tile(reward, (len(keys), 1)),
+                  censors=np.zeros((len(keys), compute.size), bool),
+                  ends=np.full(len(keys), compute[-1]))
 
 
 def test_the_construction_has_the_rounded_law_as_its_frontier():

@@ -185,7 +185,8 @@ def test_a_prescription_the_frontier_disagrees_with_says_so():
   # and 40.2 at 2e5 (n = 32); the frontier's n* is 8 from 3e4 to 1e5, 32 from 1e5 on.
   fr = types.SimpleNamespace(compute=np.array([1e3, 3e4, 1e5, 1e6]),
                              n_star=np.array([4, 8, 32, 32]),
-                             defined=np.array([True] * 4))
+                             defined=np.array([True] * 4),
+                             censoring_at=lambda c: ())
   choice = LawChoice("bp=32", law(), bp=32, joint=False, reason="test", frontier=fr)
   at_5e4, at_2e5 = prescribe(choice, [5e4, 2e5])
   assert at_5e4.point.n == 16 and at_2e5.point.n == 32
@@ -307,6 +308,32 @@ def test_n_star_at_the_largest_n_tried_is_no_saturation():
   assert not inside.extrapolated and inside.point is not None
   assert beyond.extrapolated and beyond.refused and beyond.point is None
   assert "largest n tried (32)" in beyond.note and "try larger n (e.g. 64)" in beyond.note
+
+
+def test_a_configuration_that_ended_early_does_not_lose_n_star_beyond_its_end():
+  # n=2 is best at every compute, but its runs stop at 4,096 rollouts while n=4..16
+  # run to 65,536. Held at its last value, n=2 is overtaken by n=4 beyond its end only
+  # because it stopped; its own curve carried on stays on top, so n* there is not
+  # decided by the data, and no n is prescribed there.
+  def run(j, n, seed):
+    rng = np.random.default_rng(10 * j + seed)
+    c_max = 2 ** 12 if n == 2 else 2 ** 16
+    return fake_runs.memory_run(16, n, seed, fake_runs.log_steps(16, n, c_max),
+                                lambda c: fake_runs.sigmoid(
+                                    c, a=0.7 - 0.03 * j, b=1.2, c_mid=2000 * 1.5 ** j,
+                                    r0=0.3) + rng.normal(0, 0.003), base=0.3)
+
+  runs = [run(j, n, s) for j, n in enumerate([2, 4, 8, 16]) for s in (0, 1)]
+  g = analyze(runs, n_boot=10, budgets=[2e3, 3e4, 6.5e4]).groups[0]
+  fr = g.primary.frontier
+  assert fr.n_star[-1] == 4 and set(fr.censoring()) == {2}
+  assert g.primary.law.compute_range[1] < 2e4  # the law sees only decided n*
+  inside, *beyond = g.prescriptions
+  assert inside.point is not None and inside.point.n == 2
+  for p in beyond:
+    assert p.refused and p.point is None and "n=2's runs end at 4.1e+03" in p.note
+  assert any("n=2's runs end at 4.1e+03 rollouts" in p and "run it to the full budget"
+             in p for p in g.problems)
 
 
 def test_a_saturation_that_larger_n_lost_to_is_not_flagged():
