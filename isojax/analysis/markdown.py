@@ -99,7 +99,8 @@ def _frontier_md(g: GroupAnalysis, p) -> list[str]:
   out = [f"### Frontier ({p.label}, {unit})", "",
          "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
   for i in np.unique(np.linspace(0, fr.compute.size - 1, 9).round().astype(int)):
-    cols = [f"{fr.compute[i]:.3g}", f"{fr.reward[i]:.4f}", str(fr.n_star[i])]
+    cols = [f"{fr.compute[i]:.3g}", f"{fr.reward[i]:.4f}",
+            str(fr.n_star[i]) + (" (censored)" if fr.censored[i] else "")]
     if averaged:
       j = np.flatnonzero(p.law_points.compute == fr.compute[i])
       cols.append(f"{p.law_points.n_star[j[0]]:.3g}" if j.size else "–")

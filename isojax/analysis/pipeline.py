@@ -250,6 +250,8 @@ def _run_fixed(runs, batches, metric, opts: FrontierOptions):
                                   bin_width=opts.bin_width, tie_tol=opts.tie_tol,
                                   law_points=opts.law_points, law_window=opts.law_window)
       fixed.append(fb)
+      problems += [f"fixed B={batch}: {note}"
+                   for note in fb.frontier.censoring_notes("steps")]
       if fb.law is None:
         problems.append(f"fixed B={batch}: no n*(M) law: {fb.problem}")
     except ValueError as e:

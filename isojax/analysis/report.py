@@ -92,7 +92,7 @@ def _sweep_dict(group: GroupAnalysis, sweep) -> dict:
       "law_points": _points_dict(sweep.law_points),
       "frontier": None if fr is None else {
           "compute": fr.compute, "reward": fr.reward, "n_star": fr.n_star,
-          "extrapolated": fr.extrapolated},
+          "extrapolated": fr.extrapolated, "censored": fr.censored},
   }
 
 
