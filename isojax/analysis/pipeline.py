@@ -133,8 +133,12 @@ def _law_caveats(where: str, fr: Frontier, law, opts: FrontierOptions) -> list[s
   out, distinct = [], len(set(n.astype(int)))
   largest = rx.n_grid_censored(fr, law)
   if largest is not None:
+    # log2 n* -> L + b; a law refitted to a bootstrap resample can put that past any
+    # float (2.0 ** 1100 raises OverflowError), so large ones are written as powers.
+    top = law.L + law.b
+    tends = f"{2.0 ** top:.3g}" if top < 1000 else f"2^{top:.4g}"
     out.append(f"{where}: n* reaches n={largest}, the largest n tried, at the frontier's "
-               f"end (C={c[-1]:.3g}; the law's n* tends to {2 ** (law.L + law.b):.3g}): "
+               f"end (C={c[-1]:.3g}; the law's n* tends to {tends}): "
                f"the law's saturation comes from where the n grid stops, not from larger "
                f"n tried and lost (§4.1); try larger n before trusting n* beyond the data")
   if distinct < 3:

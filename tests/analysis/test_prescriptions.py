@@ -12,6 +12,7 @@ import pytest
 
 from isojax.analysis import (LawChoice, NStarFit, analyze, choose_law, fits_dict, prescribe,
                              read_runs, report_markdown)
+from isojax.analysis import pipeline
 from isojax.analysis.bootstrap import BootstrapResult, Interval
 from isojax.analysis.prescriptions import (_unfitted_n, is_joint_study, n_grid_censored,
                                            n_star_interval, n_star_key)
@@ -357,6 +358,10 @@ def test_a_law_whose_asymptote_reaches_the_largest_n_is_censored_too():
   ends_at_8 = types.SimpleNamespace(keys=fr.keys, n_star_points=lambda: (
       np.array([1e3, 1e5]), np.array([2.0, 8.0])))
   assert n_grid_censored(ends_at_8, law(L=1.0, b=1.0)) == 8
+  # A resample's law may tend to an n* past any float: the caveat still reads.
+  caveats = pipeline._law_caveats("bp=8", fr, law(L=5000.0, b=1.0),
+                                  pipeline.FrontierOptions())
+  assert any("the law's n* tends to 2^5001)" in c for c in caveats)
 
 
 def test_budgets_that_differ_anywhere_get_their_own_n_star():
