@@ -83,9 +83,17 @@ def _k2(logp_BxT, ref_logp_BxT):
   return 0.5 * jnp.square(logp_BxT - ref_logp_BxT)
 
 
+# k3's clamps, as veRL's "low_var_kl" (the framework the playbook trained with, App.
+# A): the log-ratio to [-20, 20] and the estimate to at most 10. Unclamped, one
+# token the policy has made e^-12 times less likely than the reference scores 1.6e5
+# and carries nearly all of a batch's gradient; clamped, it carries none.
+K3_LOG_RATIO_CLAMP = 20.0
+K3_CLAMP = 10.0
+
+
 def _k3(logp_BxT, ref_logp_BxT):
-  d = ref_logp_BxT - logp_BxT
-  return jnp.exp(d) - d - 1.0
+  d = jnp.clip(ref_logp_BxT - logp_BxT, -K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+  return jnp.minimum(jnp.exp(d) - d - 1.0, K3_CLAMP)
 
 
 # Schulman's estimators of the value of KL(pi || pi_ref) from tokens sampled from

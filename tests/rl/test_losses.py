@@ -26,7 +26,8 @@ def np_kl(est, lp, rf):
     return lp - rf
   if est == "k2":
     return 0.5 * (lp - rf) ** 2
-  return np.exp(rf - lp) - (rf - lp) - 1.0
+  d = np.clip(rf - lp, -20.0, 20.0)  # veRL's low_var_kl clamps
+  return np.minimum(np.exp(d) - d - 1.0, 10.0)
 
 
 def np_reference(logp, old, adv, mask, c: LossConfig, n, sampler=None, ref=None, ent=None,
@@ -193,6 +194,20 @@ def test_full_loss_matches_reference(kind, agg, zv):
 def test_kl_estimators(est):
   cfg = LossConfig(kl_coef=0.3, kl_estimator=est)
   check(make_inputs(3), cfg, 2, with_extras=True)
+
+
+def test_k3_is_clamped_so_one_far_token_cannot_take_the_gradient():
+  x = make_inputs(3)
+  b, t = np.argwhere(x["mask"] > 0)[0]  # a trained token
+  x["ref"] = x["logp"].copy()
+  x["ref"][b, t] = x["logp"][b, t] + 12.0  # pi = e^-12 pi_ref there, pi_ref elsewhere
+  cfg = LossConfig(kl_coef=1e-3, kl_estimator="k3", agg="token_mean")
+  check(x, cfg, 2, with_extras=True)
+  kl_ref = lambda lp: policy_loss(lp, x["old"], x["adv"], x["mask"], cfg, group_size=2,  # noqa: E731
+                                  ref_logp_BxT=x["ref"])[1]["kl_ref"]
+  assert float(kl_ref(jnp.asarray(x["logp"]))) == pytest.approx(10.0 / x["mask"].sum())
+  # Above the clamp the token's estimate is constant: it adds no gradient.
+  assert float(jax.grad(kl_ref)(jnp.asarray(x["logp"]))[b, t]) == 0.0
 
 
 def test_cispo_unbounded_below_and_no_tis():
