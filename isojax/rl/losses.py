@@ -125,8 +125,11 @@ class LossConfig:
       raise ValueError(f"LossConfig.clip_dual={self.clip_dual} caps the clipped surrogate "
                        f"of ppo_clip and gspo; kind={self.kind!r} has none (it would be "
                        f"ignored): set clip_dual=None")
-    if self.tis_cap is not None and not self.tis_cap > 0:
-      raise ValueError(f"LossConfig.tis_cap={self.tis_cap} must be > 0 or None")
+    if not self.clip_low < 1:  # the ratio is positive: 1 - clip_low <= 0 clips nothing
+      raise ValueError(f"LossConfig.clip_low={self.clip_low} must be < 1")
+    if self.tis_cap is not None and not self.tis_cap >= 1:
+      # TIS truncates large weights pi / mu; a cap below 1 would scale every token down.
+      raise ValueError(f"LossConfig.tis_cap={self.tis_cap} must be >= 1 or None")
 
   @classmethod
   def from_config(cls, source, *, name: str | None = None) -> "LossConfig":

@@ -60,6 +60,15 @@ class OptimConfig:
       raise ValueError(f"OptimConfig.warmup_steps={self.warmup_steps} must be >= 0")
     if self.max_grad_norm is not None and not self.max_grad_norm > 0:
       raise ValueError(f"OptimConfig.max_grad_norm={self.max_grad_norm} must be > 0")
+    if not self.weight_decay >= 0:  # negative decay grows the weights every step
+      raise ValueError(f"OptimConfig.weight_decay={self.weight_decay} must be >= 0")
+    # b = 1 divides Adam's bias correction by zero (every update NaN, so skipped);
+    # eps = 0 gives 0 / 0 wherever a gradient is exactly 0 (an unseen token's row).
+    for field in ("b1", "b2"):
+      if not 0 <= getattr(self, field) < 1:
+        raise ValueError(f"OptimConfig.{field}={getattr(self, field)} must be in [0, 1)")
+    if not self.eps > 0:
+      raise ValueError(f"OptimConfig.eps={self.eps} must be > 0")
 
 
 def learning_rate(cfg: OptimConfig, batch_size: int) -> float:

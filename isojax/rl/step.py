@@ -128,7 +128,7 @@ def check_step_args(*, batch_size, group_size, rows_per_micro, mesh, temperature
   """The step's sizes, old_logp, temperature and length buckets, against each
   other; ValueError naming the input."""
   shards = shd.batch_shards(mesh)
-  if batch_size % group_size:
+  if group_size < 1 or batch_size % group_size:
     raise ValueError(f"group_size={group_size} does not divide batch_size={batch_size}")
   if rows_per_micro < 1 or batch_size % rows_per_micro:
     raise ValueError(f"micro_batch_size={rows_per_micro} does not divide "

@@ -357,6 +357,8 @@ def test_entropy_gradient_is_minus_coef_times_weights():
     (dict(kind="cispo", clip_dual=3.0), r"clip_dual=3.0 caps .* kind='cispo' has none"),
     (dict(kind="cispo_two_sided", clip_dual=3.0), "set clip_dual=None"),
     (dict(tis_cap=0.0), "tis_cap"),
+    (dict(tis_cap=0.5), r"tis_cap=0.5 must be >= 1 or None"),
+    (dict(clip_low=1.0), r"clip_low=1.0 must be < 1"),
     (dict(kl_coef=-1.0), "kl_coef"),
 ])
 def test_bad_config(kw, match):

@@ -82,6 +82,10 @@ def test_adamw_matches_reference(clip):
     (dict(lr_base=0.0), "lr_base"),
     (dict(warmup_steps=-1), "warmup_steps"),
     (dict(max_grad_norm=0.0), "max_grad_norm"),
+    (dict(weight_decay=-0.1), r"weight_decay=-0.1 must be >= 0"),
+    (dict(b1=1.0), r"b1=1.0 must be in \[0, 1\)"),
+    (dict(b2=1.5), r"b2=1.5 must be in \[0, 1\)"),
+    (dict(eps=0.0), r"eps=0.0 must be > 0"),
 ])
 def test_bad_config(kw, match):
   with pytest.raises(ValueError, match=match):

@@ -278,6 +278,8 @@ def test_bad_sizes():
   model = Decoder(tiny_config(num_layers=1), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="group_size=3 does not divide batch_size=8"):
     make_train_step(model, LOSS, SGD_LIKE, batch_size=8, group_size=3)
+  with pytest.raises(ValueError, match="group_size=0 does not divide batch_size=8"):
+    make_train_step(model, LOSS, SGD_LIKE, batch_size=8, group_size=0)
   with pytest.raises(ValueError, match="micro_batch_size=3 does not divide"):
     make_train_step(model, LOSS, SGD_LIKE, batch_size=8, group_size=4, micro_batch_size=3)
   with pytest.raises(ValueError, match="logits_chunk=0"):
