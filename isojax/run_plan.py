@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
+
 from isojax import assets, run_setup
 from isojax import budget as budget_lib
 from isojax.data.loader import check_retire_threshold
@@ -173,6 +175,13 @@ def _check_model_and_sampler_fields(config) -> None:
       as_dtype(config.model[field])
     except ValueError as e:
       raise ValueError(f"config.model.{field}: {e}") from None
+  if np.dtype(as_dtype(config.model.param_dtype)).itemsize < 4:
+    # AdamW's steps (about the learning rate, 1e-6 to 1e-5) are far below a 16-bit
+    # float's spacing at the weights' scale (bfloat16: ~1e-4 at 0.02): most updates
+    # would round back to the old weight while the logged update norm looked fine.
+    raise ValueError(f"config.model.param_dtype={config.model.param_dtype!r}: the trained "
+                     f"(master) weights must be float32, or AdamW's small steps round "
+                     f"away; model.dtype sets the compute dtype (bfloat16 is fine there)")
   try:  # "cudnn" needs a GPU and 16-bit compute; the first update would say so
     if config.model.attention != "auto":  # "auto" always runs (and needs no backend)
       check_implementation(config.model.attention, as_dtype(config.model.dtype))

@@ -359,6 +359,8 @@ def test_main_config_typos_are_one_line(tmp_path, args, expect):
     ("evals_per_doubling", -2, r"config.evals_per_doubling=-2 must be an integer >= 0"),
     ("model.attention", "cudnn", r"config.model.attention: .*'cudnn' needs a GPU and 16-bit"),
     ("seed", -1, r"config.seed=-1 must be an integer >= 0"),
+    ("model.param_dtype", "bfloat16", r"config.model.param_dtype='bfloat16': the trained "
+     r"\(master\) weights must be float32"),
     ("seed", 2**32 + 5, r"config.seed=4294967301 must be below 2\*\*32: .* seed 5$"),
     ("data.split_seed", -1, r"config.data.split_seed=-1 must be an integer >= 0"),
     ("data.num_train", -5, r"config.data.num_train=-5 must be"),
