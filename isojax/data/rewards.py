@@ -22,6 +22,9 @@ import threading
 from collections.abc import Callable, Sequence
 
 _WS = re.compile(r"\s+")
+# A "$" that opens or closes math mode; "\$" is a literal dollar sign (MATH's money
+# answers such as "\$1.17"), not a delimiter.
+_MATH_DELIMITER = re.compile(r"(?<!\\)\$")
 
 
 def exact_match(response: str, answer: str) -> float:
@@ -33,7 +36,8 @@ def _verify_in_process(response: str, answer: str) -> float:
   """math-verify with its signal-based timeouts disabled (call only in a worker)."""
   from math_verify import parse, verify
 
-  gold_text = answer if ("$" in answer or "\\boxed" in answer) else f"${answer}$"
+  delimited = _MATH_DELIMITER.search(answer) or "\\boxed" in answer
+  gold_text = answer if delimited else f"${answer}$"
   gold = parse(gold_text, parsing_timeout=None)
   if not gold:
     gold = parse(answer, parsing_timeout=None)

@@ -38,6 +38,13 @@ def verifier():
     (" 23\n", "23", 1.0),
     ("2 3", "23", 0.0),
     ("x = 1 0", "x=10", 0.0),
+    # An escaped dollar is a money sign, not a math delimiter (MATH's answers).
+    ("\\boxed{\\$1.17}", "\\$1.17", 1.0),
+    ("\\boxed{1.17}", "\\$1.17", 1.0),
+    ("\\boxed{1.18}", "\\$1.17", 0.0),
+    ("\\boxed{32000}", "\\$32,\\!000", 1.0),
+    ("\\boxed{32000}", "$\\$32,\\!000$", 1.0),
+    ("\\boxed{32001}", "\\$32,\\!000", 0.0),
 ])
 def test_math_verify_cases(verifier, response, answer, want):
   assert verifier(response, answer) == want
