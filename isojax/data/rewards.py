@@ -28,8 +28,10 @@ _MATH_DELIMITER = re.compile(r"(?<!\\)\$")
 
 
 def exact_match(response: str, answer: str) -> float:
-  """1.0 if the response equals the answer, ignoring all whitespace."""
-  return float(_WS.sub("", response) == _WS.sub("", answer))
+  """1.0 if the response equals the answer, ignoring all whitespace; 0.0 for an
+  empty answer (which an empty response would otherwise match)."""
+  gold = _WS.sub("", answer)
+  return float(bool(gold) and _WS.sub("", response) == gold)
 
 
 def _verify_in_process(response: str, answer: str) -> float:
@@ -134,7 +136,10 @@ class MathVerifier:
     self._proc = None
 
   def __call__(self, response: str, answer: str) -> float:
-    """1.0 if `response` is mathematically equivalent to `answer`, else 0.0."""
+    """1.0 if `response` is mathematically equivalent to `answer`, else 0.0 (also
+    for an empty answer, which an empty response would otherwise match)."""
+    if not answer.strip():
+      return 0.0
     # Cheap, and spares the worker round trip; only the ends' whitespace is ignored
     # ("2 3" is not "23").
     if response.strip() == answer.strip():

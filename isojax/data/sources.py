@@ -77,8 +77,14 @@ def _answer_text(value) -> str:
     value = value[0]
   if isinstance(value, (dict, list, tuple)) or value is None:
     raise TypeError(f"answer must be a scalar, got {value!r:.80}")
+  if isinstance(value, float) and not math.isfinite(value):
+    # No response can equal NaN or infinity: the problem could never be solved.
+    raise ValueError(f"answer must be a finite number, got {value!r}")
   text = str(value)
-  if isinstance(value, float) and math.isfinite(value) and "e" in text:
+  if not text.strip():
+    # An empty response would equal it, and earn the reward for saying nothing.
+    raise ValueError("answer is empty")
+  if isinstance(value, float) and "e" in text:
     # str(1e-05) is "1e-05", which LaTeX parsing reads as e - 5: write it out.
     text = format(decimal.Decimal(text), "f")
   return text
@@ -92,10 +98,12 @@ def record_to_problem(record: dict, fields: Fields, *, where: str, index: int) -
     prompt = _prompt_text(_lookup(record, fields.prompt))
     answer = _answer_text(_lookup(record, fields.answer))
     pid = str(_lookup(record, fields.id)) if fields.id else str(index)
+    if not prompt.strip():
+      raise ValueError(f"prompt ({fields.prompt!r}) is empty")
   except KeyError as e:
     raise ValueError(f"{where}: missing field {e.args[0]!r}; record has keys "
                      f"{sorted(record)}") from None
-  except TypeError as e:
+  except (TypeError, ValueError) as e:
     raise ValueError(f"{where}: {e}") from None
   return Problem(id=pid, prompt=prompt, answer=answer, where=where)
 

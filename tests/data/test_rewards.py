@@ -13,6 +13,8 @@ def test_exact_match():
   assert exact_match(" 1 3 9 5\n", "1395") == 1.0
   assert exact_match("13950", "1395") == 0.0
   assert exact_match("", "0") == 0.0
+  # An empty answer is no answer: saying nothing must not earn the reward.
+  assert exact_match("", "") == 0.0 and exact_match(" \n", " ") == 0.0
   assert get_reward_fn("exact_match") is exact_match
   with pytest.raises(ValueError, match="unknown reward"):
     get_reward_fn("bleu")
@@ -45,6 +47,10 @@ def verifier():
     ("\\boxed{32000}", "\\$32,\\!000", 1.0),
     ("\\boxed{32000}", "$\\$32,\\!000$", 1.0),
     ("\\boxed{32001}", "\\$32,\\!000", 0.0),
+    # An empty answer is no answer: saying nothing must not earn the reward.
+    ("", "", 0.0),
+    ("  \n", " ", 0.0),
+    ("\\boxed{42}", "", 0.0),
 ])
 def test_math_verify_cases(verifier, response, answer, want):
   assert verifier(response, answer) == want

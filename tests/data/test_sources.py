@@ -158,3 +158,21 @@ def test_problems_digest_follows_content_and_order_not_where_read():
   assert problems_digest([Problem("0", "1+1=", "2"), b]) == digest  # `where` is no content
   assert problems_digest([b, a]) != digest  # the loader draws by position
   assert problems_digest([a, Problem("1", "2+2=", "5")]) != digest
+
+
+@pytest.mark.parametrize("bad,message", [
+    ('{"prompt": "q", "answer": ""}', "answer is empty"),
+    ('{"prompt": "q", "answer": " \\n"}', "answer is empty"),
+    ('{"prompt": "q", "answer": [""]}', "answer is empty"),
+    ('{"prompt": "q", "answer": NaN}', "answer must be a finite number, got nan"),
+    ('{"prompt": "q", "answer": -Infinity}', "answer must be a finite number, got -inf"),
+    ('{"prompt": "  ", "answer": "1"}', "prompt .* is empty"),
+    ('{"prompt": [{"role": "user", "content": ""}], "answer": "1"}', "prompt .* is empty"),
+])
+def test_unsolvable_or_empty_problems_rejected_naming_file_and_line(tmp_path, bad,
+                                                                    message):
+  # An empty answer is matched by an empty response: the reward for saying nothing.
+  path = tmp_path / "p.jsonl"
+  _write_jsonl(path, [{"prompt": "1+1=", "answer": 2}], extra_lines=[bad])
+  with pytest.raises(ValueError, match=rf"{path}:2: {message}"):
+    load_jsonl(path, Fields())
