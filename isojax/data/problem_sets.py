@@ -27,7 +27,9 @@ keys, so "the first is primary" could not be read from one, and a string is one
 `--config.data.val=...` override on a locked config.
 
 No validation problem is trained on: every training problem whose prompt appears in a
-validation set is removed from the training set (before mixing or subsampling).
+validation set is removed from the training set (before mixing or subsampling), the
+prompts compared as `prompt_key` writes them (NFKC, whitespace collapsed), so a
+trailing newline does not let one through; the log counts the removed per set.
 
 Errors are raised before any work by `check_data_config` (which `isojax.run_plan.plan_run`
 calls): a malformed mapping, a duplicate name or a source that does not exist, each
@@ -40,8 +42,9 @@ import os
 import pathlib
 import re
 import numpy as np
+from absl import logging
 
-from isojax.data.sources import Problem, load_problems
+from isojax.data.sources import Problem, load_problems, prompt_key
 from isojax.data.splits import mixture_indices, parse_mix
 from isojax.data.synthetic import synthetic_splits
 
@@ -197,18 +200,21 @@ def _training_source(d, split_dir, hold_out: bool
           [train[i] for i in order[:d.num_val]])
 
 
-def _mixture(d, split_dir, exclude: set[str]) -> list[Problem]:
+def _mixture(d, split_dir, val_sets: dict[str, list[Problem]]) -> list[Problem]:
   weights = _mix_weights(d.train)
+  exclude = {prompt_key(p.prompt) for probs in val_sets.values() for p in probs}
   pools, flat, owner = {}, [], {}
   for name in sorted(weights):
-    probs = [p for p in _load_split(split_dir, name, "config.data.train", d.train)
-             if p.prompt not in exclude]
-    shared = [p.prompt for p in probs if p.prompt in owner]
+    probs = _load_split(split_dir, name, "config.data.train", d.train)
+    _log_removed(probs, val_sets)
+    probs = [p for p in probs if prompt_key(p.prompt) not in exclude]
+    shared = [p.prompt for p in probs if prompt_key(p.prompt) in owner]
     if shared:
-      raise ValueError(f"config.data.train={d.train!r}: splits {owner[shared[0]]!r} and "
-                       f"{name!r} share {len(shared)} problems (e.g. {shared[0]!r}); a "
-                       f"mixture's weights need disjoint splits")
-    owner.update((p.prompt, name) for p in probs)
+      raise ValueError(f"config.data.train={d.train!r}: splits "
+                       f"{owner[prompt_key(shared[0])]!r} and {name!r} share "
+                       f"{len(shared)} problems (e.g. {shared[0]!r}); a mixture's "
+                       f"weights need disjoint splits")
+    owner.update((prompt_key(p.prompt), name) for p in probs)
     pools[name] = np.arange(len(flat), len(flat) + len(probs))
     flat += probs
   try:
@@ -217,6 +223,17 @@ def _mixture(d, split_dir, exclude: set[str]) -> list[Problem]:
     raise ValueError(f"config.data.train={d.train!r} with config.data.num_train="
                      f"{d.num_train} (validation problems removed first): {e}") from None
   return [flat[i] for i in idx]
+
+
+def _log_removed(train: list[Problem], val_sets: dict[str, list[Problem]]) -> None:
+  """Logs how many training problems each validation set takes out of training."""
+  train_keys = [prompt_key(p.prompt) for p in train]
+  for name, probs in val_sets.items():
+    val_keys = {prompt_key(p.prompt) for p in probs}
+    removed = sum(k in val_keys for k in train_keys)
+    if removed:
+      logging.info("config.data.val[%r]: removed %d training problems that are its "
+                   "validation problems", name, removed)
 
 
 def load_problem_sets(d, split_dir: str | os.PathLike
@@ -243,10 +260,11 @@ def load_problem_sets(d, split_dir: str | os.PathLike
       val_sets[name] = load_problems(source)
     if not val_sets[name]:
       raise ValueError(f"config.data.val[{name!r}]={source!r} holds no problems")
-  exclude = {p.prompt for probs in val_sets.values() for p in probs}
   if mix:
-    return _mixture(d, split_dir, exclude), val_sets
-  train = [p for p in train if p.prompt not in exclude]
+    return _mixture(d, split_dir, val_sets), val_sets
+  _log_removed(train, val_sets)
+  exclude = {prompt_key(p.prompt) for probs in val_sets.values() for p in probs}
+  train = [p for p in train if prompt_key(p.prompt) not in exclude]
   if d.num_train and d.train != SYNTHETIC:
     if d.num_train > len(train):
       raise ValueError(f"config.data.num_train={d.num_train} exceeds the {len(train)} "

@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import unicodedata
 from collections.abc import Iterable, Sequence
 
 
@@ -40,6 +41,13 @@ def problems_digest(problems: Sequence[Problem]) -> dict:
   prompts, answers): two loads that train alike give the same digest."""
   text = json.dumps([p.to_dict() for p in problems])  # ASCII: lone surrogates too
   return {"problems": len(problems), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def prompt_key(prompt: str) -> str:
+  """A prompt as compared for sameness: Unicode NFKC, whitespace runs collapsed to
+  one space, ends stripped. Two files rarely agree on trailing newlines, doubled
+  spaces or full-width digits, and the model is asked the same question either way."""
+  return " ".join(unicodedata.normalize("NFKC", prompt).split())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -134,3 +134,25 @@ def test_tri_mixture_has_its_weights_and_no_val_problem(split_dir):
   d.num_train = 80
   with pytest.raises(ValueError, match=r"num_train=80 .*'hard'.*has 35"):
     load_problem_sets(d, split_dir)
+
+
+def test_a_validation_prompt_written_differently_is_not_trained_on(split_dir, tmp_path,
+                                                                  caplog):
+  # Another file's copy of a training prompt: trailing newline, doubled space,
+  # full-width digit (NFKC). Each is the same question to the model.
+  val = [Problem("v0", "easy3=\n", "3"), Problem("v1", " easy 4=", "4"),
+         Problem("v2", "easy\uff15=", "5"), Problem("v3", "easy  6 =", "6")]
+  write_jsonl(val, tmp_path / "val.jsonl")
+  train_file = tmp_path / "train.jsonl"
+  write_jsonl(_problems("easy", 10) + [Problem("e6", "easy 6 =", "6")], train_file)
+  caplog.set_level("INFO")
+  train, sets = load_problem_sets(_data(train=str(train_file),
+                                        val=f"v={tmp_path / 'val.jsonl'}"), split_dir)
+  # "easy 4=" is another string than "easy4=" after collapsing: it stays.
+  assert sorted(p.prompt for p in train) == sorted(
+      {f"easy{i}=" for i in range(10)} - {"easy3=", "easy5="})
+  assert "config.data.val['v']: removed 3 training problems" in caplog.text
+  # Mixtures compare the same way.
+  d = _data(train="mix:easy:0.5,hard:0.5", num_train=20, val=f"v={tmp_path / 'val.jsonl'}")
+  train, _ = load_problem_sets(d, split_dir)
+  assert not {"easy3=", "easy5="} & {p.prompt for p in train}
