@@ -8,8 +8,9 @@
 Nothing here imports JAX; samplers are passed in where samples are needed.
 """
 
-from isojax.data.loader import (AllRetiredError, EpochLoader, LoaderPosition, epoch_permutation,
-                                group_pass_rates, next_indices)
+from isojax.data.loader import (AllRetiredError, EpochLoader, LoaderPosition,
+                                TooFewActiveError, epoch_permutation, group_pass_rates,
+                                next_indices)
 from isojax.data.rewards import (REWARD_FNS, MathVerifier, MathVerifierPool, exact_match,
                                  get_reward_fn, math_verify_reward)
 from isojax.data.sources import (Fields, Problem, encode_prompts, load_datasets_dir,
@@ -21,8 +22,8 @@ from isojax.data.synthetic import (DEFAULT_DIGITS, DEFAULT_FAMILIES, FAMILIES, V
                                    synthetic_problems, synthetic_splits)
 
 __all__ = [
-    "AllRetiredError", "EpochLoader", "LoaderPosition", "epoch_permutation",
-    "group_pass_rates", "next_indices",
+    "AllRetiredError", "EpochLoader", "LoaderPosition", "TooFewActiveError",
+    "epoch_permutation", "group_pass_rates", "next_indices",
     "REWARD_FNS", "MathVerifier", "MathVerifierPool", "exact_match", "get_reward_fn",
     "math_verify_reward",
     "Fields", "Problem", "encode_prompts", "load_datasets_dir", "load_jsonl",

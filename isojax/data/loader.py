@@ -13,7 +13,9 @@ not drawn yet (the rest of the current epoch still visits it). A problem's pass 
 is the fraction of its most recent group of rollouts that passed (reward > 0.5, the
 correct answer of the 0/1 rewards, as `isojax.evaluate` counts passes): the current
 policy's success on it, which a cumulative rate would understate for as long as the
-early failures weigh in. A retired problem never comes back.
+early failures weigh in. A retired problem never comes back. Once fewer problems are
+active than a batch holds, a batch would hold one problem several times (the reason
+a run refuses Bp above the set's size): the loader stops there instead.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ PASS_ABOVE = 0.5
 
 class AllRetiredError(IsojaxError):
   """Raised when every problem is retired and an epoch has nothing left to draw."""
+
+
+class TooFewActiveError(IsojaxError):
+  """Raised when retirements leave an epoch fewer active problems than a batch."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +77,22 @@ def active_items(num_items: int, epoch: int, retired_from: Mapping[int, int]
   return np.flatnonzero(keep)
 
 
+def _retiring(retire_at: float | None) -> str:
+  """The config field that retires problems, with its value where known."""
+  return ("data.drop_solved_above" if retire_at is None
+          else f"data.drop_solved_above={retire_at}")
+
+
 def epoch_order(num_items: int, seed: int, epoch: int,
-                retired_from: Mapping[int, int]) -> np.ndarray:
+                retired_from: Mapping[int, int], *, retire_at: float | None = None
+                ) -> np.ndarray:
   """The visiting order of `epoch`: its active items in a permutation drawn from
-  (seed, epoch, active set). With nothing retired it is `epoch_permutation`."""
+  (seed, epoch, active set). With nothing retired it is `epoch_permutation`.
+  `retire_at`, the retiring pass rate, only names the threshold in errors."""
   active = active_items(num_items, epoch, retired_from)
   if not len(active):
     raise AllRetiredError(
-        f"all {num_items} problems are retired as solved (data.drop_solved_above): "
+        f"all {num_items} problems are retired as solved ({_retiring(retire_at)}): "
         f"epoch {epoch} has none left to draw")
   return active[epoch_permutation(len(active), seed, epoch)]
 
@@ -101,17 +115,20 @@ def check_position(num_items: int, position: LoaderPosition,
 
 
 def next_indices(num_items: int, position: LoaderPosition, batch_size: int, seed: int,
-                 retired_from: Mapping[int, int] | None = None
-                 ) -> tuple[np.ndarray, LoaderPosition]:
+                 retired_from: Mapping[int, int] | None = None, *,
+                 retire_at: float | None = None) -> tuple[np.ndarray, LoaderPosition]:
   """Indices of the next `batch_size` items and the position after them.
 
   Args:
     retired_from: item index -> the first epoch it is left out of (none when None).
+    retire_at: the pass rate that retired them, named in errors (optional).
 
   Raises:
     ValueError: if the set is empty, the batch size is not positive, or the
       position does not fit the set (e.g. a checkpoint from another data set).
     AllRetiredError: if an epoch the batch reaches has no active item left.
+    TooFewActiveError: if retirements left an epoch the batch reaches fewer active
+      items than `batch_size`.
   """
   retired_from = retired_from or {}
   check_position(num_items, position, retired_from)
@@ -120,7 +137,12 @@ def next_indices(num_items: int, position: LoaderPosition, batch_size: int, seed
   out, count = [], 0
   epoch, index = position.epoch, position.index
   while count < batch_size:
-    order = epoch_order(num_items, seed, epoch, retired_from)
+    order = epoch_order(num_items, seed, epoch, retired_from, retire_at=retire_at)
+    if len(order) < min(batch_size, num_items):
+      raise TooFewActiveError(
+          f"{num_items - len(order)} of {num_items} problems are retired as solved "
+          f"({_retiring(retire_at)}): epoch {epoch} has {len(order)} left, fewer than "
+          f"a batch of {batch_size} (Bp), which would hold a problem more than once")
     take = min(batch_size - count, len(order) - index)
     out.append(order[index:index + take])
     count += take
@@ -154,13 +176,17 @@ class EpochLoader:
     problems: the fixed training set.
     batch_size: problems per batch (Bp).
     seed: shuffling seed.
+    retire_at: the run's retiring pass rate, if any, for error messages (a resumed
+      loader's retirements predate its first `record_pass_rates`).
   """
 
   def __init__(self, problems: Sequence, batch_size: int, seed: int,
-               position: LoaderPosition = LoaderPosition()):
+               position: LoaderPosition = LoaderPosition(), *,
+               retire_at: float | None = None):
     self.problems = list(problems)
     self.batch_size = int(batch_size)
     self.seed = int(seed)
+    self.retire_at = retire_at
     self.position = position
     self.retired_from: dict[int, int] = {}
     self._indices_of: dict | None = None  # problem -> its indices, built when needed
@@ -174,7 +200,8 @@ class EpochLoader:
   def next_batch(self) -> list:
     """The next `batch_size` problems; advances the position."""
     idx, self.position = next_indices(len(self.problems), self.position,
-                                      self.batch_size, self.seed, self.retired_from)
+                                      self.batch_size, self.seed, self.retired_from,
+                                      retire_at=self.retire_at)
     return [self.problems[i] for i in idx]
 
   def record_pass_rates(self, problems: Sequence, pass_rate_Bp: Sequence[float],
@@ -194,6 +221,7 @@ class EpochLoader:
       how many problems this call retired.
     """
     check_retire_threshold(retire_at)
+    self.retire_at = retire_at
     if len(problems) != len(pass_rate_Bp):
       raise ValueError(f"{len(problems)} problems but {len(pass_rate_Bp)} pass rates")
     if self._indices_of is None:

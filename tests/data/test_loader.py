@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from isojax.data import (AllRetiredError, EpochLoader, LoaderPosition, epoch_permutation,
-                         group_pass_rates, next_indices)
+from isojax.data import (AllRetiredError, EpochLoader, LoaderPosition, TooFewActiveError,
+                         epoch_permutation, group_pass_rates, next_indices)
 
 
 def test_each_epoch_is_a_permutation_with_a_new_order():
@@ -192,3 +192,26 @@ def test_group_pass_rates():
   assert group_pass_rates(nine_of_ten, 10)[0] >= 0.9  # 9/10 reaches ScaleRL's 0.9
   with pytest.raises(ValueError, match="group_size=3"):
     group_pass_rates(rewards_B[:8], 3)
+
+
+def test_fewer_active_problems_than_a_batch_fails_naming_counts_and_threshold():
+  # 10 problems, batches of 8: retiring 6 leaves 4, and a batch of 8 from 4 would
+  # hold each problem twice (the reason a run refuses Bp above the set's size).
+  loader = EpochLoader(_names(10), batch_size=8, seed=0)
+  batch = loader.next_batch()
+  loader.record_pass_rates(batch, [1.0] * 6 + [0.0] * 2, retire_at=0.9)
+  with pytest.raises(TooFewActiveError,
+                     match=r"6 of 10 problems are retired as solved \(data\."
+                           r"drop_solved_above=0.9\): epoch 1 has 4 left, fewer than "
+                           r"a batch of 8"):
+    loader.next_batch()  # the rest of epoch 0 (2), then epoch 1's 4 do not fill it
+  # A resumed loader names the threshold it was given before it records any rate.
+  resumed = EpochLoader(_names(10), batch_size=8, seed=0, retire_at=0.5)
+  resumed.load_state_dict(loader.state_dict())
+  with pytest.raises(TooFewActiveError, match=r"drop_solved_above=0.5\)"):
+    resumed.next_batch()
+  # Exactly a batch's worth left still draws each once per epoch.
+  loader = EpochLoader(_names(10), batch_size=4, seed=0)
+  loader.record_pass_rates(_names(10)[:6], [1.0] * 6, retire_at=1.0)
+  for _ in range(3):
+    assert sorted(loader.next_batch()) == _names(10)[6:]
