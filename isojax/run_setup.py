@@ -224,7 +224,9 @@ def build_parts(config, run_plan) -> RunParts:
   order = np.random.default_rng(config.data.split_seed).permutation(len(train))
   train_eval = [train[i] for i in np.sort(order[:config.eval.num_train])]
   point = run_plan.point
-  loader = data_lib.EpochLoader(train, batch_size=point.bp, seed=config.seed)
+  # The threshold names itself when retirements run the set short, a resumed run too.
+  loader = data_lib.EpochLoader(train, batch_size=point.bp, seed=config.seed,
+                                retire_at=config.data.drop_solved_above or None)
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
   critic = None if run_plan.value is None else build_critic(config, model, mesh)
   step = make_step(config, run_plan, model, mesh, critic=critic)

@@ -14,6 +14,7 @@
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,8 @@ import numpy as np
 import pytest
 
 from experiments import tiny
-from isojax import assets, batching, checkpoint as ckpt_lib, run, run_batches
+from isojax import assets, batching, checkpoint as ckpt_lib, errors, run, run_batches
+from isojax import data as data_lib
 from isojax import run_open, run_setup
 from tests.config_overrides import set_fields
 from tests import run_records
@@ -136,6 +138,27 @@ def test_retired_prompts_grow_and_resume_exactly(tmp_path, monkeypatch):
   assert [run_records.without_timing(r) for r in run_records.records(tmp_path / "cut")] == [
       run_records.without_timing(r) for r in run_records.records(tmp_path / "whole")]
   assert run_records.without_timing(last) == run_records.without_timing(whole)
+
+
+def test_retiring_below_a_batch_stops_with_one_message_and_its_checkpoint(tmp_path):
+  """Retirements that leave fewer active problems than Bp stop the run with one line
+  naming the counts and the threshold; its last checkpoint stays, and a rerun
+  resumes from it and stops the same way (a batch never holds a problem twice)."""
+  overrides = {"data.train": "synthetic:easy", "data.num_train": 8, "data.num_val": 16,
+               "eval.num_train": 0, "data.drop_solved_above": 0.25,
+               "eval_every": 100, "checkpoint_every": 1}
+  point = "bp=4,n=4,budget=160"  # M = 10; epoch 1 begins at update 3
+  for _ in range(2):
+    with pytest.raises(data_lib.TooFewActiveError) as e:
+      run.run(tiny_config(point, **overrides), tmp_path)
+    assert errors.is_expected(e.value) and "\n" not in errors.message(e.value)
+    assert re.search(r"[5-7] of 8 problems are retired as solved \(data\.drop_solved_"
+                     r"above=0\.25\): epoch 1 has [1-3] left, fewer than a batch of 4",
+                     str(e.value)), str(e.value)
+    ck = ckpt_lib.RunCheckpointer(tmp_path / "checkpoints", max_to_keep=2)
+    assert ck.latest_step() == 2  # the two updates of epoch 0
+    ck.close()
+  assert not (tmp_path / "DONE").exists()
 
 
 def test_validation_improves_over_the_base_model(trained):
