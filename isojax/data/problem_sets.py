@@ -179,12 +179,15 @@ def _first(problems: list[Problem], count: int, seed: int) -> list[Problem]:
   return [problems[i] for i in np.sort(order[:count])]
 
 
-def _training_source(d, split_dir, hold_out: bool
+def _training_source(d, split_dir, hold_out: bool, exclude: set[str]
                      ) -> tuple[list[Problem], list[Problem] | None]:
-  """(training problems, the held-out set or None) before any val removal."""
+  """(training problems, the held-out set or None) before any val removal.
+
+  Generated problems are drawn around `exclude` (the named validation sets' prompt
+  keys), so that data.num_train of them remain; a generated prompt is its own key."""
   if d.train == SYNTHETIC:
     return synthetic_splits(d.num_train or DEFAULT_SYNTHETIC_PROBLEMS, d.num_val,
-                            seed=d.split_seed)
+                            seed=d.split_seed, exclude=sorted(exclude))
   if d.train.startswith(SPLIT_PREFIX):
     train = _load_split(split_dir, d.train[len(SPLIT_PREFIX):], "config.data.train",
                         d.train)
@@ -247,17 +250,19 @@ def load_problem_sets(d, split_dir: str | os.PathLike
   specs = check_data_config(d, split_dir)
   mix = d.train.startswith(MIX_PREFIX)
   hold_out = any(source == HELDOUT for _, source in specs)
-  train, held = ([], None) if mix else _training_source(d, split_dir, hold_out)
-  val_sets: dict[str, list[Problem]] = {}
+  named: dict[str, list[Problem]] = {}  # the sets that are not held out of training
   for name, source in specs:
-    if source == HELDOUT:
-      val_sets[name] = held
-    elif source.startswith(SPLIT_PREFIX):
+    if source.startswith(SPLIT_PREFIX):
       pool = _load_split(split_dir, source[len(SPLIT_PREFIX):],
                          f"config.data.val[{name!r}]", source)
-      val_sets[name] = _first(pool, d.num_val, d.split_seed)
-    else:
-      val_sets[name] = load_problems(source)
+      named[name] = _first(pool, d.num_val, d.split_seed)
+    elif source != HELDOUT:
+      named[name] = load_problems(source)
+  named_keys = {prompt_key(p.prompt) for probs in named.values() for p in probs}
+  train, held = (([], None) if mix
+                 else _training_source(d, split_dir, hold_out, named_keys))
+  val_sets = {name: held if source == HELDOUT else named[name] for name, source in specs}
+  for name, source in specs:
     if not val_sets[name]:
       raise ValueError(f"config.data.val[{name!r}]={source!r} holds no problems")
   if mix:

@@ -153,10 +153,16 @@ def synthetic_problems(num: int, *, seed: int, families: Sequence[str] = DEFAULT
 
 def synthetic_splits(num_train: int, num_val: int, *, seed: int,
                      families: Sequence[str] = DEFAULT_FAMILIES,
-                     digits=DEFAULT_DIGITS) -> tuple[list[Problem], list[Problem]]:
-  """Disjoint (train, val) problem sets from one seed (no prompt appears in both)."""
+                     digits=DEFAULT_DIGITS, exclude: Sequence[str] = ()
+                     ) -> tuple[list[Problem], list[Problem]]:
+  """Disjoint (train, val) problem sets from one seed (no prompt appears in both).
+
+  Args:
+    exclude: prompts the training set must not hold (other validation sets'), drawn
+      around so that it still has `num_train` problems.
+  """
   train = synthetic_problems(num_train, seed=seed, families=families, digits=digits,
-                             id_prefix="train")
+                             exclude=exclude, id_prefix="train")
   val = synthetic_problems(num_val, seed=seed + 1_000_003, families=families,
                            digits=digits, exclude=[p.prompt for p in train],
                            id_prefix="val")

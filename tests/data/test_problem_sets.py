@@ -116,6 +116,19 @@ def test_synthetic_num_train_is_the_generated_count():
   assert len(load_problem_sets(_data(num_val=8), "/nonexistent")[0]) == 4096
 
 
+def test_synthetic_num_train_is_exact_beside_a_validation_set_it_overlaps(tmp_path):
+  # A validation file of the generator's own problems: training is drawn around
+  # them, so a data-size run trains on exactly data.num_train problems.
+  from isojax.data import synthetic_problems
+  val_file = tmp_path / "val.jsonl"
+  overlap = load_problem_sets(_data(num_train=200), "/nonexistent")[0][::4]
+  write_jsonl(overlap + synthetic_problems(10, seed=5), val_file)
+  d = _data(num_train=200, val=f"own={val_file},held=heldout")
+  train, sets = load_problem_sets(d, "/nonexistent")
+  assert len(train) == 200 and [len(v) for v in sets.values()] == [60, 4]
+  assert not {p.prompt for v in sets.values() for p in v} & {p.prompt for p in train}
+
+
 def test_tri_mixture_has_its_weights_and_no_val_problem(split_dir):
   d = _data(train="mix:hard:0.5,easy:0.25,very_easy:0.25", num_train=40, num_val=5,
             val="hard=synthetic:hard,easy=synthetic:easy,very_easy=synthetic:very_easy")
