@@ -3,8 +3,11 @@
 Every source yields `Problem(id, prompt, answer)` with string fields. Field names are
 configurable and may be dotted paths into nested records (verl-style Parquet keeps the
 answer at "reward_model.ground_truth"). A prompt stored as a list of chat messages is
-reduced to the content of its last user message; the chat template is applied later,
-at encoding time, by the tokenizer (`encode_prompts(..., chat_template=True)`).
+reduced to the content of its last user message, led by the content of any system
+messages before it (a Problem has one prompt string, which becomes one user message,
+and a system message often carries the answer format the reward checks); content as
+a list of parts keeps the text parts. The chat template is applied later, at
+encoding time, by the tokenizer (`encode_prompts(..., chat_template=True)`).
 """
 
 from __future__ import annotations
@@ -68,14 +71,32 @@ def _lookup(record: dict, path: str):
   return value
 
 
+def _content_text(content, i: int) -> str:
+  """A chat message's content as text: a string, or the text of its parts
+  ([{"type": "text", "text": ...}, ...], OpenAI style) joined by newlines."""
+  if isinstance(content, str):
+    return content
+  if isinstance(content, (list, tuple)) and all(
+          isinstance(part, dict) and part.get("type") == "text"
+          and isinstance(part.get("text"), str) for part in content):
+    return "\n".join(part["text"] for part in content)
+  raise TypeError(f"chat message {i} has content {content!r:.80}; a prompt takes a "
+                  f"string or a list of text parts")
+
+
 def _prompt_text(value) -> str:
   if isinstance(value, str):
     return value
   # A chat-format prompt: [{"role": ..., "content": ...}, ...].
   if isinstance(value, (list, tuple)) and value and all(
           isinstance(m, dict) and "content" in m for m in value):
-    users = [m for m in value if m.get("role", "user") == "user"]
-    return str((users or list(value))[-1]["content"])
+    roles = [m.get("role", "user") for m in value]
+    if "user" not in roles:
+      raise TypeError(f"chat prompt has no user message (roles {roles})")
+    last = len(roles) - 1 - roles[::-1].index("user")
+    texts = [_content_text(value[i]["content"], i) for i in range(last + 1)
+             if roles[i] == "system"] + [_content_text(value[last]["content"], last)]
+    return "\n\n".join(texts)
   raise TypeError(f"prompt must be a string or a list of chat messages, "
                   f"got {type(value).__name__}")
 

@@ -72,7 +72,9 @@ def test_parquet_nested_fields_and_chat_prompt(tmp_path):
   path = tmp_path / "train.parquet"
   pq.write_table(table, path)
   got = load_problems(path, answer_field="reward_model.ground_truth")
-  assert got == [Problem("0", "What is 1/2?", "\\frac{1}{2}"), Problem("1", "What is 3?", "3")]
+  # The system message leads the prompt: a Problem has one prompt string.
+  assert got == [Problem("0", "be brief\n\nWhat is 1/2?", "\\frac{1}{2}"),
+                 Problem("1", "What is 3?", "3")]
   with pytest.raises(ValueError, match="row 0.*'answer'"):
     load_problems(path)
 
@@ -176,3 +178,30 @@ def test_unsolvable_or_empty_problems_rejected_naming_file_and_line(tmp_path, ba
   _write_jsonl(path, [{"prompt": "1+1=", "answer": 2}], extra_lines=[bad])
   with pytest.raises(ValueError, match=rf"{path}:2: {message}"):
     load_jsonl(path, Fields())
+
+
+def test_chat_prompts_keep_text_parts_and_system_messages_and_refuse_the_rest(tmp_path):
+  rows = [
+      {"prompt": [{"role": "system", "content": "Answer in \\boxed{}."},
+                  {"role": "user", "content": [{"type": "text", "text": "What is"},
+                                               {"type": "text", "text": "1+1?"}]}],
+       "answer": "2"},
+      # Earlier turns' user messages are not the question; the last one is.
+      {"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "?"},
+                  {"role": "user", "content": "3+3?"}], "answer": "6"},
+  ]
+  path = tmp_path / "p.jsonl"
+  _write_jsonl(path, rows)
+  got = [p.prompt for p in load_jsonl(path, Fields())]
+  assert got == ["Answer in \\boxed{}.\n\nWhat is\n1+1?", "3+3?"]
+  for bad, message in [
+      ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+       "chat message 0 has content .*image_url.*; a prompt takes a string or a list "
+       "of text parts"),
+      ([{"role": "user", "content": 7}], "chat message 0 has content 7"),
+      ([{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "4"}],
+       r"chat prompt has no user message \(roles \['system', 'assistant'\]\)"),
+  ]:
+    _write_jsonl(path, rows + [{"prompt": bad, "answer": "1"}])
+    with pytest.raises(ValueError, match=rf"{path}:3: {message}"):
+      load_jsonl(path, Fields())
