@@ -169,6 +169,13 @@ def check_retire_threshold(threshold: float, name: str = "retire_at") -> None:
                      f"the retiring of solved problems off")
 
 
+def _identity(problem):
+  """What makes two problems equal for retiring: (prompt, answer) of a Problem, whose
+  ids differ between duplicates in a file; any other item as itself."""
+  prompt, answer = getattr(problem, "prompt", None), getattr(problem, "answer", None)
+  return problem if prompt is None or answer is None else (prompt, answer)
+
+
 class EpochLoader:
   """Stateful wrapper over `next_indices` for the run loop.
 
@@ -210,7 +217,7 @@ class EpochLoader:
 
     It leaves the epochs whose order is not drawn yet: the next one, or the
     current one when the position is at its start. Equal problems (duplicates
-    in the set) retire together.
+    in the set: the same prompt and answer, whatever their ids) retire together.
 
     Args:
       problems: problems of the set, e.g. a batch `next_batch` returned.
@@ -227,14 +234,14 @@ class EpochLoader:
     if self._indices_of is None:
       self._indices_of = {}
       for i, p in enumerate(self.problems):
-        self._indices_of.setdefault(p, []).append(i)
+        self._indices_of.setdefault(_identity(p), []).append(i)
     first_epoch = self.position.epoch + (self.position.index > 0)
     before = self.num_retired
     for problem, rate in zip(problems, pass_rate_Bp):
       if rate >= retire_at:
-        if problem not in self._indices_of:
+        if _identity(problem) not in self._indices_of:
           raise ValueError(f"problem {problem!r} is not in this loader's set")
-        for i in self._indices_of[problem]:
+        for i in self._indices_of[_identity(problem)]:
           self.retired_from.setdefault(i, first_epoch)
     return self.num_retired - before
 

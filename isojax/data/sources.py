@@ -21,6 +21,8 @@ import os
 import unicodedata
 from collections.abc import Iterable, Sequence
 
+from absl import logging
+
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
@@ -216,8 +218,31 @@ def load_problems(path: str | os.PathLike, *, prompt_field: str = "prompt",
   *.jsonl / *.json (JSON lines) -> `load_jsonl`; *.parquet -> `load_parquet`;
   a directory written by `datasets.save_to_disk` -> `load_datasets_dir`.
   """
-  path = os.fspath(path)
-  fields = Fields(prompt=prompt_field, answer=answer_field, id=id_field)
+  problems = _load_problems(os.fspath(path), Fields(prompt_field, answer_field, id_field),
+                            split)
+  _warn_duplicates(problems, os.fspath(path))
+  return problems
+
+
+def _warn_duplicates(problems: Sequence[Problem], path: str) -> None:
+  """Logs how many problems repeat an earlier one's prompt: a repeated problem is
+  trained on more often than the rest, which is rarely intended."""
+  seen: dict[str, Problem] = {}
+  repeats = []
+  for p in problems:
+    key = prompt_key(p.prompt)
+    if key in seen:
+      repeats.append((seen[key], p))
+    else:
+      seen[key] = p
+  if repeats:
+    first, again = repeats[0]
+    logging.warning("%s: %d problems repeat an earlier problem's prompt (e.g. %s "
+                    "repeats %s)", path, len(repeats), again.where or again.id,
+                    first.where or first.id)
+
+
+def _load_problems(path: str, fields: Fields, split: str | None) -> list[Problem]:
   if not os.path.exists(path):
     raise ValueError(f"problem source {path!r} does not exist")
   if os.path.isdir(path):

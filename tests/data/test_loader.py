@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from isojax.data import (AllRetiredError, EpochLoader, LoaderPosition, TooFewActiveError,
-                         epoch_permutation, group_pass_rates, next_indices)
+                         Problem, epoch_permutation, group_pass_rates, next_indices)
 
 
 def test_each_epoch_is_a_permutation_with_a_new_order():
@@ -215,3 +215,14 @@ def test_fewer_active_problems_than_a_batch_fails_naming_counts_and_threshold():
   loader.record_pass_rates(_names(10)[:6], [1.0] * 6, retire_at=1.0)
   for _ in range(3):
     assert sorted(loader.next_batch()) == _names(10)[6:]
+
+
+def test_problems_equal_but_for_their_ids_retire_together():
+  # A file's duplicate rows get distinct ids (their row numbers); the same question
+  # with the same answer is one problem to retire.
+  problems = [Problem("0", "What is 2+2?", "4"), Problem("1", "What is 2+2?", "4"),
+              Problem("2", "q", "1"), Problem("3", "q", "2")]
+  loader = EpochLoader(problems, batch_size=2, seed=0)
+  assert loader.record_pass_rates([problems[0]], [1.0], retire_at=0.9) == 2
+  assert loader.retired_from == {0: 0, 1: 0}
+  assert loader.record_pass_rates([problems[2]], [1.0], retire_at=0.9) == 1  # not "3"

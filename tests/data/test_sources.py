@@ -205,3 +205,14 @@ def test_chat_prompts_keep_text_parts_and_system_messages_and_refuse_the_rest(tm
     _write_jsonl(path, rows + [{"prompt": bad, "answer": "1"}])
     with pytest.raises(ValueError, match=rf"{path}:3: {message}"):
       load_jsonl(path, Fields())
+
+
+def test_repeated_prompts_are_counted_in_a_warning(tmp_path, caplog):
+  path = tmp_path / "p.jsonl"
+  rows = [{"prompt": "What is 2+2?", "answer": "4"}, {"prompt": "q", "answer": "1"},
+          {"prompt": "What is  2+2?\n", "answer": "4"}, {"prompt": "q", "answer": "2"}]
+  _write_jsonl(path, rows)
+  caplog.set_level("WARNING")
+  assert len(load_problems(path)) == 4  # kept: whether they are intended is the user's
+  assert (f"{path}: 2 problems repeat an earlier problem's prompt (e.g. {path}:3 "
+          f"repeats {path}:1)") in caplog.text
