@@ -21,6 +21,7 @@ import os
 import unicodedata
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 from absl import logging
 
 
@@ -108,14 +109,19 @@ def _answer_text(value) -> str:
     value = value[0]
   if isinstance(value, (dict, list, tuple)) or value is None:
     raise TypeError(f"answer must be a scalar, got {value!r:.80}")
-  if isinstance(value, float) and not math.isfinite(value):
-    # No response can equal NaN or infinity: the problem could never be solved.
-    raise ValueError(f"answer must be a finite number, got {value!r}")
+  if isinstance(value, (float, np.floating)):
+    if not math.isfinite(value):
+      # No response can equal NaN or infinity: the problem could never be solved.
+      raise ValueError(f"answer must be a finite number, got {value!r}")
+    if value == int(value):
+      # 12.0 is 12 (an integer column with nulls is stored as floats).
+      return str(int(value))
+  # str of an np.float32 is its shortest repr ("0.1", not 0.10000000149011612).
   text = str(value)
   if not text.strip():
     # An empty response would equal it, and earn the reward for saying nothing.
     raise ValueError("answer is empty")
-  if isinstance(value, float) and "e" in text:
+  if isinstance(value, (float, np.floating)) and "e" in text:
     # str(1e-05) is "1e-05", which LaTeX parsing reads as e - 5: write it out.
     text = format(decimal.Decimal(text), "f")
   return text
@@ -137,6 +143,37 @@ def record_to_problem(record: dict, fields: Fields, *, where: str, index: int) -
   except (TypeError, ValueError) as e:
     raise ValueError(f"{where}: {e}") from None
   return Problem(id=pid, prompt=prompt, answer=answer, where=where)
+
+
+class _DuplicateKeyError(Exception):
+  pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+  out = {}
+  for key, value in pairs:
+    if key in out:
+      raise _DuplicateKeyError(key)
+    out[key] = value
+  return out
+
+
+def _numpy_float32(values: list, arrow_type) -> list:
+  """Python values of an Arrow column with its float32 leaves as np.float32, whose
+  text is the number stored (0.1), not its float64 widening (0.10000000149011612)."""
+  import pyarrow as pa
+
+  if pa.types.is_float32(arrow_type):
+    return [None if v is None else np.float32(v) for v in values]
+  if pa.types.is_struct(arrow_type):
+    fields = {arrow_type.field(i).name: arrow_type.field(i).type
+              for i in range(arrow_type.num_fields)}
+    return [None if v is None else
+            {k: _numpy_float32([x], fields[k])[0] for k, x in v.items()} for v in values]
+  if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+    return [None if v is None else _numpy_float32(v, arrow_type.value_type)
+            for v in values]
+  return values
 
 
 def load_jsonl(path: str | os.PathLike, fields: Fields = Fields()) -> list[Problem]:
@@ -162,10 +199,13 @@ def load_jsonl(path: str | os.PathLike, fields: Fields = Fields()) -> list[Probl
       if not line.strip():
         continue
       try:
-        record = json.loads(line)
+        record = json.loads(line, object_pairs_hook=_unique_keys)
       except json.JSONDecodeError as e:
         raise ValueError(f"{where}: malformed JSON ({e.msg} at column "
                          f"{e.colno})") from None
+      except _DuplicateKeyError as e:
+        raise ValueError(f"{where}: key {e.args[0]!r} appears twice in one object "
+                         f"(JSON keeps only the last; which was meant?)") from None
       problems.append(record_to_problem(record, fields, where=where,
                                         index=len(problems)))
   return _check_ids(problems, path)
@@ -177,9 +217,13 @@ def load_parquet(path: str | os.PathLike, fields: Fields = Fields()) -> list[Pro
 
   path = os.fspath(path)
   try:
-    rows = pq.read_table(path).to_pylist()
+    table = pq.read_table(path)
   except Exception as e:  # pyarrow raises several types for a bad file
     raise ValueError(f"{path}: cannot read Parquet ({e})") from e
+  columns = {name: _numpy_float32(table.column(name).to_pylist(),
+                                 table.schema.field(name).type)
+             for name in table.column_names}
+  rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
   problems = [record_to_problem(r, fields, where=f"{path}: row {i}", index=i)
               for i, r in enumerate(rows)]
   return _check_ids(problems, path)

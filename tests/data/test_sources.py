@@ -150,7 +150,7 @@ def test_numeric_answers_are_written_out_not_in_exponent_notation(tmp_path):
   _write_jsonl(path, [{"prompt": f"q{i}", "answer": a}
                       for i, a in enumerate([1e-05, 1e20, 2.0, 0.1, -1.5e-7, 7])])
   got = [p.answer for p in load_jsonl(path, Fields())]
-  assert got == ["0.00001", "100000000000000000000", "2.0", "0.1", "-0.00000015", "7"]
+  assert got == ["0.00001", "100000000000000000000", "2", "0.1", "-0.00000015", "7"]
 
 
 def test_problems_digest_follows_content_and_order_not_where_read():
@@ -216,3 +216,31 @@ def test_repeated_prompts_are_counted_in_a_warning(tmp_path, caplog):
   assert len(load_problems(path)) == 4  # kept: whether they are intended is the user's
   assert (f"{path}: 2 problems repeat an earlier problem's prompt (e.g. {path}:3 "
           f"repeats {path}:1)") in caplog.text
+
+
+def test_parquet_float_answers_are_the_numbers_stored(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  # float32 0.1 widens to 0.10000000149011612; an integer column with a null is
+  # stored as floats (12.0); nested float32 leaves too.
+  table = pa.table({
+      "prompt": ["a", "b", "c", "d"],
+      "answer": pa.array([0.1, 2.5, 12.0, 1e-5], type=pa.float32()),
+      "nested": pa.array([{"x": [0.3]}] * 4,
+                         type=pa.struct([("x", pa.list_(pa.float32()))])),
+      "f64": pa.array([12.0, None, 3.25, 7.0], type=pa.float64())})
+  path = tmp_path / "f.parquet"
+  pq.write_table(table, path)
+  assert [p.answer for p in load_problems(path)] == ["0.1", "2.5", "12", "0.00001"]
+  assert [p.answer for p in load_problems(path, answer_field="nested.x")] == ["0.3"] * 4
+  with pytest.raises(ValueError, match="row 1: answer must be a scalar, got None"):
+    load_problems(path, answer_field="f64")
+
+
+def test_a_key_twice_in_a_jsonl_object_is_refused_naming_file_and_line(tmp_path):
+  path = tmp_path / "p.jsonl"
+  path.write_text('{"prompt": "q", "answer": "1"}\n'
+                  '{"prompt": "q2", "answer": "1", "answer": "2"}\n')
+  with pytest.raises(ValueError, match=rf"{path}:2: key 'answer' appears twice"):
+    load_jsonl(path)
