@@ -211,9 +211,15 @@ class ModelConfig:
                   original_max_position_embeddings=self.rope_original_max_position)
     if "rope_parameters" in hf or "rope_theta" not in hf:
       hf["rope_parameters"] = rope
+      # transformers reads a rope_scaling dict in preference to rope_parameters.
+      hf.pop("rope_scaling", None)
+      if "rope_theta" in hf:
+        hf["rope_theta"] = self.rope_theta
     else:  # legacy layout: keep it legacy so old readers still understand it
       hf["rope_theta"] = self.rope_theta
       hf["rope_scaling"] = None if self.rope_type == "default" else dict(rope)
+    if self.rope_type == "llama3" and "original_max_position_embeddings" in hf:
+      hf["original_max_position_embeddings"] = self.rope_original_max_position
     return hf
 
 
@@ -227,23 +233,41 @@ def _token_ids(value) -> tuple[int, ...]:
 
 
 def _parse_rope(hf: dict) -> dict:
-  """rope_theta + rope_scaling (transformers 4) or rope_parameters (transformers 5)."""
-  params = dict(hf.get("rope_parameters") or {})
+  """The RoPE fields of config.json, chosen as transformers 5 chooses them.
+
+  transformers' `convert_rope_params_to_dict` takes `rope_scaling or rope_parameters`:
+  a `rope_scaling` dict replaces `rope_parameters` whole (transformers 5 writes a
+  default `rope_parameters` into every config, and long-context recipes add a
+  `rope_scaling` beside it). The theta is the chosen dict's, else the top-level
+  `rope_theta`, else 10000. Raises ValueError naming the field of a RoPE type
+  this decoder does not implement.
+  """
+  field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  params = dict(hf.get(field) or {})
   if "full_attention" in params:  # per-layer-type layout; these models use full attention
-    params = dict(params["full_attention"])
-  scaling = hf.get("rope_scaling") or {}
-  merged = {**scaling, **params}
-  theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
-  rope_type = merged.get("rope_type", merged.get("type", "default"))
+    field, params = f"{field}.full_attention", dict(params["full_attention"] or {})
+  theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+  rope_type = params.get("rope_type", params.get("type", "default"))
   if rope_type not in SUPPORTED_ROPE_TYPES:
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r}; "
+    raise ValueError(f"unsupported {field} rope_type {rope_type!r}; "
                      f"supported: {SUPPORTED_ROPE_TYPES}")
   out = dict(rope_theta=float(theta), rope_type=rope_type)
   if rope_type == "llama3":
-    out.update(rope_factor=float(merged["factor"]),
-               rope_low_freq_factor=float(merged["low_freq_factor"]),
-               rope_high_freq_factor=float(merged["high_freq_factor"]),
-               rope_original_max_position=int(merged["original_max_position_embeddings"]))
+    # transformers falls back to max_position_embeddings for a missing pretraining
+    # length. Its standardisation means a top-level original_max_position_embeddings
+    # to take priority, yet for Llama/Qwen it is set after standardising and so
+    # ignored: which one a checkpoint means is ambiguous where the two differ.
+    original = int(params.get("original_max_position_embeddings",
+                              hf.get("max_position_embeddings", 4096)))
+    top = hf.get("original_max_position_embeddings")
+    if top is not None and int(top) != original:
+      raise ValueError(f"original_max_position_embeddings={top} disagrees with {field}'s "
+                       f"pretraining length {original}: which one RoPE scales from is "
+                       f"ambiguous; make them equal")
+    out.update(rope_factor=float(params["factor"]),
+               rope_low_freq_factor=float(params["low_freq_factor"]),
+               rope_high_freq_factor=float(params["high_freq_factor"]),
+               rope_original_max_position=original)
   return out
 
 

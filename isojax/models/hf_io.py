@@ -258,6 +258,8 @@ def load_pretrained(path, *, dtype=jnp.float32, mesh=None, rules=None, compute_d
   except KeyError as e:
     raise ValueError(f"{config_file}: no {e.args[0]!r}, which the architecture "
                      f"needs") from None
+  except ValueError as e:
+    raise ValueError(f"{config_file}: {e}") from None
   table = hf_param_table(cfg)
   model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
   rules = sharding_lib.DEFAULT_RULES if rules is None else rules

@@ -8,9 +8,11 @@ import transformers
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6)
 
-# Llama with Llama-3 rope scaling (original context 16 so positions < 64 are affected),
-# Qwen2 (q/k/v bias), Qwen3 (q/k norm, head_dim 24 != 64/4), Qwen3 with tied embeddings.
+# Llama with plain RoPE; Llama with Llama-3 rope scaling (original context 16 so
+# positions < 64 are affected); Qwen2 (q/k/v bias); Qwen3 (q/k norm, head_dim 24 !=
+# 64/4); Qwen3 with tied embeddings.
 FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, max_position_embeddings=64),
     "llama3": lambda: transformers.LlamaConfig(
         **COMMON, max_position_embeddings=256, rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

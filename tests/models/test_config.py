@@ -1,0 +1,100 @@
+"""ModelConfig <-> config.json: what transformers makes of a config is what isojax
+loads (checked on logits), and what isojax writes transformers reads back."""
+
+import json
+
+import numpy as np
+import pytest
+import transformers
+
+from isojax.models import load_pretrained, save_pretrained
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0}
+IDS_BxT = np.random.RandomState(1).randint(0, 128, (2, 48))
+
+
+def _edited(path, tmp_path, name="edited", **changes):
+  """A copy of the HF directory `path` with config.json's top-level keys changed."""
+  dst = tmp_path / name
+  dst.mkdir()
+  for f in path.iterdir():
+    (dst / f.name).write_bytes(f.read_bytes())
+  cfg = json.loads((dst / "config.json").read_text())
+  (dst / "config.json").write_text(json.dumps({**cfg, **changes}))
+  return dst
+
+
+def _transformers_logits(path, torch_logits):
+  model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+  return torch_logits(model, IDS_BxT)
+
+
+def _assert_isojax_matches_transformers(path, torch_logits):
+  model, cfg = load_pretrained(path)
+  ref = _transformers_logits(path, torch_logits)
+  np.testing.assert_allclose(np.asarray(model(IDS_BxT)), ref, atol=1e-4, rtol=0)
+  return cfg, ref
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def test_rope_scaling_replaces_rope_parameters_as_in_transformers(hf_dir, torch_logits,
+                                                                  tmp_path):
+  """transformers 5 writes a default rope_parameters into every config; a rope_scaling
+  beside it (a long-context recipe) replaces it whole, theta included."""
+  torch_model, path = hf_dir("llama")
+  edited = _edited(path, tmp_path, rope_parameters={"rope_type": "default",
+                                                    "rope_theta": 500000.0},
+                   rope_scaling={**LLAMA3, "original_max_position_embeddings": 16})
+  cfg, ref = _assert_isojax_matches_transformers(edited, torch_logits)
+  assert (cfg.rope_type, cfg.rope_theta, cfg.rope_original_max_position) == \
+      ("llama3", 10000.0, 16)
+  # The scaling changes the logits, so plain RoPE could not pass the check above.
+  assert np.abs(ref - torch_logits(torch_model, IDS_BxT)).max() > 1e-2
+  # Written back, rope_parameters alone carries it: a stale rope_scaling would win.
+  model, _ = load_pretrained(edited)
+  out = save_pretrained(model, cfg, tmp_path / "saved")
+  written = json.loads((out / "config.json").read_text())
+  assert "rope_scaling" not in written
+  assert written["rope_parameters"]["rope_type"] == "llama3"
+  np.testing.assert_allclose(_transformers_logits(out, torch_logits), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family,scaling", [
+    ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+    ("llama", {"type": "linear", "factor": 4.0}),
+])
+def test_an_unimplemented_rope_scaling_is_refused_naming_the_field(hf_dir, torch_logits,
+                                                                   tmp_path, family, scaling):
+  edited = _edited(hf_dir(family)[1], tmp_path, rope_scaling=scaling)
+  kind = scaling.get("rope_type", scaling.get("type"))
+  with pytest.raises(ValueError, match=rf"config.json: unsupported rope_scaling rope_type "
+                                       rf"'{kind}'"):
+    load_pretrained(edited)
+
+
+def test_a_top_level_pretraining_length_is_honoured_only_where_unambiguous(
+    hf_dir, torch_logits, tmp_path):
+  """transformers' standardisation means a top-level original_max_position_embeddings
+  to win, but for these models reads the rope dict's (else max_position_embeddings)."""
+  _, path = hf_dir("llama")
+  l3 = {**LLAMA3, "rope_theta": 10000.0}
+  # No length in the dict: max_position_embeddings (64), as transformers.
+  cfg, _ = _assert_isojax_matches_transformers(
+      _edited(path, tmp_path, "absent", rope_parameters=l3), torch_logits)
+  assert cfg.rope_original_max_position == 64
+  # A top-level length equal to the dict's is the same model.
+  cfg, _ = _assert_isojax_matches_transformers(
+      _edited(path, tmp_path, "equal", original_max_position_embeddings=16,
+              rope_parameters={**l3, "original_max_position_embeddings": 16}), torch_logits)
+  assert cfg.rope_original_max_position == 16
+  for name, rope in (("differs", {**l3, "original_max_position_embeddings": 16}),
+                     ("only_top", l3)):
+    edited = _edited(path, tmp_path, name, original_max_position_embeddings=32,
+                     rope_parameters=rope)
+    with pytest.raises(ValueError, match=r"config.json: original_max_position_embeddings=32 "
+                                         r"disagrees with rope_parameters's pretraining "
+                                         r"length (16|64)"):
+      load_pretrained(edited)
