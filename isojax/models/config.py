@@ -14,11 +14,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-# architectures entry -> (model_type, q/k/v bias forced on, per-head q/k RMSNorm)
+# architectures entry -> (model_type, q/k/v bias, per-head q/k RMSNorm). Each family
+# has exactly one: transformers builds the model from the architecture alone (it
+# initialises a q_norm the weights lack), so a config that differs is not that model.
 SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", None, False),
+    "LlamaForCausalLM": ("llama", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
-    "Qwen3ForCausalLM": ("qwen3", None, True),
+    "Qwen3ForCausalLM": ("qwen3", False, True),
 }
 _ARCH_BY_MODEL_TYPE = {v[0]: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -90,8 +92,9 @@ class ModelConfig:
   rope_high_freq_factor: float = 4.0
   rope_original_max_position: int = 8192
   max_position_embeddings: int = 4096
-  attention_bias: bool = False
-  qk_norm: bool = False
+  # None: the architecture's (SUPPORTED_ARCHITECTURES); another value is refused.
+  attention_bias: bool | None = None
+  qk_norm: bool | None = None
   tie_word_embeddings: bool = False
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
@@ -110,6 +113,13 @@ class ModelConfig:
       raise ValueError(
           f"unsupported architecture {self.architecture!r}; "
           f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    _, bias, qk_norm = SUPPORTED_ARCHITECTURES[self.architecture]
+    for name, value in (("attention_bias", bias), ("qk_norm", qk_norm)):
+      if getattr(self, name) is None:
+        object.__setattr__(self, name, value)
+      elif bool(getattr(self, name)) != value:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} contradicts "
+                         f"{self.architecture}, which has {name}={value}; leave it unset")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                        f"num_key_value_heads={self.num_kv_heads}")
@@ -151,14 +161,14 @@ class ModelConfig:
       raise ValueError(f"unsupported architectures {archs!r}; supported: "
                        f"{sorted(SUPPORTED_ARCHITECTURES)}")
     arch = archs[0]
-    _, forced_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+    _, bias, _ = SUPPORTED_ARCHITECTURES[arch]
     if hf.get("hidden_act", "silu") != "silu":
       raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only 'silu')")
     if hf.get("mlp_bias"):
       raise ValueError("unsupported mlp_bias=true")
     if hf.get("use_sliding_window"):
       raise ValueError("unsupported use_sliding_window=true (only full attention)")
-    if hf.get("attention_bias") and not forced_bias:  # Qwen2's is q/k/v only
+    if hf.get("attention_bias") and not bias:  # Qwen2's is q/k/v only
       raise ValueError(f"unsupported attention_bias=true for {arch} (its o_proj bias "
                        f"is not modelled)")
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
@@ -174,8 +184,6 @@ class ModelConfig:
         head_dim=hf.get("head_dim") or hidden // heads,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        attention_bias=bool(forced_bias or hf.get("attention_bias", False)),
-        qk_norm=qk_norm,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype=dtype, param_dtype=param_dtype, lm_head_fp32=lm_head_fp32, remat=remat,
         attention=attention, eos_token_ids=_token_ids(hf.get("eos_token_id")),

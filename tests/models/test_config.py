@@ -3,11 +3,13 @@ loads (checked on logits), and what isojax writes transformers reads back."""
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
+from flax import nnx
 
-from isojax.models import load_pretrained, save_pretrained
+from isojax.models import Decoder, ModelConfig, load_pretrained, save_pretrained
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0}
@@ -98,3 +100,33 @@ def test_a_top_level_pretraining_length_is_honoured_only_where_unambiguous(
                                          r"disagrees with rope_parameters's pretraining "
                                          r"length (16|64)"):
       load_pretrained(edited)
+
+
+# ----------------------------------------------------------------------------- families
+
+
+SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+             num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize("arch,bias,qk_norm", [("LlamaForCausalLM", False, False),
+                                               ("Qwen2ForCausalLM", True, False),
+                                               ("Qwen3ForCausalLM", False, True)])
+def test_a_hand_built_config_is_its_family_and_saves_as_it(torch_logits, tmp_path, arch,
+                                                           bias, qk_norm):
+  """Left unset, bias and q/k norm are the architecture's, and the saved model is what
+  transformers builds for that architecture; a contradicting value is refused."""
+  cfg = ModelConfig(architecture=arch, **SHAPE)
+  assert (cfg.attention_bias, cfg.qk_norm) == (bias, qk_norm)
+  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  if bias:  # zero biases would hide a dropped one
+    for layer in model.layers:
+      layer.attn.q_bias[...] = jnp.full_like(layer.attn.q_bias[...], 0.5)
+  out = save_pretrained(model, cfg, tmp_path / "saved")
+  np.testing.assert_allclose(np.asarray(model(IDS_BxT)),
+                             _transformers_logits(out, torch_logits), atol=1e-4, rtol=0)
+  assert load_pretrained(out)[1] == cfg
+  for name, value in (("attention_bias", not bias), ("qk_norm", not qk_norm)):
+    with pytest.raises(ValueError, match=rf"ModelConfig.{name}={value} contradicts {arch}, "
+                                         rf"which has {name}={not value}"):
+      ModelConfig(architecture=arch, **SHAPE, **{name: value})
