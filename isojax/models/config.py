@@ -205,6 +205,10 @@ class ModelConfig:
         head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, hidden_act="silu",
         max_position_embeddings=self.max_position_embeddings,
         tie_word_embeddings=self.tie_word_embeddings)
+    if "layer_types" in hf:  # transformers refuses one whose length is not num_layers
+      hf["layer_types"] = ["full_attention"] * self.num_layers
+    # max_window_layers is kept: it only counts with use_sliding_window, which
+    # from_hf_dict refuses, and Qwen configs carry values past their layer count.
     if self.eos_token_ids:
       ids = list(self.eos_token_ids)
       hf["eos_token_id"] = ids[0] if len(ids) == 1 else ids

@@ -130,3 +130,16 @@ def test_a_hand_built_config_is_its_family_and_saves_as_it(torch_logits, tmp_pat
     with pytest.raises(ValueError, match=rf"ModelConfig.{name}={value} contradicts {arch}, "
                                          rf"which has {name}={not value}"):
       ModelConfig(architecture=arch, **SHAPE, **{name: value})
+
+
+def test_a_model_saved_with_fewer_layers_loads_in_transformers(torch_logits, hf_dir,
+                                                               tmp_path):
+  _, path = hf_dir("qwen3")
+  assert len(json.loads((path / "config.json").read_text())["layer_types"]) == 2
+  _, cfg = load_pretrained(path)
+  small = cfg.replace(num_layers=1)
+  model = Decoder(small, rngs=nnx.Rngs(0))
+  out = save_pretrained(model, small, tmp_path / "small")
+  assert json.loads((out / "config.json").read_text())["layer_types"] == ["full_attention"]
+  np.testing.assert_allclose(np.asarray(model(IDS_BxT)),
+                             _transformers_logits(out, torch_logits), atol=1e-4, rtol=0)
