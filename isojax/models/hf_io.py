@@ -43,6 +43,7 @@ _LOADABLE_DTYPES = ("F64", "F32", "F16", "BF16")
 # Tensors some exporters add that carry no parameters of this model.
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 
 
 def hf_param_table(cfg: ModelConfig) -> list[tuple[str, tuple, bool]]:
@@ -112,8 +113,18 @@ def _open_safetensors(file: Path, stack: contextlib.ExitStack):
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
-  """The *.safetensors files of a checkpoint: those its index names, else all."""
+  """The *.safetensors files of a checkpoint: those its index names, else all; but
+  model.safetensors alone beside an index.
+
+  model.safetensors wins over an index as in transformers: a single-file save into
+  a directory that held a sharded checkpoint leaves the old index (and shards) behind.
+  Without an index every file is read, so that a stray copy of a tensor is refused.
+  """
   index_file = path / INDEX_FILE
+  if index_file.exists() and (path / SINGLE_FILE).exists():
+    warnings.warn(f"{path}: both {SINGLE_FILE} and {INDEX_FILE}; reading {SINGLE_FILE}, "
+                  f"as transformers does (the index is likely left from an earlier save)")
+    return [path / SINGLE_FILE]
   if not index_file.exists():
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -18,6 +18,7 @@ from safetensors.numpy import save_file as save_npfile
 from safetensors.torch import load_file, save_file
 
 from isojax.models import hf_io, load_pretrained, save_pretrained
+from tests.models.conftest import make_torch_model
 from isojax.sharding import make_mesh
 
 
@@ -320,3 +321,20 @@ def test_save_refuses_a_link_a_file_and_a_config_that_is_not_the_models(hf_dir, 
   out = save_pretrained(model, cfg, tmp_path / "out")
   # Readable by a vLLM server running as another user.
   assert {oct(os.stat(f).st_mode & 0o777) for f in out.iterdir()} == {"0o644"}
+
+
+def test_model_safetensors_wins_over_a_stale_index_as_in_transformers(tmp_path,
+                                                                       torch_logits):
+  """A single-file save over a sharded checkpoint leaves the old index and shards."""
+  old, new = make_torch_model("llama", seed=0), make_torch_model("llama", seed=1)
+  old.save_pretrained(tmp_path, max_shard_size="100KB")
+  assert (tmp_path / hf_io.INDEX_FILE).exists()
+  new.save_pretrained(tmp_path)
+  assert (tmp_path / hf_io.INDEX_FILE).exists() and (tmp_path / "model.safetensors").exists()
+  ids = np.random.RandomState(0).randint(0, 128, (2, 12))
+  ref = torch_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval(), ids)
+  np.testing.assert_array_equal(ref, torch_logits(new, ids))
+  with pytest.warns(UserWarning, match=r"both model.safetensors and "
+                                       r"model.safetensors.index.json; reading model"):
+    model, _ = load_pretrained(tmp_path)
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), ref, atol=1e-4, rtol=0)
