@@ -112,9 +112,9 @@ def _open_safetensors(file: Path, stack: contextlib.ExitStack):
                      f"truncated, or another format?): {e}") from None
 
 
-def _checkpoint_files(path: Path) -> list[Path]:
-  """The *.safetensors files of a checkpoint: those its index names, else all; but
-  model.safetensors alone beside an index.
+def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str]]:
+  """(the *.safetensors files of a checkpoint: those its index names, else all, but
+  model.safetensors alone beside an index; the index's tensor -> file map, or {}).
 
   model.safetensors wins over an index as in transformers: a single-file save into
   a directory that held a sharded checkpoint leaves the old index (and shards) behind.
@@ -124,12 +124,12 @@ def _checkpoint_files(path: Path) -> list[Path]:
   if index_file.exists() and (path / SINGLE_FILE).exists():
     warnings.warn(f"{path}: both {SINGLE_FILE} and {INDEX_FILE}; reading {SINGLE_FILE}, "
                   f"as transformers does (the index is likely left from an earlier save)")
-    return [path / SINGLE_FILE]
+    return [path / SINGLE_FILE], {}
   if not index_file.exists():
     files = sorted(path.glob("*.safetensors"))
     if not files:
       raise ValueError(f"{path}: no *.safetensors files")
-    return files
+    return files, {}
   try:
     weight_map = json.loads(index_file.read_text())["weight_map"]
     files = sorted({path / f for f in weight_map.values()})
@@ -141,24 +141,31 @@ def _checkpoint_files(path: Path) -> list[Path]:
     raise ValueError(f"{index_file} lists files that do not exist: {missing}")
   if not files:
     raise ValueError(f"{index_file}: its weight_map names no files")
-  return files
+  return files, weight_map
 
 
-def _open_checkpoint(path: Path, stack: contextlib.ExitStack) -> dict[str, tuple[Path, object]]:
-  """tensor name -> (file, open safetensors handle) over all checkpoint files."""
+def _open_checkpoint(path: Path, stack: contextlib.ExitStack
+                     ) -> tuple[dict[str, tuple[Path, object]], dict[str, str]]:
+  """(tensor name -> (file, open safetensors handle) over all checkpoint files,
+  the index's tensor name -> file name map or {})."""
   tensors = {}
-  for file in _checkpoint_files(path):
+  files, weight_map = _checkpoint_files(path)
+  for file in files:
     handle = _open_safetensors(file, stack)
     for name in handle.keys():
       if name in tensors:
         raise ValueError(f"{path}: tensor {name!r} is in both {tensors[name][0].name} and "
                          f"{file.name}; which one the weights are is ambiguous")
       tensors[name] = (file, handle)
-  return tensors
+  return tensors, weight_map
 
 
-def _check_names(path: Path, cfg: ModelConfig, table: list, names) -> None:
+def _check_names(path: Path, cfg: ModelConfig, table: list, names: dict,
+                 weight_map: dict[str, str]) -> None:
   """Every table tensor present; nothing else but ignorable extras (warned about).
+
+  `names` maps each tensor to (its file, ...); `weight_map` is the index's, which
+  says where a missing tensor should have been.
 
   Unexpected tensors are an error (not a warning) because they usually mean the
   config does not describe the weights (e.g. biases the config says are absent),
@@ -166,7 +173,9 @@ def _check_names(path: Path, cfg: ModelConfig, table: list, names) -> None:
   """
   missing = [n for n, _, _ in table if n not in names]
   if missing:
-    raise ValueError(f"{path}: tensor {missing[0]!r} is missing from the checkpoint "
+    where = (f"from {weight_map[missing[0]]}, where {INDEX_FILE} puts it"
+             if missing[0] in weight_map else "from the checkpoint")
+    raise ValueError(f"{path}: tensor {missing[0]!r} is missing {where} "
                      f"({len(missing)} missing in all: {missing[:8]})")
   expected = {n for n, _, _ in table}
   extra = sorted(n for n in names if n not in expected)
@@ -177,7 +186,8 @@ def _check_names(path: Path, cfg: ModelConfig, table: list, names) -> None:
   extra = [n for n in extra if n not in ignorable]
   if extra:
     raise ValueError(f"{path}: {len(extra)} unexpected tensors for {cfg.architecture} "
-                     f"(config and weights disagree?): {extra[:8]}")
+                     f"(config and weights disagree?): "
+                     f"{[f'{n} ({names[n][0].name})' for n in extra[:8]]}")
   if ignorable:
     warnings.warn(f"{path}: ignoring tensors {ignorable} (tied embeddings / RoPE buffers)")
 
@@ -276,8 +286,8 @@ def load_pretrained(path, *, dtype=jnp.float32, mesh=None, rules=None, compute_d
   rules = sharding_lib.DEFAULT_RULES if rules is None else rules
   param_dtype = np.dtype(cfg.param_dtype)
   with contextlib.ExitStack() as stack:
-    tensors = _open_checkpoint(path, stack)
-    _check_names(path, cfg, table, tensors)
+    tensors, weight_map = _open_checkpoint(path, stack)
+    _check_names(path, cfg, table, tensors, weight_map)
     for name, attr_path, transposed in table:
       var = variable(model, attr_path)
       shape = tuple(var.get_value().shape)

@@ -338,3 +338,21 @@ def test_model_safetensors_wins_over_a_stale_index_as_in_transformers(tmp_path,
                                        r"model.safetensors.index.json; reading model"):
     model, _ = load_pretrained(tmp_path)
   np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), ref, atol=1e-4, rtol=0)
+
+
+def test_a_missing_or_unexpected_tensor_names_its_shard(hf_dir, tmp_path):
+  model, cfg = load_pretrained(hf_dir("qwen2")[1])
+  out = save_pretrained(model, cfg, tmp_path / "sharded", max_shard_bytes=40_000)
+  weight_map = json.loads((out / hf_io.INDEX_FILE).read_text())["weight_map"]
+  name = "model.layers.1.self_attn.k_proj.bias"
+  shard = out / weight_map[name]
+  good = load_file(shard)
+  save_file({**good, "model.layers.1.mlp.down_proj.bias": torch.zeros(64)}, shard,
+            metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=rf"unexpected tensors .*\['model.layers.1.mlp."
+                                       rf"down_proj.bias \({shard.name}\)'\]"):
+    load_pretrained(out)
+  save_file({k: v for k, v in good.items() if k != name}, shard, metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=rf"'{name}' is missing from {shard.name}, where "
+                                       r"model.safetensors.index.json puts it"):
+    load_pretrained(out)
