@@ -252,11 +252,15 @@ class Frontier:
             for k, (end, first, last) in self.censoring().items()
             if keys is None or k in keys]
 
+  def index_at(self, compute: float) -> int:
+    """The grid point at or below `compute` (the last point past the grid's end, the
+    first before its start)."""
+    return int(np.clip(np.searchsorted(self.compute, compute, side="right") - 1, 0,
+                       self.compute.size - 1))
+
   def censoring_at(self, compute: float) -> tuple:
-    """The keys censoring the grid point at or below `compute` (the last point past
-    the grid's end, the first before its start)."""
-    i = int(np.clip(np.searchsorted(self.compute, compute, side="right") - 1, 0,
-                    self.compute.size - 1))
+    """The keys censoring the grid point at `index_at(compute)`."""
+    i = self.index_at(compute)
     if not self.censored[i]:
       return ()
     return tuple(k for j, k in enumerate(self.keys) if self.censors[j, i])

@@ -30,8 +30,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
-
 from isojax.analysis import fits as fits_lib
 from isojax.analysis.frontier import key_n
 from isojax.analysis.plan import MIN_N, nearest_n, plan
@@ -258,8 +256,7 @@ def _frontier_note(fr, budget: float, n: int, n_law: float) -> str:
   """Where, inside the data, the frontier's n* is not the prescribed n, say so."""
   if fr is None or not fr.defined.any():
     return ""
-  i = int(np.clip(np.searchsorted(fr.compute, budget, side="right") - 1, 0,
-                  fr.compute.size - 1))
+  i = fr.index_at(budget)
   if not fr.defined[i] or int(fr.n_star[i]) == n:
     return ""
   return (f"the frontier's n* here is {int(fr.n_star[i])}, not the law's {n_law:.3g} "

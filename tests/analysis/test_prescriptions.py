@@ -14,6 +14,7 @@ from isojax.analysis import (LawChoice, NStarFit, analyze, choose_law, fits_dict
                              read_runs, report_markdown)
 from isojax.analysis import pipeline
 from isojax.analysis.bootstrap import BootstrapResult, Interval
+from isojax.analysis.frontier import Frontier
 from isojax.analysis.prescriptions import (_unfitted_n, is_joint_study, n_grid_censored,
                                            n_star_interval, n_star_key)
 from isojax.analysis.stability import collapsed
@@ -188,6 +189,7 @@ def test_a_prescription_the_frontier_disagrees_with_says_so():
                              n_star=np.array([4, 8, 32, 32]),
                              defined=np.array([True] * 4),
                              censoring_at=lambda c: ())
+  fr.index_at = lambda c: Frontier.index_at(fr, c)
   choice = LawChoice("bp=32", law(), bp=32, joint=False, reason="test", frontier=fr)
   at_5e4, at_2e5 = prescribe(choice, [5e4, 2e5])
   assert at_5e4.point.n == 16 and at_2e5.point.n == 32
