@@ -233,12 +233,18 @@ class Sampler(Protocol):
     ...
 
 
+def _is_int(x) -> bool:
+  """A Python or NumPy integer, and not a bool (an int to Python: True would
+  silently mean 1)."""
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def next_version(current: int, version: int | None, *, where: str) -> int:
   """The label of weights passed to `update_weights`: `version`, checked, or
   `current` + 1 when None. `where` names the caller in the error."""
   if version is None:
     return current + 1
-  if not isinstance(version, (int, np.integer)) or isinstance(version, bool) or version < 0:
+  if not _is_int(version) or version < 0:
     raise ValueError(f"{where}: version={version!r}; expected an int >= 0 (or None: "
                      f"the current label + 1)")
   return int(version)
@@ -278,8 +284,7 @@ def check_sampling(temperature=0.0, top_p=1.0, top_k=None, *, prefix: str = "") 
                      "temperature lose float32 precision; use 0 for greedy decoding")
   if not (number(top_p) and 0 < top_p <= 1):
     raise ValueError(f"{prefix}top_p={top_p!r} must be in (0, 1] (1 = off)")
-  if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))
-                            or top_k < 0):
+  if top_k is not None and (not _is_int(top_k) or top_k < 0):
     raise ValueError(f"{prefix}top_k={top_k!r} must be None or an int >= 0 (0 = off)")
 
 
@@ -294,19 +299,16 @@ def validate_request(prompt_ids: Sequence[Sequence[int]], *, n: int,
   model's context (e.g. max_position_embeddings): every prompt plus
   `max_tokens` must fit in it. `seed` is an int in [0, 2**64).
   """
-  if (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
-      or not 0 <= seed < MAX_SEED):
+  if not _is_int(seed) or not 0 <= seed < MAX_SEED:
     raise ValueError(f"seed={seed!r} must be an int in [0, 2**64)")
   if not isinstance(prompt_ids, Sequence) or isinstance(prompt_ids, (str, bytes)):
     raise ValueError(f"prompt_ids must be a list of token-id lists, got "
                      f"{type(prompt_ids).__name__}")
   if len(prompt_ids) == 0:
     raise ValueError("prompt_ids is empty: need at least one prompt")
-  # bool is an int to Python: True would silently mean 1.
-  if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+  if not _is_int(n) or n < 1:
     raise ValueError(f"n must be a positive int, got {n!r}")
-  if (not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool)
-      or max_tokens < 1):
+  if not _is_int(max_tokens) or max_tokens < 1:
     raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
   check_sampling(temperature, top_p, top_k)
   if (isinstance(stop_token_ids, (str, bytes))
@@ -314,7 +316,7 @@ def validate_request(prompt_ids: Sequence[Sequence[int]], *, n: int,
     raise ValueError(f"stop_token_ids must be a list of token ids (() for none), got "
                      f"{stop_token_ids!r}")
   for s in stop_token_ids:
-    if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0 or (
+    if not _is_int(s) or s < 0 or (
         vocab_size is not None and s >= vocab_size):
       raise ValueError(f"stop_token_ids entry {s!r} is not a token id in "
                        f"[0, {vocab_size})")
