@@ -205,12 +205,10 @@ def _training_source(d, split_dir, hold_out: bool, exclude: set[str]
 
 def _mixture(d, split_dir, val_sets: dict[str, list[Problem]]) -> list[Problem]:
   weights = _mix_weights(d.train)
-  exclude = {prompt_key(p.prompt) for probs in val_sets.values() for p in probs}
   pools, flat, owner = {}, [], {}
   for name in sorted(weights):
-    probs = _load_split(split_dir, name, "config.data.train", d.train)
-    _log_removed(probs, val_sets)
-    probs = [p for p in probs if prompt_key(p.prompt) not in exclude]
+    probs = _without_val(_load_split(split_dir, name, "config.data.train", d.train),
+                         val_sets)
     shared = [p.prompt for p in probs if prompt_key(p.prompt) in owner]
     if shared:
       raise ValueError(f"config.data.train={d.train!r}: splits "
@@ -228,15 +226,20 @@ def _mixture(d, split_dir, val_sets: dict[str, list[Problem]]) -> list[Problem]:
   return [flat[i] for i in idx]
 
 
-def _log_removed(train: list[Problem], val_sets: dict[str, list[Problem]]) -> None:
-  """Logs how many training problems each validation set takes out of training."""
+def _without_val(train: list[Problem], val_sets: dict[str, list[Problem]]
+                 ) -> list[Problem]:
+  """`train` without the validation sets' problems (by `prompt_key`); logs how many
+  training problems each set takes out."""
   train_keys = [prompt_key(p.prompt) for p in train]
+  exclude: set[str] = set()
   for name, probs in val_sets.items():
     val_keys = {prompt_key(p.prompt) for p in probs}
     removed = sum(k in val_keys for k in train_keys)
     if removed:
       logging.info("config.data.val[%r]: removed %d training problems that are its "
                    "validation problems", name, removed)
+    exclude |= val_keys
+  return [p for p, k in zip(train, train_keys) if k not in exclude]
 
 
 def load_problem_sets(d, split_dir: str | os.PathLike
@@ -267,9 +270,7 @@ def load_problem_sets(d, split_dir: str | os.PathLike
       raise ValueError(f"config.data.val[{name!r}]={source!r} holds no problems")
   if mix:
     return _mixture(d, split_dir, val_sets), val_sets
-  _log_removed(train, val_sets)
-  exclude = {prompt_key(p.prompt) for probs in val_sets.values() for p in probs}
-  train = [p for p in train if prompt_key(p.prompt) not in exclude]
+  train = _without_val(train, val_sets)
   if d.num_train and d.train != SYNTHETIC:
     if d.num_train > len(train):
       raise ValueError(f"config.data.num_train={d.num_train} exceeds the {len(train)} "
