@@ -140,8 +140,21 @@ def _frontier_segments(ax, fr, palette):
     i = j + 1
 
 
+def _shade_censored(ax, fr):
+  """Grey bands where n* is censored: the winner there wins only because another
+  configuration's runs ended early, so the colour of the envelope is not a finding."""
+  c = fr.compute
+  edges = np.flatnonzero(np.diff(np.concatenate([[0], fr.censored.astype(np.int8), [0]])))
+  for k, (i, j) in enumerate(zip(edges[::2], edges[1::2] - 1)):
+    # Out to the geometric midpoints with the neighbours: one point is a band too.
+    lo, hi = np.sqrt(c[max(i - 1, 0)] * c[i]), np.sqrt(c[j] * c[min(j + 1, c.size - 1)])
+    ax.axvspan(lo, hi, color="0.5", alpha=0.15, lw=0, zorder=1,
+               label="n* censored (a run ended early)" if k == 0 else None)
+
+
 def plot_frontier(sweep, *, title: str = "") -> Figure:
-  """Fig. 6: reward vs compute per configuration, envelope coloured by n*."""
+  """Fig. 6: reward vs compute per configuration, envelope coloured by n*; grey
+  bands where n* is censored (`Frontier.censored`)."""
   fig, axes = _figure(1, width=7.0, height=4.6)
   ax = axes[0, 0]
   curves, fr = sweep.curves, sweep.frontier
@@ -159,6 +172,7 @@ def plot_frontier(sweep, *, title: str = "") -> Figure:
               else "-", color=col, lw=1.2, label=key_label(k))
   if fr is not None:
     _frontier_segments(ax, fr, palette)
+    _shade_censored(ax, fr)
     ax.plot([], [], color="0.3", lw=_FRONTIER_LW, label="frontier (colour = n*)")
   _log_x(ax, [x for c, _ in curves.points.values() for x in c])
   ax.set_xlabel(_UNIT_LABEL[sweep.unit])

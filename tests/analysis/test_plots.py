@@ -1,12 +1,14 @@
 """Figures: built from analysis data, labelled, log-scaled where the paper is."""
 
 import io
+import types
 
 import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
 from isojax.analysis import fit_frontier, fixed_batch, read_runs, sensitivity
+from isojax.analysis import fit_sigmoid, frontier
 from isojax.analysis import plots
 
 from . import fake_runs
@@ -37,6 +39,27 @@ def test_frontier_and_records_figures(runs):
   ax = fig.axes[0]
   assert ax.get_xscale() == "log" and ax.get_yscale() == "log"  # log2 n* axis
   assert "n*" in ax.get_ylabel()
+
+
+def test_frontier_figure_shades_where_n_star_is_censored():
+  # n=4 stops at C=1e3 below a plateau above n=64's: past 1e3 the frontier's n*=64
+  # is censored, and the figure must not show it as a finding.
+  c1, c2 = np.geomspace(10, 1e3, 12), np.geomspace(100, 1e5, 12)
+  r1, r2 = fake_runs.sigmoid(c1, 0.99, 1, 1e3, 0.1), fake_runs.sigmoid(c2, 0.95, 1, 1e3, 0.1)
+  fits = {4: fit_sigmoid(c1, r1), 64: fit_sigmoid(c2, r2)}
+  fr = frontier(fits, np.geomspace(10, 1e5, 50))
+  assert fr.censored.any() and not fr.censored.all()
+  sweep = types.SimpleNamespace(
+      curves=types.SimpleNamespace(points={4: (c1, r1), 64: (c2, r2)}, fits=fits),
+      frontier=fr, unit="rollouts", metric="val/avg@4", label="censored")
+  ax = _drawn(plots.plot_frontier(sweep)).axes[0]
+  bands = [p for p in ax.patches if p.get_label().startswith("n* censored")]
+  assert len(bands) == 1
+  box = bands[0].get_bbox()  # data coordinates
+  assert box.x0 < fr.compute[fr.censored][0] and box.x1 >= fr.compute[fr.censored][-1]
+  assert box.x0 > fr.compute[fr.censored.argmax() - 1]  # not over a decided point
+  assert not plots.plot_frontier(types.SimpleNamespace(
+      **{**vars(sweep), "frontier": frontier({64: fits[64]})})).axes[0].patches
 
 
 def test_fixed_batch_sensitivity_and_hist_figures(runs):
