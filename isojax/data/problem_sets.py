@@ -15,6 +15,11 @@ Training sources (`data.train`):
 size study), with a permutation of `data.split_seed` alone, so every run of a sweep
 trains on the same subset; 0 keeps them all.
 
+A path's records hold the prompt and answer under data.prompt_field and
+data.answer_field ("prompt", "answer"; dotted paths reach nested fields), and
+data.dataset_split names the split of a `datasets` directory with several; the same
+layout is read from every path of data.train and data.val.
+
 Validation sets (`data.val`), each evaluated at every eval:
   ""                          data.num_val problems held out of the training source
   "PATH"                      one validation file
@@ -44,7 +49,7 @@ import re
 import numpy as np
 from absl import logging
 
-from isojax.data.sources import Problem, load_problems, prompt_key
+from isojax.data.sources import MissingFieldError, Problem, load_problems, prompt_key
 from isojax.data.splits import mixture_indices, parse_mix
 from isojax.data.synthetic import synthetic_splits
 
@@ -173,6 +178,21 @@ def _load_split(split_dir, name: str, field: str, source: str) -> list[Problem]:
   return load_problems(path, id_field="id")
 
 
+def _load_file(d, path: str) -> list[Problem]:
+  """A user's problem file (training or validation) with its record layout from the
+  config: data.prompt_field / data.answer_field (dotted paths into a record, e.g.
+  "reward_model.ground_truth" for veRL-style parquet) and data.dataset_split (the
+  split of a `datasets` directory; "" where it holds one)."""
+  prompt, answer = d.get("prompt_field", "prompt"), d.get("answer_field", "answer")
+  try:
+    return load_problems(path, prompt_field=prompt, answer_field=answer,
+                         split=d.get("dataset_split", "") or None)
+  except MissingFieldError as e:
+    raise MissingFieldError(f"{e}; config.data.prompt_field={prompt!r} and "
+                            f"config.data.answer_field={answer!r} name the fields "
+                            f"read") from None
+
+
 def _first(problems: list[Problem], count: int, seed: int) -> list[Problem]:
   """`count` problems by a fixed permutation of `seed`, in their original order."""
   order = np.random.default_rng(seed).permutation(len(problems))
@@ -192,7 +212,7 @@ def _training_source(d, split_dir, hold_out: bool, exclude: set[str]
     train = _load_split(split_dir, d.train[len(SPLIT_PREFIX):], "config.data.train",
                         d.train)
   else:
-    train = load_problems(d.train)
+    train = _load_file(d, d.train)
   if not hold_out:  # no set asks for it: nothing is taken from training
     return train, None
   if len(train) <= d.num_val:
@@ -260,7 +280,7 @@ def load_problem_sets(d, split_dir: str | os.PathLike
                          f"config.data.val[{name!r}]", source)
       named[name] = _first(pool, d.num_val, d.split_seed)
     elif source != HELDOUT:
-      named[name] = load_problems(source)
+      named[name] = _load_file(d, source)
   named_keys = {prompt_key(p.prompt) for probs in named.values() for p in probs}
   train, held = (([], None) if mix
                  else _training_source(d, split_dir, hold_out, named_keys))

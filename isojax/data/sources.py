@@ -127,6 +127,10 @@ def _answer_text(value) -> str:
   return text
 
 
+class MissingFieldError(ValueError):
+  """A record lacks the prompt, answer or id field it is read with."""
+
+
 def record_to_problem(record: dict, fields: Fields, *, where: str, index: int) -> Problem:
   """One record -> Problem; errors name `where` (file and line/row) and the field."""
   if not isinstance(record, dict):
@@ -138,7 +142,7 @@ def record_to_problem(record: dict, fields: Fields, *, where: str, index: int) -
     if not prompt.strip():
       raise ValueError(f"prompt ({fields.prompt!r}) is empty")
   except KeyError as e:
-    raise ValueError(f"{where}: missing field {e.args[0]!r}; record has keys "
+    raise MissingFieldError(f"{where}: missing field {e.args[0]!r}; record has keys "
                      f"{sorted(record)}") from None
   except (TypeError, ValueError) as e:
     raise ValueError(f"{where}: {e}") from None

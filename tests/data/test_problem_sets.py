@@ -169,3 +169,31 @@ def test_a_validation_prompt_written_differently_is_not_trained_on(split_dir, tm
   d = _data(train="mix:easy:0.5,hard:0.5", num_train=20, val=f"v={tmp_path / 'val.jsonl'}")
   train, _ = load_problem_sets(d, split_dir)
   assert not {"easy3=", "easy5="} & {p.prompt for p in train}
+
+
+def test_user_files_are_read_with_the_configured_record_layout(split_dir, tmp_path):
+  # veRL-style parquet: a chat prompt and the answer under reward_model.ground_truth.
+  import datasets
+
+  rows = [{"prompt": [{"role": "user", "content": f"q{i}="}],
+           "reward_model": {"ground_truth": str(i)}} for i in range(12)]
+  datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
+  d = _data(train=str(tmp_path / "train.parquet"), num_val=3)
+  with pytest.raises(ValueError, match=r"row 0: missing field 'answer'.*config.data."
+                                       r"answer_field='answer' name the fields"):
+    load_problem_sets(d, split_dir)
+  d.answer_field = "reward_model.ground_truth"
+  train, sets = load_problem_sets(d, split_dir)
+  assert len(train) == 9 and len(sets["val"]) == 3
+  assert {(p.prompt, p.answer) for p in train + sets["val"]} == {
+      (f"q{i}=", str(i)) for i in range(12)}
+  # A validation file and a `datasets` directory's split are read the same way.
+  val = datasets.Dataset.from_list([{"question": "v0=", "sol": "0"}])
+  datasets.DatasetDict({"train": val, "test": val}).save_to_disk(str(tmp_path / "dd"))
+  d = _data(train=str(tmp_path / "dd"), val=f"v={tmp_path / 'dd'}", prompt_field="question",
+            answer_field="sol")
+  with pytest.raises(ValueError, match="splits"):
+    load_problem_sets(d, split_dir)
+  d.dataset_split = "test"
+  with pytest.raises(ValueError, match="no training problems left"):
+    load_problem_sets(d, split_dir)  # the one problem is the validation set's
