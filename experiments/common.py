@@ -119,6 +119,13 @@ def base_config() -> ml_collections.ConfigDict:
   # (a mixture of those splits, §5.3) or a JSONL/Parquet/`datasets` path with
   # prompt and answer fields (isojax/data/problem_sets.py has the forms).
   c.data.train = "synthetic:easy"
+  # Where a path's records hold the prompt and the answer (dotted paths reach nested
+  # fields: "reward_model.ground_truth" in veRL's parquet), read the same way from
+  # every path of data.train and data.val; the split of a `datasets` directory that
+  # holds several ("" where it holds one).
+  c.data.prompt_field = "prompt"
+  c.data.answer_field = "answer"
+  c.data.dataset_split = ""
   # "" = hold num_val out of data.train; a path; or named sets
   # "NAME=SOURCE,NAME=SOURCE" (the first is primary and logs val/avg@k, the
   # others val/NAME/avg@k; SOURCE: heldout | synthetic:NAME | a path).

@@ -40,6 +40,10 @@ ADDED_FIELDS: dict[str, Any] = {
   "model.lm_head_fp32": True,  # load_pretrained's default when no field passed it
   "data.drop_too_long": False,  # no problem left out (one too long fails at load)
   "data.drop_solved_above": 0.0,  # no prompt retired
+  # The record layout the loader read before these were fields.
+  "data.prompt_field": "prompt",
+  "data.answer_field": "answer",
+  "data.dataset_split": "",
   "sampler.vllm_weights_dir": "",  # weight snapshots in a temp dir of this host
   # The vLLM client's built-in timeouts, before they were fields.
   "sampler.vllm_connect_timeout_s": 5.0,
