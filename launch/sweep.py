@@ -10,7 +10,8 @@ Arguments after `--` are appended to every run, e.g. `-- --config.eval_every=4`;
 that would set what the launcher sets per point (--workdir, --config, --config.seed,
 .bp, .n, .budget) are refused, naming the launcher flag to use instead.
 Rerunning the same command skips finished points and resumes unfinished ones; a point
-finished under another command is started again, and its run checks its saved config
+finished under another command, or before the experiment file (or one it imports) was
+edited, is started again, and its run checks its saved config
 (as `python -m isojax.main` does on any rerun), refusing a different one. Points
 are computed by isojax.sweep / isojax.budget; this file only parses flags.
 """

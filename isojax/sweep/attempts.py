@@ -8,9 +8,11 @@ the launcher *and* inherited by the run, so neither a second launcher nor a reru
 a crash can start a point that is still running; the kernel drops the lock when both
 have exited, so a killed launcher never leaves a stale lock behind.
 
-Each start event records the run's command, so that a rerun can tell a point finished
-by the same command (skipped) from one finished by another (whose run then compares
-its saved config itself: `finished_command`).
+Each start event records the run's command and the digest of the config it gives
+the run (`Sweep.config_digest`), so that a rerun can tell a point finished by the same
+command on the same experiment file (skipped) from one finished by another command,
+or before the file (or a file it imports) was edited: that run starts again and
+compares its saved config itself (`finished_as`).
 """
 
 from __future__ import annotations
@@ -49,15 +51,17 @@ def record_attempt(run_dir: str, **event) -> None:
     f.write(json.dumps(event) + "\n")
 
 
-def finished_command(run_dir: str) -> list[str] | None:
-  """The command of the last attempt in `run_dir` that exited 0 with the run finished,
-  or None (no such attempt, one recorded before commands were, an unreadable file)."""
+def finished_as(run_dir: str, command: list[str], config_digest: str) -> bool:
+  """Whether the last attempt in `run_dir` that exited 0 with the run finished ran
+  `command` on a config of `config_digest`. False too when no such attempt is
+  recorded, or it was recorded without a digest (an older launcher), or the file is
+  unreadable: the run then starts and checks its saved config."""
   started, finished = {}, None
   try:
     with open(os.path.join(run_dir, ATTEMPTS_FILE)) as f:
       lines = f.readlines()
   except OSError:
-    return None
+    return False
   for line in lines:
     try:
       event = json.loads(line)
@@ -66,7 +70,8 @@ def finished_command(run_dir: str) -> list[str] | None:
     if not isinstance(event, dict):
       continue
     if event.get("event") == "start":
-      started[event.get("pid")] = event.get("command")
+      started[event.get("pid")] = event
     elif event.get("event") == "end" and event.get("rc") == 0 and event.get("done"):
       finished = started.get(event.get("pid"))
-  return finished if isinstance(finished, list) else None
+  return (finished is not None and finished.get("command") == command
+          and finished.get("config_digest") == config_digest)

@@ -25,7 +25,7 @@ from isojax import files
 from isojax.errors import IsojaxError
 from isojax.files import log_tail
 from isojax.rundir import DONE_FILE, METRICS_FILE, is_done, last_record
-from isojax.sweep.attempts import (ATTEMPTS_FILE, LOG_FILE, finished_command, lock_holder,
+from isojax.sweep.attempts import (ATTEMPTS_FILE, LOG_FILE, finished_as, lock_holder,
                                    record_attempt, try_lock)
 from isojax.sweep.points import Sweep, SweepPoint, experiment_import_root
 
@@ -227,8 +227,13 @@ class _Pool:
   def launch(self, sp: SweepPoint) -> None:
     """Starts `sp` unless it is finished or locked by another launcher."""
     run_dir, cmd = self.sweep.run_dir(sp), self.sweep.command(sp)
-    if is_done(run_dir) and finished_command(run_dir) == cmd:
-      self._skip(sp, f"already finished ({DONE_FILE} present, same command)")
+    try:
+      digest = self.sweep.config_digest(sp)
+    except Exception as e:  # the user's get_config: whatever it raises fails this point
+      self._fail(sp, _why(e, "cannot read its config"))
+      return
+    if is_done(run_dir) and finished_as(run_dir, cmd, digest):
+      self._skip(sp, f"already finished ({DONE_FILE} present, same command and config)")
       return
     try:
       fd = try_lock(run_dir)
@@ -241,13 +246,14 @@ class _Pool:
         self.announced.add(sp.name)
         self.print_fn(f"wait   {sp.name}: locked by {lock_holder(run_dir)}")
       return
-    if is_done(run_dir) and finished_command(run_dir) == cmd:
+    if is_done(run_dir) and finished_as(run_dir, cmd, digest):
       os.close(fd)  # finished by another launcher while we were not looking
       self._skip(sp, "finished by another launcher")
       return
-    self._start(sp, run_dir, fd, cmd)
+    self._start(sp, run_dir, fd, cmd, digest)
 
-  def _start(self, sp: SweepPoint, run_dir: str, fd: int, cmd: list[str]) -> None:
+  def _start(self, sp: SweepPoint, run_dir: str, fd: int, cmd: list[str],
+             digest: str) -> None:
     """Starts the run of a locked point, its output appended to the point's log."""
     log = None
     try:
@@ -274,7 +280,8 @@ class _Pool:
       self._fail(sp, f"could not start {cmd[0]}: {e}", f"could not start {cmd}: {e}")
       return
     try:
-      record_attempt(run_dir, event="start", pid=proc.pid, resumed=resumed, command=cmd)
+      record_attempt(run_dir, event="start", pid=proc.pid, resumed=resumed, command=cmd,
+                     config_digest=digest)
     except (IsojaxError, OSError) as e:
       # Unrecorded, a finished run would not be known as finished by this command.
       proc.terminate()
@@ -284,8 +291,8 @@ class _Pool:
       self._fail(sp, _why(e, f"cannot record the attempt in {run_dir}"))
       return
     self.running[sp.name] = _Running(sp, proc, fd, log, time.time(), checking)
-    how = ("finished under another command: the run checks its config" if checking
-           else "resume" if resumed else "fresh")
+    how = ("finished under another command or config: the run checks its config"
+           if checking else "resume" if resumed else "fresh")
     self.print_fn(f"start  {sp.name} ({how}, M={sp.point.m}) "
                   f"log: {os.path.join(run_dir, LOG_FILE)}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import inspect
 import os
@@ -179,6 +180,21 @@ class Sweep:
     return [self.python, *self.runner, f"--config={self.config}{sep}{sp.config_arg()}",
             f"--workdir={self.run_dir(sp)}", f"--config.seed={sp.seed}",
             *self.extra_args]
+
+  def config_digest(self, sp: SweepPoint) -> str:
+    """sha256 of the config `command(sp)` gives its run, read from the experiment file
+    now: the same command after the file, or one it imports, was edited (another
+    learning rate in experiments/common.py) gives another digest, so a finished point
+    is not skipped on its command alone.
+
+    Raises:
+      ValueError: when the file cannot be loaded or an argument does not apply.
+    """
+    path, arg = _split_config(self.config)
+    config = load_experiment(path, ",".join(filter(None, (arg, sp.config_arg()))))
+    config = apply_overrides(config, [f"--config.seed={sp.seed}", *self.extra_args])
+    text = config.to_json_best_effort(sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def plan_sweep(config_path: str, root: str, *, bp=None, n=None, budgets=None,

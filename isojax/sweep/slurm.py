@@ -110,7 +110,8 @@ def write_array(sweep: Sweep, options: SlurmOptions, *,
   points_path = os.path.join(out_dir, POINTS_FILE)
   script_path = os.path.join(out_dir, SCRIPT_FILE)
   entries = [{"index": i, "name": sp.name, "run_dir": sweep.run_dir(sp),
-              "command": sweep.command(sp)} for i, sp in enumerate(sweep.points)]
+              "command": sweep.command(sp), "config_digest": sweep.config_digest(sp)}
+             for i, sp in enumerate(sweep.points)]
   spec = {"config": sweep.config, "root": sweep.root, "nodes": options.nodes,
           "vllm_model": vllm_model, "points": entries}
   _check_no_other_array(points_path, spec)
@@ -143,7 +144,7 @@ def _check_no_other_array(points_path: str, spec: dict) -> None:
     return
   old_points = old.get("points") if isinstance(old, dict) else None
   old_names = [p.get("name") for p in old_points or () if isinstance(p, dict)]
-  what = ("the same points with other run commands or options"
+  what = ("the same points with other run commands, options or experiment configs"
           if old_names == [p["name"] for p in spec["points"]]
           else f"{len(old_names)} task(s): {_name_range(old_names)}")
   raise ValueError(f"sweep root {spec['root']} already holds the SLURM array of another "
@@ -249,8 +250,9 @@ def task_command(command: list[str], *, nodes: int) -> list[str]:
 def run_task(points_path: str, index: int, *, print_fn=print) -> int:
   """Runs array task `index` of a points file; returns its exit code.
 
-  A point finished under the same command exits 0 at once; one finished under another
-  command runs that command alone (no server, one node), so that the run compares its
+  A point finished under the same command and config (`Sweep.config_digest`, taken
+  when the array was written) exits 0 at once; one finished under another command or
+  config runs that command alone (no server, one node), so that the run compares its
   saved config as on any rerun: it exits 0 when they match and refuses, naming the
   fields, when they do not. A locked point (running in another task) exits 1.
   With a `vllm_model`, a vLLM server (isojax.rollout.vllm_server, loopback only) is
@@ -259,8 +261,9 @@ def run_task(points_path: str, index: int, *, print_fn=print) -> int:
   """
   spec, entry = load_task(points_path, index)
   run_dir, command = entry["run_dir"], list(entry["command"])
-  if rundir.is_done(run_dir) and attempts.finished_command(run_dir) == command:
-    print_fn(f"skip {entry['name']}: already finished under the same command")
+  digest = entry.get("config_digest")
+  if rundir.is_done(run_dir) and attempts.finished_as(run_dir, command, digest):
+    print_fn(f"skip {entry['name']}: already finished under the same command and config")
     return 0
   fd = attempts.try_lock(run_dir)
   if fd is None:
@@ -268,12 +271,12 @@ def run_task(points_path: str, index: int, *, print_fn=print) -> int:
     return 1
   server, checking = None, rundir.is_done(run_dir)
   try:
-    if checking and attempts.finished_command(run_dir) == command:
+    if checking and attempts.finished_as(run_dir, command, digest):
       print_fn(f"skip {entry['name']}: finished by another task")
       return 0
     if checking:
-      print_fn(f"{entry['name']} finished under another command: the run checks its "
-               f"config")
+      print_fn(f"{entry['name']} finished under another command or config: the run "
+               f"checks its config")
     elif spec.get("vllm_model"):
       # Imported here: only vLLM tasks need it (and its `requests` dependency).
       from isojax.rollout.vllm_server import VLLMServer
@@ -288,7 +291,8 @@ def run_task(points_path: str, index: int, *, print_fn=print) -> int:
     env = with_compilation_cache(os.environ, spec["root"])
     proc = subprocess.Popen(argv, pass_fds=(fd,),
                             env=with_experiment_imports(env, spec["config"]))
-    attempts.record_attempt(run_dir, event="start", pid=proc.pid, command=command)
+    attempts.record_attempt(run_dir, event="start", pid=proc.pid, command=command,
+                            config_digest=digest)
     rc = proc.wait()
     attempts.record_attempt(run_dir, event="end", pid=proc.pid, rc=rc,
                             done=rundir.is_done(run_dir))

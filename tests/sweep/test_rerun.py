@@ -1,9 +1,10 @@
-"""A rerun of a sweep skips a finished point only when the same command finished it;
-otherwise the run itself compares its saved config (isojax.run_config), locally and in
-a SLURM task."""
+"""A rerun of a sweep skips a finished point only when the same command finished it on
+the same experiment config; otherwise the run itself compares its saved config
+(isojax.run_config), locally and in a SLURM task."""
 
 import json
 import os
+import shutil
 import textwrap
 
 from isojax import sweep
@@ -59,6 +60,32 @@ def test_a_local_rerun_with_other_run_arguments_is_checked_by_the_run(tmp_path):
   assert "already finished" not in proc.stdout
   proc = _launch(*sweep_args)  # a refused attempt does not count as finishing it
   assert proc.stdout.count("already finished") == 2
+  assert [_starts(root / n) for n in NAMES] == [2, 2]
+
+
+def test_a_rerun_after_the_experiment_file_changed_is_checked_by_the_run(tmp_path):
+  # The same command, but the study file now sets another learning rate: the
+  # finished points are not skipped on their command alone.
+  root, runner, study = tmp_path / "r", _runner(tmp_path), tmp_path / "study.py"
+  shutil.copy(TINY, study)
+  sweep_args = (f"--config={study}", f"--root={root}", *GRID, f"--runner={runner}")
+  _launch(*sweep_args)
+  with open(study, "a") as f:
+    f.write(textwrap.dedent("""
+        _tiny_config = get_config
+
+        def get_config(arg=None):
+          c = _tiny_config(arg)
+          c.rl.lr_base = 3e-5
+          return c
+        """))
+  proc = _launch(*sweep_args)
+  # This runner checks only its arguments, which are the same: it exits 0.
+  assert proc.stdout.count("finished under another command or config") == 2, proc.stdout
+  assert proc.stdout.count("found its config unchanged") == 2
+  assert [_starts(root / n) for n in NAMES] == [2, 2]
+  proc = _launch(*sweep_args)  # recorded under the new config: skipped
+  assert proc.stdout.count("same command and config") == 2, proc.stdout
   assert [_starts(root / n) for n in NAMES] == [2, 2]
 
 

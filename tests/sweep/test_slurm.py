@@ -8,6 +8,8 @@ import pytest
 from isojax import budget, sweep
 from isojax.sweep import slurm
 
+TINY = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "tiny.py")
+
 
 def sbatch_arguments(line: str) -> list[str]:
   """The arguments sbatch takes from one `#SBATCH` line: split at white space outside
@@ -49,7 +51,7 @@ def test_sbatch_values_survive_any_root_name(tmp_path, monkeypatch):
   root = "my dir's \"sweep\" #1 50% a\\b"
   sp = sweep.SweepPoint(budget.BudgetPoint(bp=8, n=4, m=2))
   options = slurm.SlurmOptions(partition="gpu debug", account="lab#2", time="01:00:00")
-  script, _ = slurm.write_array(sweep.Sweep(config="x.py", root=root, points=(sp,)),
+  script, _ = slurm.write_array(sweep.Sweep(config=TINY, root=root, points=(sp,)),
                                 options)
   lines = [x for x in open(script).read().splitlines() if x.startswith("#SBATCH")]
   argv = [a for line in lines for a in sbatch_arguments(line)]
@@ -61,7 +63,7 @@ def test_sbatch_values_survive_any_root_name(tmp_path, monkeypatch):
 
 def test_multi_node_points_with_a_script_runner_are_refused_when_written(tmp_path):
   sp = sweep.SweepPoint(budget.BudgetPoint(bp=8, n=4, m=2))
-  study = sweep.Sweep(config="x.py", root=str(tmp_path / "r"), points=(sp,),
+  study = sweep.Sweep(config=TINY, root=str(tmp_path / "r"), points=(sp,),
                       runner=("fake_runner.py",))
   with pytest.raises(ValueError, match="a multi-node point needs a module runner"):
     slurm.write_array(study, slurm.SlurmOptions(nodes=2))
