@@ -23,6 +23,11 @@ from isojax.data import encode_prompts, exact_match
 HISTOGRAM_BINS = 10  # fixed bins of width 0.1 over [0, 1]; the last one includes 1.0
 
 
+def _is_int(x) -> bool:
+  """A Python or NumPy integer, and not a bool (True would silently mean 1)."""
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def _check_counts(n, c, k):
   n_arr = np.asarray(n)
   c_arr = np.asarray(c)
@@ -31,7 +36,7 @@ def _check_counts(n, c, k):
       raise ValueError(f"n and c must be integers, got n={n!r}, c={c!r}")
   n_arr = n_arr.astype(np.int64)
   c_arr = c_arr.astype(np.int64)
-  if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
+  if not _is_int(k):
     raise ValueError(f"k must be an int, got {k!r}")
   if np.any(n_arr < 1):
     raise ValueError(f"n (samples per problem) must be >= 1, got {n!r}")
@@ -193,6 +198,22 @@ def score_rollouts(rollouts, answers: Sequence[str], n: int, tokenizer,
   return rewards_B
 
 
+def _check_request(k, ks: list, batch_size) -> None:
+  """`evaluate`'s sizes, checked before any sampling: a bad k' in `ks` found only
+  when scoring would waste a whole validation pass."""
+  if not _is_int(k) or k < 1:
+    raise ValueError(f"evaluate: k={k!r} samples per problem; expected an int >= 1")
+  if not ks:
+    raise ValueError("evaluate: ks is empty; give the k' values to report (each <= k)")
+  bad = [kk for kk in ks if not _is_int(kk) or not 1 <= kk <= k]
+  if bad:
+    raise ValueError(f"evaluate: ks={ks} has {bad}; each k' must be an int in "
+                     f"[1, k={k}] (k' of the k samples drawn per problem)")
+  if batch_size is not None and (not _is_int(batch_size) or batch_size < 0):
+    raise ValueError(f"evaluate: batch_size={batch_size!r}; expected an int >= 1 problems "
+                     f"per generate call (or None or 0: all at once)")
+
+
 def evaluate(sampler, problems, tokenizer, *, k: int = 4, ks: Sequence[int] | None = None,
              temperature: float = 0.6, max_tokens: int = 32, reward_fn=None,
              seed: int = 0, top_p: float = 1.0, chat_template: bool = False,
@@ -206,7 +227,7 @@ def evaluate(sampler, problems, tokenizer, *, k: int = 4, ks: Sequence[int] | No
     k: samples per problem; metrics are reported for every k' in `ks` (default [k]).
     reward_fn: (response_text, answer) -> 0.0/1.0; default exact match.
     seed: sampling seed; the i-th generate call (batch) uses seed + i.
-    batch_size: problems per generate call (default: all).
+    batch_size: problems per generate call (None or 0: all).
     prefix: metric key prefix.
   """
   problems = list(problems)
@@ -214,6 +235,7 @@ def evaluate(sampler, problems, tokenizer, *, k: int = 4, ks: Sequence[int] | No
     raise ValueError("evaluate: `problems` is empty")
   reward_fn = reward_fn or exact_match
   ks = [k] if ks is None else list(ks)
+  _check_request(k, ks, batch_size)
   prompt_ids = encode_prompts(tokenizer, problems, chat_template=chat_template)
   batch_size = batch_size or len(problems)
   eos = getattr(tokenizer, "eos_token_id", None)

@@ -176,3 +176,17 @@ def test_evaluate_module_does_not_import_jax():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        check=True)
   assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(ks=[8]), r"ks=\[8\] has \[8\]; each k' must be an int in \[1, k=4\]"),
+    (dict(ks=[]), r"ks is empty"),
+    (dict(k=0), r"k=0 samples per problem"),
+    (dict(batch_size=-1), r"batch_size=-1"),
+])
+def test_evaluate_refuses_bad_sizes_before_sampling(kwargs, match):
+  problems = [Problem(str(i), f"{i}+{i}=", str(2 * i)) for i in range(3)]
+  sampler = _ScriptedSampler([(p.prompt, p.answer) for p in problems], [0, 1, 2])
+  with pytest.raises(ValueError, match=match):
+    evaluate(sampler, problems, _CharTokenizer(), max_tokens=8, **{"k": 4, **kwargs})
+  assert not sampler.calls  # no validation pass spent on a request that cannot score
