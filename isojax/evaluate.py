@@ -14,6 +14,8 @@ Both ratios are evaluated as products of terms in [0, 1], so they never overflow
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -182,6 +184,10 @@ def score_rollouts(rollouts, answers: Sequence[str], n: int, tokenizer,
   """Rewards (B,) for prompt-major rollouts of len(answers) problems x n samples.
 
   Completions are cut at their length and decoded without special tokens.
+
+  Raises:
+    ValueError: naming the rollout and its answer, when `reward_fn` returns
+      something other than a finite number (NaN, inf, None).
   """
   tokens_BxT = np.asarray(rollouts.tokens_BxT)
   lengths_B = np.asarray(rollouts.lengths_B)
@@ -194,7 +200,14 @@ def score_rollouts(rollouts, answers: Sequence[str], n: int, tokenizer,
   rewards_B = np.zeros(tokens_BxT.shape[0], dtype=np.float32)
   for b in range(tokens_BxT.shape[0]):
     ids = [int(t) for t in tokens_BxT[b, :lengths_B[b]] if int(t) not in special]
-    rewards_B[b] = reward_fn(tokenizer.decode(ids), answers[b // n])
+    reward = reward_fn(tokenizer.decode(ids), answers[b // n])
+    # Stored as is, None becomes NaN, which an evaluation counts as a fail without
+    # a word; checked here, where the rollout and its answer can still be named.
+    if not isinstance(reward, (numbers.Real, np.bool_)) or not math.isfinite(reward):
+      raise ValueError(f"reward_fn returned {reward!r} for rollout {b} (problem {b // n}, "
+                       f"answer {answers[b // n]!r}); expected a finite number "
+                       f"(1.0 correct, 0.0 wrong)")
+    rewards_B[b] = reward
   return rewards_B
 
 

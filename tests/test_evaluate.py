@@ -190,3 +190,20 @@ def test_evaluate_refuses_bad_sizes_before_sampling(kwargs, match):
   with pytest.raises(ValueError, match=match):
     evaluate(sampler, problems, _CharTokenizer(), max_tokens=8, **{"k": 4, **kwargs})
   assert not sampler.calls  # no validation pass spent on a request that cannot score
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), None, "1"])
+def test_a_reward_that_is_not_a_finite_number_is_refused(reward):
+  problems = [Problem(str(i), f"{i}+{i}=", str(2 * i)) for i in range(2)]
+  sampler = _ScriptedSampler([(p.prompt, p.answer) for p in problems], [1, 2])
+  with pytest.raises(ValueError, match=r"reward_fn returned .* for rollout 0 \(problem 0, "
+                                       r"answer '0'\); expected a finite number"):
+    evaluate(sampler, problems, _CharTokenizer(), k=2, max_tokens=8,
+             reward_fn=lambda response, answer: reward)
+  # Booleans and NumPy scalars are numbers: a verifier may return them.
+  res = evaluate(sampler, problems, _CharTokenizer(), k=2, max_tokens=8,
+                 reward_fn=lambda response, answer: np.float32(response == answer))
+  np.testing.assert_array_equal(res.counts_P, [1, 2])
+  res = evaluate(sampler, problems, _CharTokenizer(), k=2, max_tokens=8,
+                 reward_fn=lambda response, answer: np.bool_(response == answer))
+  np.testing.assert_array_equal(res.counts_P, [1, 2])
