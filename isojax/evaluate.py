@@ -30,7 +30,8 @@ def _is_int(x) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _check_counts(n, c, k):
+def _check_n_c(n, c) -> tuple[np.ndarray, np.ndarray]:
+  """n and c as int64 arrays: whole numbers, n >= 1 and 0 <= c <= n."""
   n_arr = np.asarray(n)
   c_arr = np.asarray(c)
   if not (np.issubdtype(n_arr.dtype, np.integer) and np.issubdtype(c_arr.dtype, np.integer)):
@@ -38,12 +39,17 @@ def _check_counts(n, c, k):
       raise ValueError(f"n and c must be integers, got n={n!r}, c={c!r}")
   n_arr = n_arr.astype(np.int64)
   c_arr = c_arr.astype(np.int64)
-  if not _is_int(k):
-    raise ValueError(f"k must be an int, got {k!r}")
   if np.any(n_arr < 1):
     raise ValueError(f"n (samples per problem) must be >= 1, got {n!r}")
   if np.any(c_arr < 0) or np.any(c_arr > n_arr):
     raise ValueError(f"correct counts c must lie in [0, n]; got c={c!r}, n={n!r}")
+  return n_arr, c_arr
+
+
+def _check_counts(n, c, k):
+  n_arr, c_arr = _check_n_c(n, c)
+  if not _is_int(k):
+    raise ValueError(f"k must be an int, got {k!r}")
   if k < 1 or np.any(k > n_arr):
     raise ValueError(f"k must satisfy 1 <= k <= n; got k={k}, n={n!r}")
   return n_arr, c_arr, int(k)
@@ -129,9 +135,12 @@ def pass_rate_histogram(counts_P, n: int, bins: int = HISTOGRAM_BINS) -> dict:
   counts_P = np.asarray(counts_P)
   if counts_P.ndim != 1 or counts_P.size == 0:
     raise ValueError(f"counts_P must be a non-empty 1-D array, got shape {counts_P.shape}")
-  if np.any(counts_P < 0) or np.any(counts_P > n):
-    raise ValueError(f"counts must lie in [0, n={n}], got range "
-                     f"[{counts_P.min()}, {counts_P.max()}]")
+  if np.ndim(n) != 0:
+    raise ValueError(f"n must be one number of samples per problem, got {n!r}")
+  if not _is_int(bins) or bins < 1:
+    raise ValueError(f"bins={bins!r}; expected an int >= 1")
+  # Fractional counts would be binned by their floor without a word.
+  n, counts_P = _check_n_c(n, counts_P)
   edges = np.linspace(0.0, 1.0, bins + 1)
   # The bin of c/n, floor(bins c / n), in integers (the last bin includes 1.0): on
   # float edges 3/10 fell below linspace's 0.30000000000000004, one bin too low.
@@ -147,13 +156,23 @@ def histogram_metrics(counts_P, n: int, prefix: str = "train/",
                       bins: int = HISTOGRAM_BINS) -> dict[str, float]:
   """`pass_rate_histogram` flattened to scalar metrics for metrics.jsonl/TensorBoard.
 
-  Keys: f"{prefix}zero_pass_frac", f"{prefix}pass@1_hist/{lo:.1f}" per bin.
+  Keys: f"{prefix}zero_pass_frac", f"{prefix}pass@1_hist/{lo}" per bin, lo its
+  start with one decimal for tenths (0.1) and as many more as keep bins apart (0.05).
   """
   h = pass_rate_histogram(counts_P, n, bins)
   out = {f"{prefix}zero_pass_frac": h["zero_pass_fraction"]}
-  for lo, frac in zip(h["bin_edges"][:-1], h["fractions"]):
-    out[f"{prefix}pass@1_hist/{lo:.1f}"] = float(frac)
+  for lo, frac in zip(_edge_labels(h["bin_edges"])[:-1], h["fractions"]):
+    out[f"{prefix}pass@1_hist/{lo}"] = float(frac)
   return out
+
+
+def _edge_labels(edges: Sequence[float]) -> list[str]:
+  """The edges with the fewest decimals (at least one) that keep them distinct: at
+  one decimal, twentieths 0.05 and 0.1 shared a key and one bin overwrote the other."""
+  digits = 1
+  while len({f"{e:.{digits}f}" for e in edges}) < len(edges):
+    digits += 1
+  return [f"{e:.{digits}f}" for e in edges]
 
 
 def format_histogram(counts_P, n: int, bins: int = HISTOGRAM_BINS, width: int = 40) -> str:
@@ -161,10 +180,10 @@ def format_histogram(counts_P, n: int, bins: int = HISTOGRAM_BINS, width: int = 
   h = pass_rate_histogram(counts_P, n, bins)
   lines = [f"per-problem pass rate over {len(counts_P)} problems, {n} samples each "
            f"(zero-pass {h['zero_pass_fraction']:.1%})"]
-  edges = h["bin_edges"]
+  edges = _edge_labels(h["bin_edges"])
   for i, frac in enumerate(h["fractions"]):
     close = "]" if i == len(h["fractions"]) - 1 else ")"
-    lines.append(f"  [{edges[i]:.1f}, {edges[i + 1]:.1f}{close} {frac:6.1%} "
+    lines.append(f"  [{edges[i]}, {edges[i + 1]}{close} {frac:6.1%} "
                  + "#" * int(round(frac * width)))
   return "\n".join(lines)
 

@@ -207,3 +207,33 @@ def test_a_reward_that_is_not_a_finite_number_is_refused(reward):
   res = evaluate(sampler, problems, _CharTokenizer(), k=2, max_tokens=8,
                  reward_fn=lambda response, answer: np.bool_(response == answer))
   np.testing.assert_array_equal(res.counts_P, [1, 2])
+
+
+@pytest.mark.parametrize("bins", [3, 10, 20, 40, 100])
+def test_flat_histogram_has_a_key_per_bin(bins):
+  counts = np.arange(41)  # n = 40: every bin of every layout here gets a rate
+  h = pass_rate_histogram(counts, 40, bins)
+  flat = histogram_metrics(counts, 40, prefix="train/", bins=bins)
+  hist = {k: v for k, v in flat.items() if "pass@1_hist/" in k}
+  assert list(hist.values()) == h["fractions"]  # one key per bin, none overwritten
+  starts = [float(k.rsplit("/", 1)[1]) for k in hist]
+  np.testing.assert_allclose(starts, h["bin_edges"][:-1], atol=0.5 / bins)
+  if bins == 10:  # tenths keep their one-decimal names
+    assert list(hist) == [f"train/pass@1_hist/{i / 10:.1f}" for i in range(10)]
+  if bins == 20:
+    assert "train/pass@1_hist/0.05" in hist
+    assert "[0.95, 1.00] " in format_histogram(counts, 40, bins=bins)
+
+
+@pytest.mark.parametrize("args, match", [
+    (([1.5, 2], 4), "must be integers"),
+    (([np.nan, 2], 4), "must be integers"),
+    (([1, 2], 0), r"n \(samples per problem\) must be >= 1"),
+    (([1, 2], [4, 4]), "n must be one number"),
+    (([1, 5], 4), r"must lie in \[0, n\]"),
+])
+def test_histogram_refuses_bad_counts(args, match):
+  with pytest.raises(ValueError, match=match):
+    pass_rate_histogram(*args)
+  with pytest.raises(ValueError, match=r"bins=0; expected an int >= 1"):
+    pass_rate_histogram([1, 2], 4, bins=0)
