@@ -78,7 +78,9 @@ def pass_at_k(n, c, k: int):
   cum = np.concatenate([[0.0], np.cumsum(logs)])  # cum[j] = sum_{i<=j} logs
   has_room = (n_b - c_b) >= k
   log_prod = cum[n_b] - cum[n_b - c_b]
-  out = np.where(has_room, -np.expm1(log_prod), 1.0)
+  # 0.0 - x, not -x: an unsolved problem (log_prod = 0) scores 0.0, where -x gave a
+  # -0.0 that per-problem dumps print as "-0.0".
+  out = np.where(has_room, 0.0 - np.expm1(log_prod), 1.0)
   return float(out) if out.ndim == 0 else out
 
 

@@ -237,3 +237,9 @@ def test_histogram_refuses_bad_counts(args, match):
     pass_rate_histogram(*args)
   with pytest.raises(ValueError, match=r"bins=0; expected an int >= 1"):
     pass_rate_histogram([1, 2], 4, bins=0)
+
+
+def test_unsolved_problems_score_plus_zero():
+  assert math.copysign(1.0, pass_at_k(4, 0, 2)) == 1.0
+  assert not np.signbit(pass_at_k(4, np.array([0, 0]), 2)).any()
+  assert str(pass_at_k(4, 0, 2)) == "0.0"
