@@ -29,8 +29,13 @@ from isojax import files, rundir
 _TB_ILLEGAL = re.compile(r"[^-/\w\.]")
 
 
-def _plain(value: Any) -> Any:
-  """NumPy/JAX scalars and small arrays as JSON-native Python values."""
+def _plain(value: Any, key: str) -> Any:
+  """NumPy/JAX scalars and small arrays as JSON-native Python values.
+
+  Raises:
+    TypeError: naming `key`, for a value with no JSON form (a path, a complex
+      number, an object): NumPy hands such a value back from `.item()` unchanged.
+  """
   if isinstance(value, (bool, str)) or value is None:
     return value
   if isinstance(value, numbers.Integral):
@@ -38,13 +43,16 @@ def _plain(value: Any) -> Any:
   if isinstance(value, numbers.Real):
     return float(value)
   if isinstance(value, dict):
-    return {str(k): _plain(v) for k, v in value.items()}
+    return {str(k): _plain(v, f"{key}.{k}") for k, v in value.items()}
   if isinstance(value, (list, tuple)):
-    return [_plain(v) for v in value]
+    return [_plain(v, key) for v in value]
   arr = np.asarray(value)
-  if arr.ndim == 0:
-    return _plain(arr.item())
-  return _plain(arr.tolist())
+  if arr.ndim:
+    return _plain(arr.tolist(), key)
+  if arr.dtype.kind in "biufU":  # a NumPy/JAX scalar: .item() is its Python value
+    return _plain(arr.item(), key)
+  raise TypeError(f"metric {key!r} is {value!r} ({type(value).__name__}); a metric "
+                  f"is a number, string, bool, None, or a list or dict of them")
 
 
 def tb_tag(key: str) -> str:
@@ -110,8 +118,17 @@ class MetricsWriter:
                                purge_step=purge)
 
   def write(self, step: int, metrics: dict) -> dict:
-    """Appends {"step": step, **metrics} as one durable line; returns the record."""
-    record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+    """Appends {"step": step, **metrics} as one durable line; returns the record.
+
+    Raises:
+      ValueError: for a metric named "step" (it would replace the line's step,
+        which resuming cuts the file by).
+      TypeError: naming the metric, for a value with no JSON form.
+    """
+    if "step" in metrics:
+      raise ValueError(f"metrics of step {step} have a 'step' entry ({metrics['step']!r}): "
+                       f"it would replace the line's step; rename it")
+    record = {"step": int(step), **{k: _plain(v, k) for k, v in metrics.items()}}
     if self._file is None:
       return record
     self._file.write(json.dumps(record) + "\n")

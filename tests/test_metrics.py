@@ -1,6 +1,7 @@
 """metrics.jsonl writing: durable lines, truncation on resume, torn last line."""
 
 import json
+import pathlib
 import struct
 import time
 
@@ -75,3 +76,19 @@ def test_write_and_truncate_on_resume(tmp_path):
   # No checkpoint: a fresh start empties the file.
   metrics_lib.MetricsWriter(tmp_path, resume_step=None, tensorboard=False).close()
   assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+@pytest.mark.parametrize("value", [pathlib.Path("/tmp"), 1 + 2j, object(),
+                                   np.datetime64("2020-01-01"), [1.0, object()]])
+def test_a_value_with_no_json_form_is_refused_by_name(tmp_path, value):
+  w = metrics_lib.MetricsWriter(tmp_path, resume_step=None, tensorboard=False)
+  with pytest.raises(TypeError, match=r"metric 'val/x' is .*; a metric is a number"):
+    w.write(1, {"val/x": value})
+  with pytest.raises(ValueError, match=r"'step' entry \(7\): it would replace"):
+    w.write(1, {"step": 7})
+  record = w.write(1, {"a": np.array(["p", "q"]), "b": np.array([1, 2], object),
+                       "c": {"d": np.float32(0.5)}, "e": np.bool_(True)})
+  w.close()
+  assert record == {"step": 1, "a": ["p", "q"], "b": [1, 2], "c": {"d": 0.5}, "e": True}
+  assert [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+      record]  # nothing of the refused writes reached the file
