@@ -61,6 +61,13 @@ class Pipeline:
 
   def __init__(self, parts, config, *, first: int, last: int, max_lag: int,
                checkpoint_every: int, copy_weights: bool):
+    # Each would leave the producer waiting on an admission or barrier that never
+    # opens, and the trainer waiting on it: checked here, where they can be named.
+    for name, value, least in (("first", first, 1), ("last", last, first - 1),
+                               ("max_lag", max_lag, 1),
+                               ("checkpoint_every", checkpoint_every, 1)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"Pipeline: {name}={value!r}; expected an int >= {least}")
     self.parts, self.config = parts, config
     self.first, self.last, self.max_lag = first, last, max_lag
     self.checkpoint_every, self.copy_weights = checkpoint_every, copy_weights
@@ -70,6 +77,7 @@ class Pipeline:
     self._released = first - 1  # the last checkpoint written (or the start)
     self._error: BaseException | None = None
     self._stop = False
+    self._finished = False  # the producer sampled every batch of first..last
     self._thread = threading.Thread(target=self._produce, name="isojax-producer",
                                     daemon=True)
 
@@ -101,6 +109,9 @@ class Pipeline:
         with self._cond:
           self._queue.append(sampled)
           self._cond.notify_all()
+      with self._cond:  # a take beyond its batches then fails instead of waiting
+        self._finished = True
+        self._cond.notify_all()
     except BaseException as e:  # pylint: disable=broad-except
       with self._cond:  # the trainer raises it at its next `take`
         self._error = e
@@ -113,12 +124,21 @@ class Pipeline:
 
     Raises:
       whatever stopped the producer (a non-finite sampler log-prob, a server
-      error, ...); StaleBatchError if a token lags more than max_lag updates.
+      error, ...); StaleBatchError if a token lags more than max_lag updates;
+      ValueError for a step whose batch is not coming (outside first..last,
+      taken already, or after `close`), which would otherwise wait forever.
     """
+    if not self.first <= step <= self.last:
+      raise ValueError(f"pipeline: update {step} has no batch; this pipeline samples "
+                       f"those of updates {self.first}..{self.last}")
     with self._cond:
-      self._cond.wait_for(lambda: self._queue or self._error is not None)
+      self._cond.wait_for(lambda: self._queue or self._error is not None or self._stop
+                          or self._finished)
       if not self._queue:  # the batches sampled before the error are still trained on
-        raise self._error
+        if self._error is not None:
+          raise self._error
+        raise ValueError(f"pipeline: update {step} has no batch: the producer has "
+                         f"{'been closed' if self._stop else 'sampled all it had to'}")
       sampled = self._queue.popleft()
     if sampled.step != step:
       raise RuntimeError(f"pipeline: update {step} got the batch of update {sampled.step}")

@@ -194,3 +194,44 @@ def test_lag2_resumes_from_the_drained_checkpoint(lag2_run, tmp_path, monkeypatc
   assert [r["rollouts"] for r in resumed] == [
       r["rollouts"] for r in run_records.records(reference)]
   assert all(r["train/policy_lag_max"] <= 2 for r in resumed[1:])
+
+
+@pytest.mark.parametrize("field, value", [("max_lag", 0), ("max_lag", -1), ("max_lag", 1.5),
+                                          ("checkpoint_every", 0), ("first", 0),
+                                          ("last", -1)])
+def test_bad_sizes_are_refused_by_name(field, value):
+  args = {**dict(first=1, last=4, max_lag=1, checkpoint_every=2), field: value}
+  with pytest.raises(ValueError, match=rf"Pipeline: {field}={value}; expected an int >="):
+    pipeline_lib.Pipeline(types.SimpleNamespace(sampler=_Sampler()), None,
+                          copy_weights=False, **args)
+
+
+def _take_in_thread(p, step):
+  """What `p.take(step)` raised, from a thread given 10 s (a hang fails the test)."""
+  out = []
+
+  def take():
+    try:
+      p.take(step)
+      out.append(None)
+    except ValueError as e:
+      out.append(e)
+
+  t = threading.Thread(target=take, daemon=True)
+  t.start()
+  t.join(timeout=10)
+  assert not t.is_alive(), f"take({step}) hung"
+  return out[0]
+
+
+def test_a_batch_that_is_not_coming_fails_the_take(monkeypatch):
+  p, _ = _pipeline(monkeypatch, max_lag=1, last=2)
+  _train(p, [1, 2])
+  assert "updates 1..2" in str(_take_in_thread(p, 3))
+  assert "sampled all it had to" in str(_take_in_thread(p, 2))  # taken already
+  p.close()
+  p, _ = _pipeline(monkeypatch, max_lag=1, last=4)
+  _train(p, [1])
+  p.close()
+  p.take(2)  # sampled before the close: still there
+  assert "been closed" in str(_take_in_thread(p, 3))
