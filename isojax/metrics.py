@@ -102,6 +102,8 @@ class MetricsWriter:
                tensorboard: bool = True, enabled: bool = True):
     self.path = pathlib.Path(workdir) / rundir.METRICS_FILE
     self._file = self._tb = None
+    # TensorBoard tag -> (kind, key) of what was written to it first.
+    self._tags: dict[str, tuple[str, str]] = {}
     if not enabled:
       return
     truncate_metrics(self.path, resume_step)
@@ -131,21 +133,43 @@ class MetricsWriter:
     record = {"step": int(step), **{k: _plain(v, k) for k, v in metrics.items()}}
     if self._file is None:
       return record
+    scalars = {key: value for key, value in record.items()
+               if key != "step" and isinstance(value, (int, float))
+               and not isinstance(value, bool)}
+    if self._tb is not None:  # before the line: a refused record writes nothing
+      for key in scalars:
+        self._claim_tag(key, "scalar")
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
     os.fsync(self._file.fileno())
     if self._tb is not None:
-      for key, value in record.items():
-        if key != "step" and isinstance(value, (int, float)) and not isinstance(
-            value, bool) and math.isfinite(value):
+      for key, value in scalars.items():
+        if math.isfinite(value):
           self._tb.add_scalar(tb_tag(key), value, global_step=int(step))
       self._tb.flush()
     return record
 
   def write_histogram(self, step: int, tag: str, values) -> None:
-    """A TensorBoard histogram (e.g. per-problem pass@1); not part of the jsonl."""
+    """A TensorBoard histogram (e.g. per-problem pass@1); not part of the jsonl.
+
+    Raises:
+      ValueError: when `tag` names the same TensorBoard tag as a scalar metric.
+    """
     if self._tb is not None:
+      self._claim_tag(tag, "histogram")
       self._tb.add_histogram(tb_tag(tag), np.asarray(values), global_step=int(step))
+
+  def _claim_tag(self, key: str, kind: str) -> None:
+    """Keeps one key and kind per TensorBoard tag. TensorBoard files a tag under the
+    kind first written to it: a histogram sharing a scalar's tag (per-problem pass@1
+    under the name of the scalar mean) never shows, and two keys that `tb_tag`
+    makes one ("a@b", "a_b") would draw as one curve."""
+    tag = tb_tag(key)
+    first = self._tags.setdefault(tag, (kind, key))
+    if first != (kind, key):
+      raise ValueError(f"the {kind} {key!r} would share TensorBoard tag {tag!r} with the "
+                       f"{first[0]} {first[1]!r}, and TensorBoard shows one of them only; "
+                       f"rename one")
 
   def close(self) -> None:
     if self._file is not None:

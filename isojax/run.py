@@ -260,7 +260,8 @@ def _write_step(writer: metrics_lib.MetricsWriter, step: int, record: dict,
   with disk_full_as(writer.path, f"the metrics of step {step}"):
     last = writer.write(step, record)
     if counts is not None:
-      writer.write_histogram(step, "train/pass@1", counts / k)
+      # Not "train/pass@1": that is the scalar mean, and a tag holds one kind.
+      writer.write_histogram(step, "train/pass@1_hist", counts / k)
   return last
 
 

@@ -92,3 +92,19 @@ def test_a_value_with_no_json_form_is_refused_by_name(tmp_path, value):
   assert record == {"step": 1, "a": ["p", "q"], "b": [1, 2], "c": {"d": 0.5}, "e": True}
   assert [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
       record]  # nothing of the refused writes reached the file
+
+
+def test_a_tensorboard_tag_holds_one_key_and_kind(tmp_path):
+  w = metrics_lib.MetricsWriter(tmp_path, resume_step=None)
+  w.write(0, {"train/pass@1": 0.25})
+  w.write_histogram(0, "train/pass@1_hist", [0.0, 0.5])
+  with pytest.raises(ValueError, match=r"the histogram 'train/pass@1' would share "
+                                       r"TensorBoard tag 'train/pass_1' with the scalar"):
+    w.write_histogram(0, "train/pass@1", [0.0, 0.5])
+  with pytest.raises(ValueError, match=r"the scalar 'val/avg_4' would share TensorBoard "
+                                       r"tag 'val/avg_4' with the scalar 'val/avg@4'"):
+    w.write(1, {"val/avg@4": 0.5, "val/avg_4": 0.5})
+  w.write(1, {"train/pass@1": 0.5})  # the same key again is the same curve
+  w.close()
+  assert [json.loads(x)["step"] for x in
+          (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
