@@ -20,6 +20,7 @@ learns the value of a prompt whose rollouts all scored the same.
 """
 
 import dataclasses
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -64,8 +65,9 @@ class ValueConfig:
     if self.cliprange_value is not None and not self.cliprange_value > 0:
       raise ValueError(f"ValueConfig.cliprange_value={self.cliprange_value} must be > 0 "
                        "or None")
-    if not self.value_coef > 0:
-      raise ValueError(f"ValueConfig.value_coef={self.value_coef} must be > 0")
+    # inf scales every critic gradient to inf: each update would be skipped.
+    if not 0 < self.value_coef < math.inf:
+      raise ValueError(f"ValueConfig.value_coef={self.value_coef} must be finite and > 0")
     w = self.critic_warmup
     if isinstance(w, bool) or not isinstance(w, int) or w < 0:
       raise ValueError(f"ValueConfig.critic_warmup={w!r} must be an int >= 0")

@@ -151,6 +151,7 @@ def test_value_metrics_explained_variance():
 
 @pytest.mark.parametrize("field, value", [("gamma", 1.1), ("lam", -0.5),
                                           ("cliprange_value", 0.0), ("value_coef", 0.0),
+                                          ("value_coef", float("inf")),
                                           ("critic_warmup", -1), ("critic_warmup", 1.5)])
 def test_bad_config_names_the_field(field, value):
   with pytest.raises(ValueError, match=f"ValueConfig.{field}"):
