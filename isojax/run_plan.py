@@ -150,7 +150,7 @@ def plan_run(config) -> RunPlan:
   if point.batch % micro:
     raise ValueError(f"config.rl.micro_batch={micro} does not divide B = Bp*n = "
                      f"{point.batch}")
-  value, critic_optim = _critic_plan(config, optim)
+  value, critic_optim = _critic_plan(config, optim, point.m)
   return RunPlan(point=point, loss=loss, optim=optim,
                  lr=learning_rate(optim, point.batch), micro_batch=micro,
                  max_tokens=max_tokens, val_sets=tuple(val_sets), value=value,
@@ -254,12 +254,14 @@ def check_off_policy_k(rl) -> int:
   return k
 
 
-def _critic_plan(config, optim):
+def _critic_plan(config, optim, m: int):
   """(ValueConfig, the critic's OptimConfig) from config.critic, or (None, None).
 
   Refuses, naming the field, what a critic's advantages leave without effect: a
   decoupled baseline's extra rollouts (sampled and billed, never read) and a
-  group filter (PPO's step would refuse it only once the run is built).
+  group filter (PPO's step would refuse it only once the run is built); and a
+  critic warm-up as long as the run's M updates, which would spend the whole
+  budget with the policy frozen.
   """
   rl = config.rl
   if rl.adv_estimator not in VALUE_ESTIMATORS:
@@ -274,6 +276,16 @@ def _critic_plan(config, optim):
     raise ValueError(f"config.rl.zero_var_filter={rl.zero_var_filter!r}: {why}; use "
                      f"'off'")
   c = config.critic
+  # Checked here: OptimConfig's and ValueConfig's own errors would name the
+  # policy's lr_base and a field called critic_warmup.
+  if not c.lr_base > 0:
+    raise ValueError(f"config.critic.lr_base={c.lr_base} must be > 0 (the critic's "
+                     f"learning rate at rl.batch_base rollouts per update)")
+  w = c.warmup_steps
+  if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < m:
+    raise ValueError(f"config.critic.warmup_steps={w!r} must be an int in [0, M={m}): "
+                     f"updates that train the critic only, the policy frozen; at M or "
+                     f"more the policy is never updated")
   value = ValueConfig(gamma=c.gamma, lam=c.lam, whiten=c.whiten,
                       cliprange_value=c.cliprange_value,
                       value_coef=c.value_coef, critic_warmup=c.warmup_steps)

@@ -8,7 +8,8 @@
 * config.critic.path gives the critic another checkpoint's trunk;
 * the critic module a run builds is freed once the state holds its parameters;
 * a decoupled baseline's extra rollouts or a group filter, which a critic leaves
-  without effect, fail before any work.
+  without effect, fail before any work; so do a bad critic learning rate and a
+  critic warm-up covering every update, naming config.critic's fields.
 """
 
 import gc
@@ -92,6 +93,20 @@ def test_what_a_critic_leaves_without_effect_fails_before_any_work(tmp_path, fie
   with pytest.raises(ValueError, match=match):
     run.run(tiny_config(POINT, **PPO, **{field: value}), tmp_path / "run")
   assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("critic.lr_base", 0.0, r"config\.critic\.lr_base=0\.0 must be > 0"),
+    ("critic.warmup_steps", -1,
+     r"config\.critic\.warmup_steps=-1 must be an int in \[0, M=12\)"),
+    # M = 12 updates, all of them critic warm-up: the policy would never move.
+    ("critic.warmup_steps", 12, r"config\.critic\.warmup_steps=12 .* never updated"),
+])
+def test_bad_critic_fields_are_named_before_any_work(field, value, match):
+  with pytest.raises(ValueError, match=match):
+    run.plan_run(tiny_config(POINT, **{**PPO, field: value}))
+  longest = run.plan_run(tiny_config(POINT, **{**PPO, "critic.warmup_steps": 11}))
+  assert longest.value.critic_warmup == 11  # one policy update is left
 
 
 def test_the_run_lets_the_critic_it_built_go(monkeypatch):
