@@ -29,10 +29,11 @@ Inside the step (``isojax.rl.step``'s pieces where the logic is the same):
 
 The critic has its own optimiser config (``critic_optim``); the run derives it
 from the policy's with the critic's own base learning rate, so the critic's
-rate follows the same batch-size rule.
+rate follows the same batch-size rule. The state (``PPOTrainState``, its
+construction and abstract shapes) lives in ``isojax.rl.ppo_state``.
 """
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import flax.struct
 import jax
@@ -47,7 +48,10 @@ from isojax.rl import layout
 from isojax.rl.advantages import zero_variance_groups
 from isojax.rl.batch import Batch
 from isojax.rl.losses import LossConfig, token_weights
-from isojax.rl.optim import OptimConfig, lr_schedule, make_optimizer
+from isojax.rl.optim import OptimConfig, lr_schedule
+# The state's type and construction live beside the step; re-exported here.
+from isojax.rl.ppo_state import (PPOTrainState, abstract_ppo_train_state,
+                                 init_ppo_train_state, ppo_state_shardings)
 from isojax.rl.state import TrainState, default_mesh
 # PPO differs from the policy step in the values pass, per-token advantages, the
 # joint update of two optimisers and critic warm-up; the rest is shared.
@@ -58,74 +62,6 @@ from isojax.rl.value import (VALUE_ESTIMATORS, ValueConfig, ValueWeights, value_
 
 __all__ = ["PPOTrainState", "abstract_ppo_train_state", "critic_update_flops",
            "init_ppo_train_state", "make_ppo_train_step"]
-
-
-@flax.struct.dataclass
-class PPOTrainState:
-  """Everything a PPO update changes. ``ref_params`` is None unless kl_coef > 0.
-
-  ``step`` counts applied (not skipped) updates, critic warm-up included.
-  """
-
-  params: Any  # the policy's nnx.Param state
-  opt_state: Any
-  critic_params: Any  # the critic's nnx.Param state (trunk + value head)
-  critic_opt_state: Any
-  step: jax.Array  # int32
-  ref_params: Any = None
-
-
-def _fresh_state(params, critic_params, tx, critic_tx, with_ref):
-  return PPOTrainState(params=params, opt_state=tx.init(params), critic_params=critic_params,
-                       critic_opt_state=critic_tx.init(critic_params),
-                       step=jnp.zeros((), jnp.int32),
-                       ref_params=jax.tree.map(jnp.copy, params) if with_ref else None)
-
-
-def _shapes_and_shardings(policy, critic, loss_cfg, optim_cfg, critic_optim, batch_size,
-                          mesh, rules):
-  tx = make_optimizer(optim_cfg, batch_size=batch_size)
-  critic_tx = make_optimizer(critic_optim, batch_size=batch_size)
-  with_ref = loss_cfg.kl_coef > 0
-  shapes = jax.eval_shape(lambda p, c: _fresh_state(p, c, tx, critic_tx, with_ref),
-                          nnx.state(policy, nnx.Param), nnx.state(critic, nnx.Param))
-  return shapes, shd.state_shardings(shapes, mesh, rules), (tx, critic_tx, with_ref)
-
-
-def init_ppo_train_state(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig,
-                         optim_cfg: OptimConfig, critic_optim: OptimConfig, *,
-                         batch_size: int, mesh: Mesh | None = None,
-                         rules=shd.DEFAULT_RULES) -> PPOTrainState:
-  """Fresh optimiser states around copies of both models' parameters, on ``mesh``.
-
-  The models stay usable (the step donates the state's copies).
-  """
-  mesh = default_mesh(mesh)
-  _, shardings, (tx, critic_tx, with_ref) = _shapes_and_shardings(
-      policy, critic, loss_cfg, optim_cfg, critic_optim, batch_size, mesh, rules)
-  params = jax.device_put(nnx.state(policy, nnx.Param), shardings.params, may_alias=False)
-  critic_params = jax.device_put(nnx.state(critic, nnx.Param), shardings.critic_params,
-                                 may_alias=False)
-  return jax.device_put(_fresh_state(params, critic_params, tx, critic_tx, with_ref),
-                        shardings, may_alias=False)
-
-
-def abstract_ppo_train_state(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig,
-                             optim_cfg: OptimConfig, critic_optim: OptimConfig, *,
-                             batch_size: int, mesh: Mesh | None = None,
-                             rules=shd.DEFAULT_RULES) -> PPOTrainState:
-  """``init_ppo_train_state``'s result as sharded ``jax.ShapeDtypeStruct`` leaves.
-
-  Both models may come from ``nnx.eval_shape``; the result feeds ``TrainStep.lower``.
-  """
-  shapes, shardings, _ = _shapes_and_shardings(
-      policy, critic, loss_cfg, optim_cfg, critic_optim, batch_size,
-      default_mesh(mesh), rules)
-  # Flat leaves: the shapes hold nnx Variables where the shardings hold NamedShardings.
-  leaves, treedef = jax.tree.flatten(shapes)
-  return jax.tree.unflatten(treedef, [
-      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-      for x, sh in zip(leaves, jax.tree.leaves(shardings), strict=True)])
 
 
 def _check_value_config(loss_cfg: LossConfig) -> None:
@@ -356,7 +292,7 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
                   rows_per_micro=rows_per_micro, mesh=mesh, temperature=temperature,
                   length_buckets=length_buckets, old_logp="current")
   n_micro = batch_size // rows_per_micro
-  _, state_sh, (tx, critic_tx, _) = _shapes_and_shardings(
+  _, state_sh, (tx, critic_tx, _) = ppo_state_shardings(
       policy, critic, loss_cfg, optim_cfg, critic_optim, batch_size, mesh, rules)
   schedule = lr_schedule(optim_cfg, batch_size)
   critic_schedule = lr_schedule(critic_optim, batch_size)
