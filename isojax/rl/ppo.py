@@ -64,8 +64,13 @@ __all__ = ["PPOTrainState", "abstract_ppo_train_state", "critic_update_flops",
            "init_ppo_train_state", "make_ppo_train_step"]
 
 
-def _check_value_config(loss_cfg: LossConfig) -> None:
-  """What PPO adds to ``make_train_step``'s checks: a value estimator, no group filter."""
+def _check_ppo_args(loss_cfg: LossConfig, policy: nnx.Module, critic: Critic) -> None:
+  """What PPO adds to ``make_train_step``'s checks: a value estimator, no group
+  filter, and a critic that embeds every token id the policy can emit."""
+  v, pv = critic.cfg.vocab_size, policy.cfg.vocab_size
+  if v < pv:  # the embedding lookup of a larger id gives NaN: every update skipped
+    raise ValueError(f"the critic's vocab_size={v} is smaller than the policy's {pv}: a "
+                     f"critic must read the policy's tokens (one tokenizer)")
   if loss_cfg.adv_estimator not in VALUE_ESTIMATORS:
     raise ValueError(f"LossConfig.adv_estimator={loss_cfg.adv_estimator!r} is not a value "
                      f"estimator; the PPO step takes one of {sorted(VALUE_ESTIMATORS)}")
@@ -286,7 +291,7 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
   """
   mesh = default_mesh(mesh)
   rows_per_micro = batch_size if micro_batch_size is None else micro_batch_size
-  _check_value_config(loss_cfg)
+  _check_ppo_args(loss_cfg, policy, critic)
   # On-policy: the critic's step takes no stale batches.
   check_step_args(batch_size=batch_size, group_size=group_size,
                   rows_per_micro=rows_per_micro, mesh=mesh, temperature=temperature,

@@ -16,7 +16,7 @@ from flax import nnx
 
 from isojax import sharding as shd
 from isojax.models import Decoder
-from isojax.models.critic import critic_forward_flops, init_critic_from
+from isojax.models.critic import Critic, critic_forward_flops, init_critic_from
 from isojax.rl import LossConfig, OptimConfig
 from isojax.rl.logprobs import token_logp_entropy
 from isojax.rl.losses import RATIO_METRICS, policy_loss
@@ -178,6 +178,13 @@ def test_bad_configs_are_named(models):
     build(models, loss=dataclasses.replace(LOSS, adv_estimator="grpo"))
   with pytest.raises(ValueError, match="zero_var_filter='all'"):
     build(models, loss=dataclasses.replace(LOSS, zero_var_filter="all"))
+  policy, _ = models
+  # A critic checkpoint of another tokenizer: ids past its embedding read as NaN.
+  small, large = (nnx.eval_shape(lambda v=v: Critic(tiny_config(vocab_size=v), rngs=nnx.Rngs(1)))
+                  for v in (32, 96))
+  with pytest.raises(ValueError, match="critic's vocab_size=32 is smaller than the policy's 64"):
+    build((policy, small))
+  build((policy, large))  # a larger (padded) embedding reads every id
 
 
 def test_abstract_state_has_the_real_states_shapes_and_shardings(models):
