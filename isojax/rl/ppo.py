@@ -66,7 +66,8 @@ __all__ = ["PPOTrainState", "abstract_ppo_train_state", "critic_update_flops",
 
 def _check_ppo_args(loss_cfg: LossConfig, policy: nnx.Module, critic: Critic) -> None:
   """What PPO adds to ``make_train_step``'s checks: a value estimator, no group
-  filter, and a critic that embeds every token id the policy can emit."""
+  filter, a per-token policy loss, and a critic that embeds every token id the
+  policy can emit."""
   v, pv = critic.cfg.vocab_size, policy.cfg.vocab_size
   if v < pv:  # the embedding lookup of a larger id gives NaN: every update skipped
     raise ValueError(f"the critic's vocab_size={v} is smaller than the policy's {pv}: a "
@@ -77,6 +78,10 @@ def _check_ppo_args(loss_cfg: LossConfig, policy: nnx.Module, critic: Critic) ->
   if loss_cfg.zero_var_filter != "off":
     raise ValueError(f"LossConfig.zero_var_filter={loss_cfg.zero_var_filter!r}: a critic's "
                      "advantages are not a group baseline's; use 'off' with PPO")
+  if loss_cfg.kind == "gspo":  # its sequence ratio's gradient averages A_t over the tokens
+    raise ValueError("LossConfig.kind='gspo' takes one advantage per sequence; a critic's "
+                     "are per token and would be averaged over each sequence; use "
+                     "'ppo_clip' or 'cispo' with PPO")
 
 
 @flax.struct.dataclass

@@ -178,6 +178,8 @@ def test_bad_configs_are_named(models):
     build(models, loss=dataclasses.replace(LOSS, adv_estimator="grpo"))
   with pytest.raises(ValueError, match="zero_var_filter='all'"):
     build(models, loss=dataclasses.replace(LOSS, zero_var_filter="all"))
+  with pytest.raises(ValueError, match="kind='gspo' takes one advantage per sequence"):
+    build(models, loss=dataclasses.replace(LOSS, kind="gspo"))
   policy, _ = models
   # A critic checkpoint of another tokenizer: ids past its embedding read as NaN.
   small, large = (nnx.eval_shape(lambda v=v: Critic(tiny_config(vocab_size=v), rngs=nnx.Rngs(1)))
