@@ -23,6 +23,7 @@ import re
 from typing import Any
 
 import numpy as np
+from absl import logging
 
 from isojax import files, rundir
 
@@ -104,6 +105,7 @@ class MetricsWriter:
     self._file = self._tb = None
     # TensorBoard tag -> (kind, key) of what was written to it first.
     self._tags: dict[str, tuple[str, str]] = {}
+    self._refused: set[tuple[str, str]] = set()
     if not enabled:
       return
     truncate_metrics(self.path, resume_step)
@@ -133,43 +135,41 @@ class MetricsWriter:
     record = {"step": int(step), **{k: _plain(v, k) for k, v in metrics.items()}}
     if self._file is None:
       return record
-    scalars = {key: value for key, value in record.items()
-               if key != "step" and isinstance(value, (int, float))
-               and not isinstance(value, bool)}
-    if self._tb is not None:  # before the line: a refused record writes nothing
-      for key in scalars:
-        self._claim_tag(key, "scalar")
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
     os.fsync(self._file.fileno())
     if self._tb is not None:
-      for key, value in scalars.items():
-        if math.isfinite(value):
+      for key, value in record.items():
+        if (key != "step" and isinstance(value, (int, float))
+            and not isinstance(value, bool) and math.isfinite(value)
+            and self._claim_tag(key, "scalar")):
           self._tb.add_scalar(tb_tag(key), value, global_step=int(step))
       self._tb.flush()
     return record
 
   def write_histogram(self, step: int, tag: str, values) -> None:
-    """A TensorBoard histogram (e.g. per-problem pass@1); not part of the jsonl.
-
-    Raises:
-      ValueError: when `tag` names the same TensorBoard tag as a scalar metric.
-    """
-    if self._tb is not None:
-      self._claim_tag(tag, "histogram")
+    """A TensorBoard histogram (e.g. per-problem pass@1); not part of the jsonl."""
+    if self._tb is not None and self._claim_tag(tag, "histogram"):
       self._tb.add_histogram(tb_tag(tag), np.asarray(values), global_step=int(step))
 
-  def _claim_tag(self, key: str, kind: str) -> None:
-    """Keeps one key and kind per TensorBoard tag. TensorBoard files a tag under the
-    kind first written to it: a histogram sharing a scalar's tag (per-problem pass@1
-    under the name of the scalar mean) never shows, and two keys that `tb_tag`
-    makes one ("a@b", "a_b") would draw as one curve."""
+  def _claim_tag(self, key: str, kind: str) -> bool:
+    """Whether `key` may be drawn under its TensorBoard tag: one key and kind per tag.
+
+    TensorBoard files a tag under the kind first written to it (a histogram sharing a
+    scalar's tag never shows), and two keys that `tb_tag` makes one ("a@b", "a_b")
+    would draw as one curve. The later key is left out of TensorBoard with a warning
+    (once): metrics.jsonl, the run's record, keeps both, and a run is not stopped
+    over how a curve is named.
+    """
     tag = tb_tag(key)
     first = self._tags.setdefault(tag, (kind, key))
-    if first != (kind, key):
-      raise ValueError(f"the {kind} {key!r} would share TensorBoard tag {tag!r} with the "
-                       f"{first[0]} {first[1]!r}, and TensorBoard shows one of them only; "
-                       f"rename one")
+    if first == (kind, key):
+      return True
+    if (kind, key) not in self._refused:
+      self._refused.add((kind, key))
+      logging.warning("the %s %r shares TensorBoard tag %r with the %s %r: it is left out "
+                      "of TensorBoard (metrics.jsonl has it)", kind, key, tag, *first)
+    return False
 
   def close(self) -> None:
     if self._file is not None:

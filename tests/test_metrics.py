@@ -4,6 +4,7 @@ import json
 import pathlib
 import struct
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -94,17 +95,22 @@ def test_a_value_with_no_json_form_is_refused_by_name(tmp_path, value):
       record]  # nothing of the refused writes reached the file
 
 
-def test_a_tensorboard_tag_holds_one_key_and_kind(tmp_path):
+def test_a_tensorboard_tag_holds_one_key_and_kind(tmp_path, caplog):
   w = metrics_lib.MetricsWriter(tmp_path, resume_step=None)
   w.write(0, {"train/pass@1": 0.25})
   w.write_histogram(0, "train/pass@1_hist", [0.0, 0.5])
-  with pytest.raises(ValueError, match=r"the histogram 'train/pass@1' would share "
-                                       r"TensorBoard tag 'train/pass_1' with the scalar"):
-    w.write_histogram(0, "train/pass@1", [0.0, 0.5])
-  with pytest.raises(ValueError, match=r"the scalar 'val/avg_4' would share TensorBoard "
-                                       r"tag 'val/avg_4' with the scalar 'val/avg@4'"):
-    w.write(1, {"val/avg@4": 0.5, "val/avg_4": 0.5})
-  w.write(1, {"train/pass@1": 0.5})  # the same key again is the same curve
+  w._tb = mock.Mock(wraps=w._tb)  # what reaches TensorBoard from here on
+  caplog.set_level("WARNING")
+  w.write_histogram(0, "train/pass@1", [0.0, 0.5])
+  w.write(1, {"val/avg@4": 0.5, "val/avg_4": 0.25})
+  w.write(2, {"val/avg@4": 0.75, "val/avg_4": 0.5})
+  w.write(2, {"train/pass@1": 0.5})  # the same key again is the same curve
   w.close()
-  assert [json.loads(x)["step"] for x in
-          (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+  assert caplog.text.count("shares TensorBoard tag") == 2  # once per key left out
+  assert "the histogram 'train/pass@1' shares TensorBoard tag 'train/pass_1' with the " \
+      "scalar 'train/pass@1'" in caplog.text
+  w._tb.add_histogram.assert_not_called()
+  assert [c.args for c in w._tb.add_scalar.call_args_list] == [
+      ("val/avg_4", 0.5), ("val/avg_4", 0.75), ("train/pass_1", 0.5)]
+  lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [x.get("val/avg_4") for x in lines] == [None, 0.25, 0.5, None]  # kept here
