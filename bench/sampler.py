@@ -93,15 +93,19 @@ def write_model(path: str, vocab: int, seed: int) -> None:
   save_pretrained(model, cfg, path)
 
 
+# The seed of every warm-up call; timed run i gets seed i + 1 (samplers take seeds >= 0).
+WARMUP_SEED = 0
+
+
 def time_runs(fn, repeats: int, warmup: bool = True) -> tuple[float, float, int]:
-  """(best seconds, median seconds, tokens of the last run) after one warm-up
-  (without it, the first run's time includes compilation)."""
+  """(best seconds, median seconds, tokens of the last run) of `fn(seed)` after one
+  warm-up (without it, the first run's time includes compilation)."""
   if warmup:
-    fn(-1)
+    fn(WARMUP_SEED)
   times, tokens = [], 0
   for i in range(repeats):
     t0 = time.perf_counter()
-    tokens = fn(i)
+    tokens = fn(i + 1)
     times.append(time.perf_counter() - t0)
   return min(times), statistics.median(times), tokens
 
@@ -118,7 +122,7 @@ def bench_jax(path, prompts, n, max_tokens, repeats, label="jax"):
     return r.num_generated_tokens
 
   t0 = time.perf_counter()
-  run(-1)
+  run(WARMUP_SEED)
   print(f"  {label}: first call (compile + run) {time.perf_counter() - t0:.1f}s")
   return time_runs(run, repeats)
 
