@@ -117,6 +117,11 @@ def _analyze(args, loaded) -> Callable[[str], dict]:
     ValueError: when nothing can be analysed or an option is out of range.
   """
   runs = list(loaded.runs)
+  logged = set(eval_metrics(runs))
+  if args.metric and args.metric not in logged:
+    # A named validation set logs val/NAME/avg@k; list what the runs hold.
+    raise ValueError(f"--metric {args.metric!r} is logged by none of the runs; they "
+                     f"log {sorted(logged)}")
   if args.compare_recipes:
     comparison = recipes.compare_recipes(
         runs, metric=args.metric, unit=args.unit or "rollouts", group_by=args.group_by,
@@ -124,11 +129,6 @@ def _analyze(args, loaded) -> Callable[[str], dict]:
         bin_width=args.bin_width, n_boot=args.n_boot, seed=args.seed)
     return functools.partial(report.write_recipe_report, comparison,
                              root=args.runs_dir, load_problems=loaded.problems)
-  logged = set(eval_metrics(runs))
-  if args.metric and args.metric not in logged:
-    # A named validation set logs val/NAME/avg@k; list what the runs hold.
-    raise ValueError(f"--metric {args.metric!r} is logged by none of the runs; they "
-                     f"log {sorted(logged)}")
   analysis = pipeline.analyze(
       runs, root=args.runs_dir, metric=args.metric, bin_width=args.bin_width,
       tie_tol=args.tie_tol, law_points=args.law_points, law_window=args.law_window,

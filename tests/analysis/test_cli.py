@@ -208,6 +208,11 @@ def test_compare_recipes_failures_are_messages(recipe_runs, tmp_path, capsys):
   assert main([str(old), "--out", str(tmp_path / "o"), "--compare-recipes",
                "--group-by", "rl.nothing", "--n-boot", "0"]) == 1
   assert "no config field 'rl.nothing'" in capsys.readouterr().err
+  # A metric no run logs is named, as without --compare-recipes, and nothing is written.
+  assert main([str(old), "--out", str(tmp_path / "m"), "--compare-recipes",
+               "--metric", "val/aime/avg@4", "--n-boot", "0"]) == 1
+  assert "--metric 'val/aime/avg@4' is logged by none of the runs" in capsys.readouterr().err
+  assert not (tmp_path / "m").exists()
   for argv, match in ((["--unit", "tokens"], "--unit: only used with --compare-recipes"),
                       (["--compare-recipes", "--tie-tol", "0.01", "--bp", "8"],
                        "--tie-tol, --bp: frontier options, not used with "
