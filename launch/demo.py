@@ -226,11 +226,9 @@ def summary(analysis, runs) -> list[str]:
       pt = pr.point
       where = "beyond the data, extrapolated" if pr.extrapolated else "within the data"
       what = f"Bp={pt.bp}, n={pt.n}, M={pt.m}" if pt is not None else f"none ({pr.note})"
-      name = f"n_star@{pr.budget:g}"
-      iv = (g.intervals[name] if g.intervals is not None
-            and name in g.intervals.intervals else None)
-      ci = f", {100 * g.intervals.level:.0f}% interval [{iv.low:.3g}, {iv.high:.3g}]" if (
-          iv is not None) else ""
+      ci = (f", {100 * g.intervals.level:.0f}% interval [{pr.interval[0]:.3g}, "
+            f"{pr.interval[1]:.3g}]" if pr.interval is not None and g.intervals is not None
+            else "")
       out.append(f"prescription for C={pr.budget:.3g} rollouts ({where}): {what} "
                  f"(law n*={pr.n_star:.3g}{ci})")
     if not g.prescriptions:

@@ -108,7 +108,7 @@ def test_summary_fitted_frontier_and_prescriptions_on_known_curves(tmp_path):
   # Ground truth (fake_runs.TRUE_PARAMS): n=4 wins at small C, n=32 at 4e5 rollouts.
   fake_runs.make_sweep(str(tmp_path / "runs"), configs=fake_runs.bp8_configs(),
                        budget=400_000, seeds=(0, 1))
-  analysis, runs, report_dir = driver.analyse(str(tmp_path), n_boot=0)
+  analysis, runs, report_dir = driver.analyse(str(tmp_path), n_boot=2)
   lines = driver.summary(analysis, runs)
   fitted = next(line for line in lines if line.startswith("fitted frontier"))
   first, last = (int(x) for x in fitted.split("(", 2)[2].split(")")[0].split(" -> "))
@@ -118,7 +118,9 @@ def test_summary_fitted_frontier_and_prescriptions_on_known_curves(tmp_path):
   assert fake_runs.true_reward(8, 4, c_small) > fake_runs.true_reward(8, 8, c_small)
   # Allow one step of fit error at the large end.
   assert first == 4 and last in (16, 32, 64) and "grows with C" in fitted, fitted
-  assert any(line.startswith("prescription for C=") for line in lines)
+  prescribed = [line for line in lines if line.startswith("prescription for C=")]
+  # Each with the bootstrap interval of n* that report.md gives it.
+  assert prescribed and all("% interval [" in line for line in prescribed), prescribed
   assert os.path.exists(os.path.join(report_dir, "report.md"))
 
 
