@@ -9,6 +9,7 @@ a performance one); spend the rest on updates, M = floor(C / (Bp * n)).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 
 from isojax.analysis.fits import NStarFit
@@ -43,6 +44,9 @@ def nearest_n(n: float, n_values: Iterable[int] | None = None, *,
     candidates = [2 ** i for i in range(MIN_N.bit_length() - 1, top.bit_length())]
   else:
     candidates = sorted({int(v) for v in n_values})
+    if not candidates:
+      raise ValueError("nearest_n: n_values is empty; give the n the study tried, or "
+                       "None for powers of two")
   if at_most is not None:
     candidates = [c for c in candidates if c <= at_most]
   if not candidates:
@@ -73,11 +77,13 @@ def plan(budget, nstar_fit: NStarFit, *, bp: int, b_max: int | None = None,
   if nstar_fit.unit != "rollouts":
     raise ValueError(f"plan: the n* law was fitted with compute in "
                      f"{nstar_fit.unit!r}; budgets are in rollouts")
-  if isinstance(bp, bool) or not isinstance(bp, int) or bp <= 0:
+  # NumPy scalars count (a budget or Bp read off an array), bools do not.
+  if isinstance(bp, bool) or not isinstance(bp, numbers.Integral) or bp <= 0:
     raise ValueError(f"plan: bp must be a positive integer, got {bp!r}")
-  if isinstance(budget, bool) or not (isinstance(budget, (int, float))
+  if isinstance(budget, bool) or not (isinstance(budget, numbers.Real)
                                       and math.isfinite(budget) and budget > 0):
     raise ValueError(f"plan: budget must be a positive number of rollouts, got {budget!r}")
+  bp, budget = int(bp), int(budget) if isinstance(budget, numbers.Integral) else float(budget)
   n_pred = float(nstar_fit.predict(budget))
   n = nearest_n(n_pred, n_values)
   try:

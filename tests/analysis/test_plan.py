@@ -52,6 +52,17 @@ def test_plan_errors_name_the_numbers():
     plan(1e7, law(unit="tokens"), bp=32)
   with pytest.raises(ValueError, match="bp must be"):
     plan(1e7, f, bp=0)
+  with pytest.raises(ValueError, match="bp must be"):
+    plan(1e7, f, bp=True)
+
+
+def test_plan_takes_numpy_scalars():
+  # A budget or Bp read off an array (a run's compute, a sweep's Bp values).
+  f = law()
+  want = plan(1e5, f, bp=32)
+  for budget, bp in ((np.int64(100_000), 32), (np.float32(1e5), 32), (1e5, np.int64(32))):
+    got = plan(budget, f, bp=bp)
+    assert got == want and type(got.bp) is int and type(got.m) is int
 
 
 def test_nearest_n_snaps_to_the_study_s_n_and_never_below_two():
@@ -63,6 +74,8 @@ def test_nearest_n_snaps_to_the_study_s_n_and_never_below_two():
   assert nearest_n(100, [3, 6, 12, 24], at_most=10) == 6
   with pytest.raises(ValueError, match=r"no n among \[4, 8\] is at most 2"):
     nearest_n(5, [4, 8], at_most=2)
+  with pytest.raises(ValueError, match="n_values is empty"):
+    nearest_n(5, [])
 
 
 def test_plan_uses_the_study_s_n():
