@@ -58,14 +58,14 @@ class FrontierOptions:
 
   def __post_init__(self):
     if not (math.isfinite(self.bin_width) and self.bin_width > 0):
-      raise ValueError(f"bin_width must be > 0, got {self.bin_width!r}")
+      raise ValueError(f"bin_width must be > 0 and finite, got {self.bin_width!r}")
     if not (math.isfinite(self.tie_tol) and self.tie_tol >= 0):
-      raise ValueError(f"tie_tol must be >= 0, got {self.tie_tol!r}")
+      raise ValueError(f"tie_tol must be >= 0 and finite, got {self.tie_tol!r}")
     if self.law_points not in law_points_lib.METHODS:
       raise ValueError(f"law_points must be one of {sorted(law_points_lib.METHODS)}, "
                        f"got {self.law_points!r}")
     if not (math.isfinite(self.law_window) and self.law_window > 0):
-      raise ValueError(f"law_window must be > 0 decades, got {self.law_window!r}")
+      raise ValueError(f"law_window must be > 0 decades and finite, got {self.law_window!r}")
 
   def law_of(self, fr: Frontier, unit: str):
     """(LawPoints, NStarFit) of a frontier. Raises ValueError when no law fits."""

@@ -266,8 +266,8 @@ def compare_recipes(runs, *, metric: str | None = None, unit: str = "rollouts",
   if fit_fraction is not None and not 0 < fit_fraction < 1:
     raise ValueError(f"compare_recipes: fit_fraction must be in (0, 1), got "
                      f"{fit_fraction!r}")
-  if not tolerance > 0:
-    raise ValueError(f"compare_recipes: tolerance must be > 0, got {tolerance!r}")
+  if not (math.isfinite(tolerance) and tolerance > 0):
+    raise ValueError(f"compare_recipes: tolerance must be > 0 and finite, got {tolerance!r}")
   runs = sorted(runs, key=lambda r: r.name)
   metric = pipeline.primary_metric(runs, metric)
   labels, how = group_recipes(runs, group_by)

@@ -47,7 +47,7 @@ def record_breaking_points(compute, reward, *, bin_width: float = 0.005,
     raise ValueError(f"record_breaking_points: compute has {compute.size} points, "
                      f"reward has {reward.size}")
   if not (np.isfinite(bin_width) and bin_width > 0):
-    raise ValueError(f"record_breaking_points: bin_width must be > 0, got {bin_width}")
+    raise ValueError(f"record_breaking_points: bin_width must be > 0 and finite, got {bin_width}")
   valid = np.flatnonzero(np.isfinite(compute) & np.isfinite(reward))
   if valid.size == 0:
     return np.zeros(0, dtype=np.int64)

@@ -137,6 +137,10 @@ def test_out_naming_an_existing_file_is_a_message_not_a_traceback(tmp_path, runs
 @pytest.mark.parametrize("argv, match", [
     (["--tie-tol", "-1"], "tie_tol must be >= 0"),
     (["--law-window", "0"], "law_window must be > 0"),
+    (["--law-window", "inf"], "law_window must be > 0 decades and finite, got inf"),
+    (["--bin-width", "inf"], "bin_width must be > 0 and finite, got inf"),
+    (["--tie-tol", "nan"], "tie_tol must be >= 0 and finite, got nan"),
+    (["--compare-recipes", "--tolerance", "inf"], "tolerance must be > 0 and finite"),
 ])
 def test_bad_frontier_options_are_messages(tmp_path, runs_dir, capsys, argv, match):
   assert main([str(runs_dir), "--out", str(tmp_path / "o"), "--n-boot", "0", *argv]) == 1
