@@ -239,6 +239,17 @@ def _is_int(x) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def check_count(where: str, name: str, value, *, minimum: int, none: str = "") -> None:
+  """Checks a count setting: an int (not a bool: True would mean 1) >= `minimum`,
+  or None where `none` says what None means. The ValueError names `where`, the
+  setting and its value."""
+  if value is None and none:
+    return
+  if not _is_int(value) or value < minimum:
+    alt = f" (or None: {none})" if none else ""
+    raise ValueError(f"{where}: {name}={value!r}; expected an int >= {minimum}{alt}")
+
+
 def next_version(current: int, version: int | None, *, where: str) -> int:
   """The label of weights passed to `update_weights`: `version`, checked, or
   `current` + 1 when None. `where` names the caller in the error."""
@@ -343,5 +354,5 @@ def validate_request(prompt_ids: Sequence[Sequence[int]], *, n: int,
     if max_model_len is not None and len(p) + max_tokens > max_model_len:
       raise ValueError(
           f"prompt_ids[{i}] has {len(p)} tokens; with max_tokens={max_tokens} "
-          f"that is {len(p) + max_tokens} > the model's context of "
-          f"{max_model_len} tokens")
+          f"that is {len(p) + max_tokens} > the sampler's context of "
+          f"{max_model_len} tokens (its max_model_len)")

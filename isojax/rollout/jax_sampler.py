@@ -51,7 +51,7 @@ from jax.experimental import multihost_utils
 from isojax import sharding
 from isojax.rollout import decode
 from isojax.rollout.base import (FINISH_LENGTH, FINISH_STOP, Rollouts, VersionLabels,
-                                 next_version, validate_request)
+                                 check_count, next_version, validate_request)
 from isojax.rollout.memory import CacheLayout, cache_layout, rows_at_once
 
 PAD_ID = 0  # what left-pads prompts (masked: any id would do)
@@ -146,21 +146,24 @@ class JaxSampler:
     self._cfg = model.cfg
     self._mesh = mesh
     self._rules = sharding.DEFAULT_RULES if rules is None else rules
+    # Every setting is checked before any work: a bool is not a count (True
+    # would silently mean 1), and a float would be cut to an int unseen.
+    check_count("JaxSampler", "max_len", max_len, minimum=2,
+                none="the model's context")  # a prompt token and a completion token
+    check_count("JaxSampler", "min_prompt_bucket", min_prompt_bucket, minimum=1)
+    check_count("JaxSampler", "max_rows", max_rows, minimum=1, none="no cap")
+    check_count("JaxSampler", "cache_block", cache_block, minimum=1)
+    check_count("JaxSampler", "decode_chunk", decode_chunk, minimum=1, none="no bound")
+    if kv_budget_gib is not None and not (
+        isinstance(kv_budget_gib, (int, float, np.integer, np.floating))
+        and not isinstance(kv_budget_gib, bool) and 0 < kv_budget_gib < math.inf):
+      raise ValueError(f"JaxSampler: kv_budget_gib={kv_budget_gib!r}; expected a finite "
+                       f"number > 0 (or None: no budget)")
     self._min_prompt_bucket = int(min_prompt_bucket)
     self._vocab_size = int(self._cfg.vocab_size)
     context = getattr(self._cfg, "max_position_embeddings", None)
-    limits = [x for x in (context, max_len) if x is not None]
+    limits = [int(x) for x in (context, max_len) if x is not None]
     self._max_len = min(limits) if limits else None
-    if max_rows is not None and int(max_rows) < 1:
-      raise ValueError(f"JaxSampler: max_rows={max_rows}; expected >= 1 (or None: no cap)")
-    if kv_budget_gib is not None and not kv_budget_gib > 0:
-      raise ValueError(f"JaxSampler: kv_budget_gib={kv_budget_gib}; expected > 0 "
-                       f"(or None: no budget)")
-    if int(cache_block) < 1:
-      raise ValueError(f"JaxSampler: cache_block={cache_block}; expected >= 1 slots per block")
-    if decode_chunk is not None and int(decode_chunk) < 1:
-      raise ValueError(f"JaxSampler: decode_chunk={decode_chunk}; expected >= 1 (or None: "
-                       f"no bound)")
     self._decode_chunk = None if decode_chunk is None else int(decode_chunk)
     self._max_rows = None if max_rows is None else int(max_rows)
     self._kv_budget_gib = kv_budget_gib

@@ -284,8 +284,12 @@ def test_prompt_too_long_fails_before_any_work(model, sampler):
         sampler.generate([[1, 2]], n=1, max_tokens=8, temperature=1.0, stop_token_ids=stop)
   finally:
     sampler._jit_admit, sampler._jit_decode = real
+  # A cap below the model's context is the sampler's context, named as such.
   capped = JaxSampler(model, max_len=16)
-  with pytest.raises(ValueError, match="context of 16"):
+  assert capped.max_model_len() == 16
+  assert JaxSampler(model, max_len=1000).max_model_len() == CONTEXT
+  with pytest.raises(ValueError, match=r"prompt_ids\[0\] has 10 tokens; with max_tokens=8 "
+                     r"that is 18 > the sampler's context of 16 tokens"):
     capped.generate([[1] * 10], n=1, max_tokens=8, temperature=0.0)
 
 
