@@ -615,6 +615,10 @@ def test_kill_and_rerun_real_tiny_sweep(tmp_path):
   started = {n for n, d in dirs.items() if (d / "metrics.jsonl").exists()}
   interrupted = started - done_before
   assert done_before and interrupted
+  # A run can write DONE and be killed with its launcher before it was reaped: no
+  # end is recorded, so the rerun starts it once more and the run checks its config.
+  unreaped = {n for n in done_before
+              if not any(a["event"] == "end" for a in _attempts(dirs[n]))}
 
   second = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=900)
@@ -622,6 +626,9 @@ def test_kill_and_rerun_real_tiny_sweep(tmp_path):
     pytest.fail(f"the rerun failed:\n{second.stdout}\n{second.stderr}", pytrace=False)
   for name in done_before:
     assert f"skip   {name}" in second.stdout
+  for name in unreaped:
+    assert f"skip   {name}: already finished; the run found its config unchanged" in \
+        second.stdout
 
   for sp in points:
     run_dir = dirs[sp.name]
@@ -630,8 +637,10 @@ def test_kill_and_rerun_real_tiny_sweep(tmp_path):
     attempts = _attempts(run_dir)
     starts = [a for a in attempts if a["event"] == "start"]
     ends = [a for a in attempts if a["event"] == "end"]
-    # Started once, or (interrupted) twice with the second a resume; never after DONE.
-    assert len(starts) == (2 if sp.name in interrupted else 1), (sp.name, attempts)
+    # Started once, or (interrupted, or finished unrecorded) twice with the second a
+    # resume; never after a recorded finish.
+    assert len(starts) == (2 if sp.name in interrupted | unreaped else 1), (
+        sp.name, attempts)
     if sp.name in interrupted:
       assert starts[1]["resumed"] and starts[1]["launcher_pid"] != first.pid
     if sp.name not in done_before:  # ended under the second launcher
