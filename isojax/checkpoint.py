@@ -14,11 +14,17 @@ state's buffers.
 
 A checkpoint never holds a non-finite number: `save` checks every floating leaf
 first and raises `NonFiniteStateError` naming the leaves instead of writing.
+
+Orbax stores arrays without checksums: a byte changed on disk after the save (a
+bad copy, a failing disk) can restore as different numbers with no error. The
+host item therefore also records, per state leaf, its dtype, shape and a
+position-weighted sum of its bits (`state_checksums`), which `restore` checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 from typing import Any
 
@@ -29,6 +35,11 @@ import orbax.checkpoint as ocp
 
 from isojax.budget import Ledger
 from isojax.errors import IsojaxError
+
+
+# The host item's key for `state_checksums` (beside `HostState.to_json`'s keys).
+# A checkpoint written before it existed lacks it and restores unchecked.
+_CHECKSUMS_KEY = "state_checksums"
 
 
 class NonFiniteStateError(IsojaxError):
@@ -44,6 +55,63 @@ def nonfinite_leaves(tree: Any) -> list[str]:
       continue
     if not bool(jnp.all(jnp.isfinite(leaf))):
       bad.append(jax.tree_util.keystr(path))
+  return bad
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  """sum_i bits_i * (2 i + 1) mod 2**32 over the leaf's elements, as uint32.
+
+  Integer sums wrap exactly whatever the summation order, so the value does not
+  depend on the mesh the leaf is sharded over (a checkpoint restores onto other
+  meshes); the odd weight per position makes any single changed element, or two
+  swapped ones, change the sum.
+  """
+  if x.dtype == jnp.bool_:
+    bits = x.astype(jnp.uint32)
+  else:
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+  index = jnp.zeros(bits.shape, jnp.uint32)
+  for dim in range(bits.ndim):  # the row-major position, without reshaping a sharded array
+    stride = np.uint32(math.prod(bits.shape[dim + 1:]) % 2**32)
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, dim) * stride
+  return jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)
+
+
+# One call per leaf, not one over the tree: a state's leaves may sit on different
+# devices (a replicated counter beside mesh-sharded parameters), which one jit
+# refuses; calls are cached by shape, so a model's layers share compiles.
+_leaf_checksum_jit = jax.jit(_leaf_checksum)
+
+
+def state_checksums(tree: Any) -> dict[str, list]:
+  """{key path: [dtype, shape, checksum]} of every numeric array leaf of `tree`."""
+  paths, leaves = [], []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not (jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_):
+      continue  # e.g. PRNG key arrays: not numbers, left unchecked
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+      continue
+    paths.append(path)
+    leaves.append(leaf)
+  sums = jax.device_get([_leaf_checksum_jit(x) for x in leaves])
+  return {jax.tree_util.keystr(p): [str(np.dtype(x.dtype)), list(x.shape), int(s)]
+          for p, x, s in zip(paths, leaves, sums)}
+
+
+def _checksum_mismatches(saved: dict, restored: dict) -> list[str]:
+  """What differs between the checksums saved with a state and the restored one's."""
+  bad = []
+  for path, (dtype, shape, total) in saved.items():
+    now = restored.get(path)
+    if now is None:
+      bad.append(f"{path} (not in the restored state)")
+    elif [dtype, list(shape)] != now[:2]:
+      bad.append(f"{path} (saved as {dtype}{tuple(shape)}, restored as "
+                 f"{now[0]}{tuple(now[1])})")
+    elif int(total) != now[2]:
+      bad.append(f"{path} (its values differ from those saved)")
   return bad
 
 
@@ -122,18 +190,33 @@ class RunCheckpointer:
       shown = ", ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")
       raise NonFiniteStateError(
           f"refusing to checkpoint step {step}: non-finite values in {shown}")
+    host_json = {**host.to_json(), _CHECKSUMS_KEY: state_checksums(state)}
     self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host.to_json())))
+        state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host_json)))
     self._manager.wait_until_finished()
 
   def restore(self, step: int, template_state: Any) -> tuple[Any, HostState]:
-    """Restores checkpoint `step` onto the shapes, dtypes and shardings of
-    `template_state` (e.g. a freshly initialised state); returns (state, host)."""
+    """Restores checkpoint `step` onto the shardings of `template_state` (e.g. a
+    freshly initialised state, on any mesh); returns (state, host).
+
+    Raises:
+      ValueError: naming the step, if it cannot be read, or its arrays differ
+        from the checksums saved with them (damaged on disk, or a template of
+        other dtypes or shapes, which would not resume the run exactly).
+    """
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template_state)
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract), host=ocp.args.JsonRestore()))
-      return restored["state"], HostState.from_json(dict(restored["host"]))
+      host = dict(restored["host"])
+      saved = host.pop(_CHECKSUMS_KEY, None)
+      if saved is not None:
+        bad = _checksum_mismatches(saved, state_checksums(restored["state"]))
+        if bad:
+          shown = "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+          raise ValueError(f"the restored state does not match the checksums saved "
+                           f"with it: {shown}")
+      return restored["state"], HostState.from_json(host)
     except Exception as e:  # pylint: disable=broad-except
       # A damaged step (a copy cut short, a file removed) fails deep in orbax or
       # tensorstore; say which step, and how to fall back to the one before.

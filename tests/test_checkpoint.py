@@ -1,11 +1,15 @@
-"""Run checkpoints: exact round trip, refusal of non-finite state, retention."""
+"""Run checkpoints: exact round trip (onto other meshes too), refusal of non-finite state
+and of arrays that differ from their checksums, retention."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from isojax import checkpoint as ckpt_lib
+from isojax import sharding
 from isojax.budget import Ledger
 
 
@@ -68,3 +72,38 @@ def test_host_state_of_another_layout_is_named():
   assert ckpt_lib.HostState.from_json(_host().to_json()) == _host()
   with pytest.raises(ValueError, match=r"host state has keys \['loader', 'step'\]"):
     ckpt_lib.HostState.from_json({"step": 4, "loader": {}})
+
+
+def test_restores_onto_another_mesh(tmp_path):
+  mesh8 = sharding.make_mesh(data=1, fsdp=8, tensor=1)
+  mesh222 = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  w = np.arange(64.0, dtype=np.float32).reshape(8, 8) / 7.0
+  ck = ckpt_lib.RunCheckpointer(tmp_path / "ckpt", max_to_keep=2)
+  ck.save(4, {"w": jax.device_put(w, NamedSharding(mesh8, P("fsdp", None)))}, _host())
+  template = {"w": jax.device_put(np.zeros_like(w), NamedSharding(mesh222, P("fsdp", "tensor")))}
+  restored, _ = ck.restore(4, template)
+  assert restored["w"].sharding.spec == P("fsdp", "tensor")
+  np.testing.assert_array_equal(np.asarray(restored["w"]), w)
+
+
+def test_a_byte_changed_on_disk_is_refused_not_restored(tmp_path):
+  state = {"w": jax.random.normal(jax.random.key(1), (256, 256)), "step": jnp.array(2)}
+  ck = ckpt_lib.RunCheckpointer(tmp_path / "ckpt", max_to_keep=2)
+  ck.save(2, state, _host(2))
+  data = max((p for p in (tmp_path / "ckpt" / "2" / "state").rglob("*") if p.is_file()),
+             key=lambda p: p.stat().st_size)
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2] ^= 0xFF  # a compressed chunk that still decodes, to other numbers
+  data.write_bytes(bytes(raw))
+  with pytest.raises(ValueError, match=r"checkpoint 2 .* cannot be restored .*\['w'\]"):
+    ck.restore(2, jax.tree.map(jnp.zeros_like, state))
+
+
+def test_template_of_another_dtype_is_refused(tmp_path):
+  ck = ckpt_lib.RunCheckpointer(tmp_path / "ckpt", max_to_keep=2)
+  ck.save(4, _state(), _host())
+  template = _state()
+  template["opt"]["mu"] = template["opt"]["mu"].astype(jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"\['opt'\]\['mu'\] \(saved as float32\(2, 3\), "
+                     r"restored as bfloat16\(2, 3\)\)"):
+    ck.restore(4, template)
