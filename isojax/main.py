@@ -9,7 +9,8 @@ steps between runs: points with the same batch shape compile once.
 
 `--dry_run` compiles the update step from shapes only (no weights are loaded,
 nothing is trained or written), prints its memory per device and whether it
-fits `--device_memory_gib`, and exits 0.
+fits `--device_memory_gib`, and exits 0; `--dry_run_devices=8` compiles it for
+the mesh of 8 devices on a machine with fewer (as 8 CPU devices).
 """
 
 import os
@@ -51,6 +52,10 @@ _DRY_RUN = flags.DEFINE_bool(
     "device; trains nothing and writes no run directory.")
 _DEVICE_MEMORY_GIB = flags.DEFINE_float(
     "device_memory_gib", 80.0, "Memory of one accelerator, for --dry_run's verdict.")
+_DRY_RUN_DEVICES = flags.DEFINE_integer(
+    "dry_run_devices", None, "With --dry_run: compile on this many CPU devices, for the "
+    "mesh of a run's GPUs on a machine without them (mesh.fsdp=-1 then fills them); "
+    "default: this machine's devices.", lower_bound=1)
 flags.register_validator("device_memory_gib", lambda gib: gib > 0,
                          message="--device_memory_gib must be > 0 (GiB of one accelerator)")
 flags.mark_flags_as_required(["config"])
@@ -65,7 +70,9 @@ def main(argv):
       run_config.check_none_override(_CONFIG.value, path)
   if _DRY_RUN.value:
     from isojax import memory  # after flag parsing: keeps `--help` fast
-    mem, what = memory.dry_run(_CONFIG.value)
+    if _DRY_RUN_DEVICES.value is not None:
+      memory.use_cpu_devices(_DRY_RUN_DEVICES.value)
+    mem, what = memory.dry_run(_CONFIG.value, _DRY_RUN_DEVICES.value)
     print(f"update step: B={what['batch']} x T={what['seq_len']}, micro-batch "
           f"{what['micro_batch']}, mesh {what['mesh']}, {what['params'] / 1e6:.2f}M parameters")
     print(mem.report(_DEVICE_MEMORY_GIB.value))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +27,9 @@ from isojax.run_plan import plan_run
 
 GIB = 1024 ** 3
 
-__all__ = ["MODEL_SHAPES", "StepMemory", "abstract_decoder", "dry_run", "extrapolated_step_memory",
-           "model_shape", "per_device_bytes", "step_memory"]
+__all__ = ["MODEL_SHAPES", "StepMemory", "abstract_decoder", "dry_run", "dry_run_mesh",
+           "extrapolated_step_memory", "model_shape", "per_device_bytes", "step_memory",
+           "use_cpu_devices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +116,58 @@ def abstract_decoder(cfg):
   return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
 
 
-def dry_run(config) -> tuple[StepMemory, dict]:
+def use_cpu_devices(num_devices: int) -> None:
+  """Makes JAX run on ``num_devices`` CPU devices, so that ``dry_run`` compiles a
+  mesh of the GPUs a run will have on a machine without them (a login node).
+
+  Must run before anything starts JAX's backends (the first device query).
+
+  Raises:
+    ValueError: if ``num_devices`` < 1, or the backends already started with
+      fewer CPU devices.
+  """
+  if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+    raise ValueError(f"number of devices for the dry run must be an int >= 1, got "
+                     f"{num_devices!r}")
+  flag = f"--xla_force_host_platform_device_count={num_devices}"
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+  jax.config.update("jax_platforms", "cpu")
+  if len(jax.devices()) < num_devices:
+    raise ValueError(f"JAX started with {len(jax.devices())} {jax.default_backend()} "
+                     f"devices before {num_devices} CPU devices could be made")
+
+
+def dry_run_mesh(config, num_devices: int | None = None):
+  """config.mesh as the run builds it, over the first ``num_devices`` devices
+  (default: all this machine has), which ``mesh.fsdp=-1`` then fills.
+
+  Raises:
+    ValueError: if the mesh does not fit those devices; it says how to compile
+      for a mesh of more devices than this machine has.
+  """
+  devices = jax.devices()
+  if num_devices is not None:
+    if len(devices) < num_devices:
+      raise ValueError(f"the dry run was asked for {num_devices} devices, but JAX has "
+                       f"{len(devices)} {jax.default_backend()} devices")
+    devices = devices[:num_devices]
+  try:
+    return run_setup._mesh(config, devices)
+  except ValueError as e:
+    m = config.mesh
+    wanted = math.prod(s for s in (m.data, m.fsdp, m.tensor) if s != -1)
+    if wanted <= len(devices) and -1 not in (m.data, m.fsdp, m.tensor):
+      raise
+    raise ValueError(f"{e} ({jax.default_backend()}); the run's devices need not be "
+                     f"here: --dry_run_devices=N compiles on N CPU devices") from e
+
+
+def dry_run(config, num_devices: int | None = None) -> tuple[StepMemory, dict]:
   """The memory of the update step ``isojax.main`` would build for ``config``.
 
   Reads the model's config.json (no weights), the training prompts (for the
-  batch width, as the run does) and compiles the step from shapes.
+  batch width, as the run does) and compiles the step from shapes, on the
+  mesh of ``dry_run_mesh(config, num_devices)``.
 
   Returns:
     (StepMemory, a dict describing what was compiled: B, T, micro-batch, mesh).
@@ -137,7 +186,7 @@ def dry_run(config) -> tuple[StepMemory, dict]:
       json.loads(config_file.read_text()), dtype=jnp.dtype(config.model.dtype),
       param_dtype=jnp.dtype(config.model.param_dtype), **options)
   model = abstract_decoder(cfg)
-  mesh = run_setup._mesh(config)
+  mesh = dry_run_mesh(config, num_devices)
   tokenizer = models.Tokenizer.from_pretrained(path)
   train, _ = run_setup.load_problem_sets(config)
   ids = data_lib.encode_prompts(tokenizer, train, chat_template=config.data.chat_template)

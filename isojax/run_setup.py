@@ -83,10 +83,11 @@ def load_problem_sets(config) -> tuple[list, dict[str, list]]:
   return problem_sets.load_problem_sets(config.data, assets.ASSETS_DIR / "splits")
 
 
-def _mesh(config):
+def _mesh(config, devices=None):
+  """config.mesh over `devices` (default: all of this process's view)."""
   m = config.mesh
   sizes = (m.data, m.fsdp, m.tensor)
-  devices = jax.devices()
+  devices = list(jax.devices() if devices is None else devices)
   if -1 not in sizes:  # an explicit mesh may use fewer devices than the host has
     devices = devices[:int(np.prod(sizes))]
   return sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
