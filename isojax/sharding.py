@@ -174,10 +174,37 @@ def initialize_distributed(coordinator_address: str | None = None,
   on a laptop. Must run before any other JAX call touches devices.
   """
   explicit = any(a is not None for a in (coordinator_address, num_processes, process_id))
-  in_cluster = ("SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
-                or "OMPI_COMM_WORLD_SIZE" in os.environ)
+  in_cluster = _slurm_tasks() > 1 or "OMPI_COMM_WORLD_SIZE" in os.environ
   if not explicit and not in_cluster:
     return False
   jax.distributed.initialize(coordinator_address=coordinator_address,
                              num_processes=num_processes, process_id=process_id)
   return True
+
+
+# What jax.distributed reads to join a SLURM job: `srun` sets them for each task.
+_SRUN_VARS = ("SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
+
+
+def _slurm_tasks() -> int:
+  """SLURM_NTASKS of this SLURM job (1 outside one).
+
+  Raises:
+    ValueError: if it is not a count, or the job has several tasks but this
+      process was not started by `srun` (jax.distributed would stop with
+      "coordinator_address should be defined").
+  """
+  if "SLURM_JOB_ID" not in os.environ:
+    return 1
+  raw = os.environ.get("SLURM_NTASKS", "1")
+  try:
+    tasks = int(raw)
+  except ValueError:
+    raise ValueError(f"SLURM_NTASKS={raw!r} is not a number of tasks") from None
+  missing = [v for v in _SRUN_VARS if v not in os.environ]
+  if tasks > 1 and missing:
+    raise ValueError(
+        f"SLURM job {os.environ['SLURM_JOB_ID']} has SLURM_NTASKS={tasks}, but this "
+        f"process was not started by srun ({', '.join(missing)} unset): start one process "
+        f"per task with srun, or give coordinator_address, num_processes and process_id")
+  return tasks

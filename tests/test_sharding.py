@@ -114,3 +114,19 @@ def test_constrain_batch_pins_rows_to_data_x_fsdp_inside_a_mesh_context():
   spec = jax.jit(g, in_shardings=jax.sharding.NamedSharding(one_axis, P())).lower(
       x).compile().output_shardings.spec
   assert spec == P("fsdp") or spec == P(("fsdp",)), spec
+
+
+def test_distributed_names_a_slurm_job_not_started_by_srun(monkeypatch):
+  for var in ("SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID", "OMPI_COMM_WORLD_SIZE"):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setenv("SLURM_JOB_ID", "42")
+  monkeypatch.setenv("SLURM_NTASKS", "1")
+  assert sharding.initialize_distributed() is False  # one task: nothing to join
+  monkeypatch.setenv("SLURM_NTASKS", "4")
+  with pytest.raises(ValueError, match=r"SLURM job 42 has SLURM_NTASKS=4, but this process "
+                     r"was not started by srun \(SLURM_STEP_NODELIST, SLURM_PROCID, "
+                     r"SLURM_LOCALID unset\)"):
+    sharding.initialize_distributed()
+  monkeypatch.setenv("SLURM_NTASKS", "")
+  with pytest.raises(ValueError, match=r"SLURM_NTASKS='' is not a number of tasks"):
+    sharding.initialize_distributed()
