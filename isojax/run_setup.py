@@ -180,16 +180,18 @@ def abstract_state(run_plan, model, mesh):
 
 
 def _init_state(run_plan, model, critic, mesh):
-  """The run's fresh-state builder, called once. A critic is handed over: the
-  state holds a copy of its parameters, so the builder lets the module go (kept,
-  it would double the critic's memory for the whole run)."""
+  """The run's fresh-state builder, called once. The model (and a critic) are
+  handed over: the state holds copies of their parameters, and the sampler
+  takes the state's after the first update, so the builder lets the modules go
+  (kept, they would hold a second copy of the parameters for the whole run)."""
   kwargs = dict(batch_size=run_plan.point.batch, mesh=mesh, rules=sharding.DEFAULT_RULES)
-  if critic is None:
-    return lambda: rl.init_train_state(model, run_plan.loss, run_plan.optim, **kwargs)
-  handed = [critic]
+  handed = [model, critic]
 
   def init():
-    return ppo.init_ppo_train_state(model, handed.pop(), run_plan.loss, run_plan.optim,
+    policy, value = handed.pop(0), handed.pop(0)
+    if value is None:
+      return rl.init_train_state(policy, run_plan.loss, run_plan.optim, **kwargs)
+    return ppo.init_ppo_train_state(policy, value, run_plan.loss, run_plan.optim,
                                     run_plan.critic_optim, **kwargs)
   return init
 

@@ -11,6 +11,7 @@
 * with data.drop_solved_above, the count of retired prompts grows and survives resume.
 """
 
+import gc
 import json
 import os
 import pathlib
@@ -19,16 +20,20 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from experiments import tiny
 from isojax import assets, batching, checkpoint as ckpt_lib, errors, run, run_batches
 from isojax import data as data_lib
 from isojax import run_open, run_setup
+from isojax.models import Decoder
 from tests.config_overrides import set_fields
+from tests.rl.test_step import tiny_config as tiny_model
 from tests import run_records
 from tests.xla_cache import persistent_compilation_cache
 
@@ -216,6 +221,19 @@ def test_logits_chunk_reaches_the_step(monkeypatch):
     config = tiny_config(**{"rl.logits_chunk": chunk})
     run_setup.make_step(config, run.plan_run(config), None, None)
     assert built["logits_chunk"] == chunk
+
+
+def test_the_state_builder_lets_the_loaded_model_go():
+  """The state copies the loaded parameters; once built, nothing of the run may
+  hold the loaded module, or its parameters stay alive beside the state's."""
+  model = Decoder(tiny_model(), rngs=nnx.Rngs(0))
+  embed = weakref.ref(model.embed[...])
+  init = run_setup._init_state(run.plan_run(tiny_config()), model, None, mesh=None)
+  del model
+  state = init()
+  assert state.params["embed"][...].shape == (64, 32)
+  gc.collect()
+  assert embed() is None
 
 
 @pytest.mark.parametrize("field, value, match", [
