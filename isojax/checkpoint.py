@@ -184,7 +184,10 @@ class RunCheckpointer:
     Raises:
       NonFiniteStateError: if any floating leaf of `state` is NaN/inf; nothing is
         written.
+      ValueError: if `host` is another step's.
     """
+    if host.step != step:
+      raise ValueError(f"checkpoint {step} given the host state of step {host.step}")
     bad = nonfinite_leaves(state)
     if bad:
       shown = ", ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")
@@ -200,9 +203,10 @@ class RunCheckpointer:
     freshly initialised state, on any mesh); returns (state, host).
 
     Raises:
-      ValueError: naming the step, if it cannot be read, or its arrays differ
-        from the checksums saved with them (damaged on disk, or a template of
-        other dtypes or shapes, which would not resume the run exactly).
+      ValueError: naming the step, if it cannot be read, its arrays differ from
+        the checksums saved with them (damaged on disk, or a template of other
+        dtypes or shapes, which would not resume the run exactly), or its host
+        state is another step's (a step directory renamed or copied).
     """
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template_state)
     try:
@@ -216,7 +220,10 @@ class RunCheckpointer:
           shown = "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
           raise ValueError(f"the restored state does not match the checksums saved "
                            f"with it: {shown}")
-      return restored["state"], HostState.from_json(host)
+      host_state = HostState.from_json(host)
+      if host_state.step != step:  # a step directory renamed or copied over another
+        raise ValueError(f"its host state is that of step {host_state.step}")
+      return restored["state"], host_state
     except Exception as e:  # pylint: disable=broad-except
       # A damaged step (a copy cut short, a file removed) fails deep in orbax or
       # tensorstore; say which step, and how to fall back to the one before.

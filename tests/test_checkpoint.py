@@ -1,6 +1,8 @@
 """Run checkpoints: exact round trip (onto other meshes too), refusal of non-finite state
 and of arrays that differ from their checksums, retention."""
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,3 +109,18 @@ def test_template_of_another_dtype_is_refused(tmp_path):
   with pytest.raises(ValueError, match=r"\['opt'\]\['mu'\] \(saved as float32\(2, 3\), "
                      r"restored as bfloat16\(2, 3\)\)"):
     ck.restore(4, template)
+
+
+def test_a_step_directory_under_another_steps_name_is_refused(tmp_path):
+  ck = ckpt_lib.RunCheckpointer(tmp_path / "ckpt", max_to_keep=2)
+  with pytest.raises(ValueError, match="checkpoint 5 given the host state of step 4"):
+    ck.save(5, _state(), _host(4))
+  ck.save(4, _state(), _host(4))
+  ck.close()
+  shutil.copytree(tmp_path / "ckpt" / "4", tmp_path / "ckpt" / "8")
+  ck = ckpt_lib.RunCheckpointer(tmp_path / "ckpt", max_to_keep=2)
+  assert ck.latest_step() == 8
+  with pytest.raises(ValueError, match=r"checkpoint 8 .* cannot be restored \(ValueError: its "
+                     r"host state is that of step 4\); if it is damaged, remove .*8 to resume "
+                     r"from step 4"):
+    ck.restore(8, _state())
