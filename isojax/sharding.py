@@ -7,12 +7,14 @@ their nnx metadata; this module alone decides which mesh axis (`data`, `fsdp`,
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 from typing import Any, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -118,6 +120,8 @@ def state_shardings(abstract_state, mesh: Mesh, rules=DEFAULT_RULES):
   as jit in/out_shardings for the matching state.
   """
 
+  unsplit: collections.Counter = collections.Counter()
+
   def one(leaf):
     if isinstance(leaf, nnx.Variable):
       names = leaf.get_metadata().get("out_sharding")
@@ -126,9 +130,23 @@ def state_shardings(abstract_state, mesh: Mesh, rules=DEFAULT_RULES):
       names, shape = None, getattr(leaf, "shape", ())
     if not names or len(names) != len(shape):
       return NamedSharding(mesh, PartitionSpec())
-    return NamedSharding(mesh, spec_for(names, shape, mesh, rules))
+    wanted = logical_to_spec(names, rules)
+    spec = _fit_spec(wanted, shape, mesh)
+    for name, dim, axes, got in zip(names, shape, wanted, spec):
+      if axes is not None and got is None:
+        unsplit[name, dim, axes] += 1
+    return NamedSharding(mesh, spec)
 
-  return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  shardings = jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  # Replicating a dimension the mesh does not divide is legal but costs memory and
+  # repeated compute on every device of that axis (e.g. 14 heads on tensor=4):
+  # say so once per dimension, so a mesh choice is not silently wasted.
+  for (name, dim, axes), count in sorted(unsplit.items(), key=str):
+    axes_t = (axes,) if isinstance(axes, str) else tuple(axes)
+    ways = math.prod(mesh.shape[a] for a in axes_t)
+    logging.warning("%s of size %d is not divisible by mesh axis %s (%d): replicated "
+                    "along it in %d arrays", name, dim, "x".join(axes_t), ways, count)
+  return shardings
 
 
 def batch_shards(mesh: Mesh) -> int:

@@ -1,5 +1,7 @@
 """Mesh construction and logical -> mesh axis rules, on 8 fake CPU devices."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,7 +48,7 @@ def test_logical_to_spec():
   assert sharding.logical_to_spec(("embed", "mlp"), rules) == P(("fsdp", "tensor"), None)
 
 
-def test_state_shardings_follow_param_metadata_and_fall_back_when_indivisible():
+def test_state_shardings_follow_param_metadata_and_fall_back_when_indivisible(caplog):
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   cfg = ModelConfig(**TINY)
   state = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
@@ -60,6 +62,13 @@ def test_state_shardings_follow_param_metadata_and_fall_back_when_indivisible():
   state1 = nnx.state(nnx.eval_shape(lambda: Decoder(cfg1, rngs=nnx.Rngs(0))))
   shard1 = sharding.state_shardings(state1, mesh)
   assert shard1["layers"][0]["attn"]["k_kernel"].spec == P("fsdp", None, None)
+  # ... and said once for that dimension, not silently.
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    sharding.state_shardings(state1, mesh)
+  assert caplog.text.count("not divisible") == 1, caplog.text
+  assert ("kv_heads of size 1 is not divisible by mesh axis tensor (2): replicated along "
+          "it in 4 arrays") in caplog.text  # k, v kernels and biases
   # A rule naming an axis the mesh lacks (a typo) is named, not a bare KeyError.
   with pytest.raises(ValueError, match=r"mesh axes \['fsdq'\] that the mesh lacks \(its "
                      r"axes: \['data', 'fsdp', 'tensor'\]\)"):
