@@ -7,10 +7,13 @@ accuracy over 16 samples, decides the main experiments' splits
 and the 128-sample estimates of §5.3 (Fig. 14) decide its three levels
   extremely_hard  pass@128 = 0            (Fig. 14's "Hard")
   easy_pass128    pass@128 in [0.3, 0.6]  (Fig. 14's "Easy")
-  very_easy       pass@128 in [0.6, 0.9]  (Fig. 14's "Very Easy")
+  very_easy       pass@128 in (0.6, 0.9]  (Fig. 14's "Very Easy")
 where, as in Fig. 14's caption, pass@128 of a set is read per problem as the share of
 its 128 samples that are correct (a range such as [0.6, 0.9] only makes sense for a
-rate; "= 0" means no success). Both need `extreme_counts_P`: counts out of >= 128
+rate; "= 0" means no success). Fig. 14 writes both Easy and Very Easy as closed at
+0.6; a rate of exactly 0.6 (possible with 5 | extreme_n, e.g. 96 of 160) goes to Easy
+alone, so that the two stay disjoint and a mixture of them never holds a problem twice.
+Both need `extreme_counts_P`: counts out of >= 128
 samples for every problem. Mixtures (e.g. 50 % hard + 50 % easy, §5.3) draw from the
 splits without replacement.
 
@@ -29,15 +32,18 @@ import numpy as np
 from isojax.data.sources import Problem, write_jsonl
 
 SPLIT_RANGES = {"easy": (0.3, 0.6), "hard": (0.0, 0.0625)}
-# Selected on the >= 128-sample rate (Fig. 14), not on avg@16. At 128 samples no
-# count has rate exactly 0.6, so the two are disjoint (easy and very_easy, on
-# different sample counts, are not).
+# Selected on the >= 128-sample rate (Fig. 14), not on avg@16. very_easy leaves out
+# its lower edge (see the module docstring), so the two are disjoint at any sample
+# count (easy and very_easy, on different sample counts, are not).
 EXTREME_RANGES = {"easy_pass128": (0.3, 0.6), "very_easy": (0.6, 0.9)}
+EXCLUDES_LOWER_EDGE = frozenset({"very_easy"})
 EXTREME_SAMPLES = 128
 
 
-def indices_in_range(counts_P, n: int, lo: float, hi: float) -> np.ndarray:
-  """Indices of problems whose pass rate c/n lies in the closed range [lo, hi]."""
+def indices_in_range(counts_P, n: int, lo: float, hi: float, *,
+                     exclude_lo: bool = False) -> np.ndarray:
+  """Indices of problems whose pass rate c/n lies in the closed range [lo, hi], or in
+  (lo, hi] with `exclude_lo`."""
   counts_P = np.asarray(counts_P)
   if counts_P.ndim != 1:
     raise ValueError(f"counts_P must be 1-D, got shape {counts_P.shape}")
@@ -49,7 +55,8 @@ def indices_in_range(counts_P, n: int, lo: float, hi: float) -> np.ndarray:
   rate = counts_P / n
   # A tolerance so that 1/16 = 0.0625 sits inside [0, 0.0625] despite rounding.
   eps = 1e-9
-  return np.flatnonzero((rate >= lo - eps) & (rate <= hi + eps))
+  above_lo = rate > lo + eps if exclude_lo else rate >= lo - eps
+  return np.flatnonzero(above_lo & (rate <= hi + eps))
 
 
 def split_indices(counts_P, n: int, ranges: Mapping[str, tuple[float, float]] = SPLIT_RANGES,
@@ -61,7 +68,7 @@ def split_indices(counts_P, n: int, ranges: Mapping[str, tuple[float, float]] = 
     ranges: name -> closed avg@n range.
     extreme_counts_P, extreme_n: counts out of extreme_n >= 128 samples for every
       problem; when given, adds "easy_pass128" and "very_easy" (rates in
-      EXTREME_RANGES) and "extremely_hard" (no success among them).
+      EXTREME_RANGES, very_easy without its lower edge) and "extremely_hard" (no success among them).
   """
   out = {name: indices_in_range(counts_P, n, lo, hi) for name, (lo, hi) in ranges.items()}
   if extreme_counts_P is not None:
@@ -73,9 +80,19 @@ def split_indices(counts_P, n: int, ranges: Mapping[str, tuple[float, float]] = 
       raise ValueError(f"extreme_counts_P shape {extreme.shape} != counts_P shape "
                        f"{np.shape(counts_P)}")
     for name, (lo, hi) in EXTREME_RANGES.items():
-      out[name] = indices_in_range(extreme, extreme_n, lo, hi)
+      out[name] = indices_in_range(extreme, extreme_n, lo, hi,
+                                   exclude_lo=name in EXCLUDES_LOWER_EDGE)
     out["extremely_hard"] = np.flatnonzero(extreme == 0)
   return out
+
+
+def _check_weights(weights: Mapping[str, float]) -> None:
+  # A negative or NaN weight would reach NumPy as a negative or NaN draw size and
+  # stop there with a message that names neither the split nor the weight.
+  bad = {k: w for k, w in weights.items() if not (np.isfinite(w) and w >= 0)}
+  if bad:
+    raise ValueError(f"mixture weights must be finite and >= 0, got {bad} in "
+                     f"{dict(weights)}")
 
 
 def mixture_indices(splits: Mapping[str, np.ndarray], weights: Mapping[str, float],
@@ -89,6 +106,7 @@ def mixture_indices(splits: Mapping[str, np.ndarray], weights: Mapping[str, floa
     ValueError: if weights do not sum to 1, name an unknown split, or ask for more
       problems than a split holds (names split, wanted and available).
   """
+  _check_weights(weights)
   if not weights or abs(sum(weights.values()) - 1.0) > 1e-6:
     raise ValueError(f"mixture weights must sum to 1, got {dict(weights)}")
   unknown = set(weights) - set(splits)
@@ -148,9 +166,21 @@ def parse_mix(spec: str) -> tuple[str, dict[str, float]]:
 
 
 def mixture_size(splits: Mapping[str, np.ndarray], weights: Mapping[str, float]) -> int:
-  """The largest total whose parts each fit in their split."""
+  """The largest total whose parts each fit in their split.
+
+  Raises:
+    ValueError: on a bad weight, no positive weight, an unknown split, or a split
+      with positive weight that holds no problem (the mixture would be empty).
+  """
+  _check_weights(weights)
   unknown = set(weights) - set(splits)
   if unknown:
     raise ValueError(f"mixture names unknown splits {sorted(unknown)}")
-  return int(min(len(splits[k]) / w for k, w in weights.items() if w > 0))
+  used = {k: w for k, w in weights.items() if w > 0}
+  if not used:
+    raise ValueError(f"mixture needs a positive weight, got {dict(weights)}")
+  empty = sorted(k for k in used if len(splits[k]) == 0)
+  if empty:
+    raise ValueError(f"mixture {dict(weights)} draws from empty split(s) {empty}")
+  return int(min(len(splits[k]) / w for k, w in used.items()))
 

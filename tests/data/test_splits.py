@@ -148,3 +148,31 @@ def test_driver_on_the_base_model(tmp_path):
   for r in rows["easy"] + rows["hard"]:
     assert r["avg@128"] * 128 >= r["avg@16"] * 16
   assert len(rows["hard_easy"]) == 2 * min(len(rows["hard"]), len(rows["easy"]))
+
+
+def test_a_rate_of_exactly_0_6_is_easy_not_very_easy():
+  # 96 of 160 samples is a rate of exactly 0.6, the edge Fig. 14's Easy and Very Easy
+  # share; it must land in one split only, or a mixture of both could repeat it.
+  counts160 = np.array([96, 97, 48, 144, 145])
+  s = split_indices(np.zeros(5, int), 16, extreme_counts_P=counts160, extreme_n=160)
+  assert s["easy_pass128"].tolist() == [0, 2]
+  assert s["very_easy"].tolist() == [1, 3]  # 97/160 > 0.6; 144/160 = 0.9 is inside
+  assert indices_in_range([6, 7], 10, 0.6, 0.9, exclude_lo=True).tolist() == [1]
+
+
+@pytest.mark.parametrize("weights, match", [
+    ({"hard": -0.5, "easy": 1.5}, "finite and >= 0"),
+    ({"hard": float("nan"), "easy": 1.0}, "finite and >= 0"),
+    ({"hard": 0.0, "easy": 0.0}, "positive weight"),
+    ({"hard": 0.5, "none": 0.5}, "unknown"),
+    ({"hard": 0.5, "empty": 0.5}, "empty split"),
+])
+def test_bad_mixture_weights_name_themselves(weights, match):
+  from isojax.data.splits import mixture_size
+
+  splits = {"hard": np.arange(30), "easy": np.arange(30, 130), "empty": np.zeros(0, int)}
+  with pytest.raises(ValueError, match=match):
+    mixture_size(splits, weights)
+  if match == "finite and >= 0":
+    with pytest.raises(ValueError, match=match):
+      mixture_indices(splits, weights, total=10, seed=0)
