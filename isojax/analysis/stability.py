@@ -23,6 +23,13 @@ COLLAPSE_FRACTION = 0.5
 # evaluations per doubling of compute (1-2% at one every 10 updates, whose tails
 # hold more), under 0.5% from a rise of 0.1; a run still rising at its end never is.
 COLLAPSE_MIN_GAIN = 0.05
+# A collapse late in the run, inside that last quarter, leaves the quarter's mean
+# above the line while the run ends at its base reward (with one evaluation every 10
+# updates the quarter holds 10 of them). So a run has also collapsed when its last 3
+# evaluations lost this larger fraction of the gain: the mean of 3 is noisier than
+# the quarter's, and at this fraction it adds under 0.5% to the rates above.
+LATE_COLLAPSE_FRACTION = 0.75
+LATE_WINDOW = 3
 
 
 def collapsed(run, metric: str) -> bool:
@@ -40,7 +47,10 @@ def collapsed(run, metric: str) -> bool:
   before = np.convolve(after[:-tail], np.ones(3) / 3, mode="valid")
   gain = float(before.max()) - base
   end = float(after[-tail:].mean())
-  return bool(gain >= COLLAPSE_MIN_GAIN and end < base + (1 - COLLAPSE_FRACTION) * gain)
+  last = float(after[-LATE_WINDOW:].mean())
+  return bool(gain >= COLLAPSE_MIN_GAIN
+              and (end < base + (1 - COLLAPSE_FRACTION) * gain
+                   or last < base + (1 - LATE_COLLAPSE_FRACTION) * gain))
 
 
 def unstable_bps(runs, unstable_runs, metric: str) -> dict[int, list[str]]:
@@ -59,8 +69,15 @@ def unstable_bps(runs, unstable_runs, metric: str) -> dict[int, list[str]]:
 def smallest_stable_bp(runs, unstable_runs, metric: str) -> tuple[int, str]:
   """The smallest Bp none of whose runs is unstable (`unstable_bps`), and one sentence
   saying why; the smallest Bp tried, and that Bp wants choosing by hand, when every
-  Bp had an unstable run."""
+  Bp had an unstable run.
+
+  Raises:
+    ValueError: if `runs` is empty (there is no Bp to choose from).
+  """
   bps = sorted({r.bp for r in runs})
+  if not bps:
+    raise ValueError(f"smallest_stable_bp: no runs to choose a Bp from (metric "
+                     f"{metric!r})")
   bad = unstable_bps(runs, unstable_runs, metric)
   stable = [b for b in bps if b not in bad]
   if stable:
