@@ -146,10 +146,14 @@ def _compare(runs, metric, fixed: str, varied: str, window: int):
     groups.setdefault(getattr(r, fixed), {}).setdefault(getattr(r, varied), []).append(r)
   table, computes = {}, {}
   for f, by_v in sorted(groups.items()):
-    if len(by_v) < 2:
-      continue
     reach = {r.name: (c.max() if (c := r.points(metric, "rollouts")[0]).size else 0.0)
              for rs in by_v.values() for r in rs}
+    # A configuration with no evaluation after step 0 (a run just started) has no
+    # reward to compare; left in, it would set the common compute to 0 and drop the
+    # comparison of all the others.
+    by_v = {v: rs for v, rs in by_v.items() if max(reach[r.name] for r in rs) > 0}
+    if len(by_v) < 2:
+      continue
     # The compute every configuration reached with at least one of its runs; a
     # crashed seed must not drag the whole comparison down to its last step.
     common = min(max(reach[r.name] for r in rs) for rs in by_v.values())

@@ -84,3 +84,15 @@ def test_sensitivity_matches_compute_and_ignores_crashed_seeds(tmp_path):
   s = sensitivity(read_runs(tmp_path).runs, metric="val/avg@4")
   assert s.compute_n[8] == 128
   assert s.across_n[8] == pytest.approx({4: 0.4, 8: 0.3})
+
+
+def test_a_configuration_not_yet_evaluated_leaves_the_others_compared(tmp_path):
+  base = {"step": 0, "rollouts": 0, "val/avg@4": 0.1}
+  for bp, r in ((4, 0.50), (8, 0.52)):
+    rows = [base] + [{"step": s, "rollouts": s * bp * 16, "val/avg@4": r}
+                     for s in range(1, 9)]
+    fake_runs.write_run(tmp_path / f"bp{bp}", {"bp": bp, "n": 16}, rows)
+  fake_runs.write_run(tmp_path / "bp16", {"bp": 16, "n": 16}, [base])  # only step 0
+  s = sensitivity(read_runs(tmp_path).runs, metric="val/avg@4")
+  assert s.across_bp == {16: pytest.approx({4: 0.50, 8: 0.52})}
+  assert s.compute_bp == {16: 512}
