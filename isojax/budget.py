@@ -193,7 +193,9 @@ def sweep_grid(bp_values: Iterable, n_values: Iterable, *, b_max,
   """Feasible budget points of a (Bp, n) grid at one or several budgets.
 
   A pair is feasible when `BudgetPoint.feasible` accepts it: Bp * n <= b_max and at
-  least one update fits the budget (Bp * n <= C). Points are returned sorted by (compute budget, Bp, n) and deduplicated.
+  least one update fits the budget (Bp * n <= C), with Bp * n_est in place of Bp * n
+  and n <= n_est for a decoupled baseline. Points are returned sorted by (compute
+  budget, Bp, n) and deduplicated.
 
   Args:
     bp_values: problems-per-batch values.
@@ -204,7 +206,8 @@ def sweep_grid(bp_values: Iterable, n_values: Iterable, *, b_max,
       M = floor(C / (Bp * n_est)); an n above it is left out.
 
   Raises:
-    ValueError: if no point of the grid is feasible (names the numbers).
+    ValueError: if no point of the grid is feasible, with the reason of its smallest
+      pair at each budget.
   """
   bp_values = [_as_positive_int(v, "bp") for v in bp_values]
   n_values = [_as_positive_int(v, "n") for v in n_values]
@@ -215,19 +218,22 @@ def sweep_grid(bp_values: Iterable, n_values: Iterable, *, b_max,
     raise ValueError(f"empty sweep grid: bp_values={bp_values}, "
                      f"n_values={n_values}, budget={budgets}")
   budgets = [_as_compute(c, "budget") for c in budgets]
-  points = []
+  points, first_why = [], {}
   for compute in sorted(set(budgets)):
     for bp in sorted(set(bp_values)):
       for n in sorted(set(n_values)):
         try:
           points.append(BudgetPoint.feasible(compute, bp=bp, n=n, n_est=n_est,
                                              b_max=b_max))
-        except ValueError:
-          continue  # left out; an all-infeasible grid is reported below
+        except ValueError as e:  # left out; an all-infeasible grid is reported below
+          first_why.setdefault(compute, f"C={_fmt(compute)}, Bp={bp} n={n}: {e}")
   if not points:
+    # Each budget's first pair is the grid's smallest batch: its own reason (b_max,
+    # the budget, or an n above n_est) says why the rest fail too.
+    est = "" if n_est is None else f", n_est={n_est}"
     raise ValueError(
-        f"no feasible budget point: every Bp*n in Bp={bp_values} x n={n_values} "
-        f"exceeds b_max={b_max} or the budget C={[_fmt(c) for c in budgets]}")
+        f"no feasible budget point in Bp={bp_values} x n={n_values} (b_max={b_max}"
+        f"{est}); the smallest at " + "; at ".join(first_why.values()))
   return list(dict.fromkeys(points))
 
 

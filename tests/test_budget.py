@@ -122,6 +122,17 @@ def test_grid_all_infeasible_names_numbers():
   assert "4096" in str(e.value) and "64" in str(e.value) and "128" in str(e.value)
 
 
+def test_grid_all_infeasible_says_why_with_a_decoupled_baseline():
+  # Bp*n = 2048 fits b_max and C: what rules the pair out is n above n_est ...
+  with pytest.raises(ValueError, match=r"n_est=16 .* must be >= n=64"):
+    sweep_grid([32], [64], b_max=65_536, budget=1e6, n_est=16)
+  # ... and here Bp*n_est, not Bp*n = 256, which is within b_max and C.
+  with pytest.raises(ValueError, match=r"Bp\*n_est = 32\*64 = 2048 exceeds b_max"):
+    sweep_grid([32], [8], b_max=512, budget=1e6, n_est=64)
+  with pytest.raises(ValueError, match=r"C=1000 .* Bp\*n_est = 32\*64 = 2048"):
+    sweep_grid([32], [8], b_max=65_536, budget=1e3, n_est=64)
+
+
 @pytest.mark.parametrize("bp,n,n_est,m,k", [(32, 8, None, 7812, 8), (32, 2048, None, 30, 8),
                                             (8, 2, None, 128, 4), (4, 2, 8, 50, 3),
                                             (3, 5, None, 1, 8), (2, 2, None, 5000, 64),
