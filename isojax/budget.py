@@ -201,7 +201,7 @@ def sweep_grid(bp_values: Iterable, n_values: Iterable, *, b_max,
     bp_values: problems-per-batch values.
     n_values: rollouts-per-problem values.
     b_max: the largest batch Bp * n allowed (memory / throughput bound).
-    budget: a rollout budget C, or a sequence of them.
+    budget: a rollout budget C, or several (a list, tuple, NumPy array ...).
     n_est: a decoupled baseline's rollouts per problem (App. G), for every point:
       M = floor(C / (Bp * n_est)); an n above it is left out.
 
@@ -212,8 +212,11 @@ def sweep_grid(bp_values: Iterable, n_values: Iterable, *, b_max,
   bp_values = [_as_positive_int(v, "bp") for v in bp_values]
   n_values = [_as_positive_int(v, "n") for v in n_values]
   b_max = _as_positive_int(b_max, "b_max")
-  budgets = list(budget) if isinstance(budget, Sequence) and not isinstance(
-      budget, str) else [budget]
+  # Any collection of budgets, e.g. np.logspace(5, 7, 5), which is no Sequence. A
+  # string or a 0-d array is one value, refused below by name, not iterated.
+  several = (isinstance(budget, Iterable) and not isinstance(budget, (str, bytes))
+             and getattr(budget, "ndim", 1) != 0)
+  budgets = list(budget) if several else [budget]
   if not bp_values or not n_values or not budgets:
     raise ValueError(f"empty sweep grid: bp_values={bp_values}, "
                      f"n_values={n_values}, budget={budgets}")

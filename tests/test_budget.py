@@ -116,6 +116,15 @@ def test_grid_several_budgets_and_infeasible_m():
   assert [(p.n, p.m) for p in pts] == [(2, 6)]
 
 
+def test_grid_takes_budgets_from_any_collection():
+  # A NumPy array (np.logspace in a notebook) or a generator is several budgets.
+  as_list = sweep_grid([8], [2], b_max=64, budget=[100, 1000])
+  assert sweep_grid([8], [2], b_max=64, budget=np.array([100.0, 1000.0])) == as_list
+  assert sweep_grid([8], [2], b_max=64, budget=(c for c in (1000, 100))) == as_list
+  with pytest.raises(ValueError, match="budget must be a positive number"):
+    sweep_grid([8], [2], b_max=64, budget="100")
+
+
 def test_grid_all_infeasible_names_numbers():
   with pytest.raises(ValueError) as e:
     sweep_grid([64], [128], b_max=4096, budget=1e9)
