@@ -364,14 +364,34 @@ class Ledger:
     """Inverse of `state_dict`; accepts NumPy scalars (as orbax restores them).
 
     A state written before `critic_flops` or `device_seconds` existed resumes with 0.
+
+    Raises:
+      ValueError: naming the key, for an unknown key, a missing count or a count
+        that is not a whole number (a resumed run would carry on from a compute
+        spent that its ledger never recorded).
     """
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(state) - known
     if unknown:
       raise ValueError(f"Ledger state has unknown keys {sorted(unknown)}; "
                        f"expected {sorted(known)}")
-    return cls(**{k: float(v) if k == "device_seconds" else int(v)
-                  for k, v in state.items()})
+    missing = sorted(known - set(state) - {"critic_flops", "device_seconds"})
+    if missing:
+      raise ValueError(f"Ledger state lacks {missing} (has {sorted(state)}): resuming "
+                       f"from it would count that spending as 0")
+    out = {}
+    for k, v in state.items():
+      if k == "device_seconds":
+        out[k] = float(v)
+        continue
+      try:
+        out[k] = int(v)
+        whole = out[k] == v
+      except (TypeError, ValueError):
+        whole = False
+      if not whole:  # int() would truncate 1.7 or parse "17" without a word
+        raise ValueError(f"Ledger state {k}={v!r} is not a whole count")
+    return cls(**out)
 
 
 def _fmt(c) -> str:

@@ -224,6 +224,17 @@ def test_ledger_state_round_trip():
   assert Ledger.from_state_dict(old).critic_flops == 0
 
 
+def test_ledger_state_refuses_missing_or_fractional_counts():
+  state = Ledger(rollouts=1000, tokens=12345, dropped_rollouts=10, updates=7).state_dict()
+  # A resumed run would otherwise carry on as if nothing had been spent.
+  with pytest.raises(ValueError, match=r"lacks \['rollouts'\]"):
+    Ledger.from_state_dict({k: v for k, v in state.items() if k != "rollouts"})
+  for bad in (1000.5, "1000", None):
+    with pytest.raises(ValueError, match=r"rollouts=.* is not a whole count"):
+      Ledger.from_state_dict(state | {"rollouts": bad})
+  assert Ledger.from_state_dict(state | {"rollouts": 1000.0}).rollouts == 1000
+
+
 def test_ledger_adds_critic_flops_beside_rollouts():
   class FakeRollouts:
     num_rollouts = 16
