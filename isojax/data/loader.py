@@ -21,6 +21,7 @@ a run refuses Bp above the set's size): the loader stops there instead.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -191,6 +192,12 @@ class EpochLoader:
                position: LoaderPosition = LoaderPosition(), *,
                retire_at: float | None = None):
     self.problems = list(problems)
+    # int() would make a batch of 2.5 one of 2 and True one of 1, and a negative
+    # seed would reach NumPy's generator, whose error names neither.
+    for name, value, least in (("batch_size", batch_size, 1), ("seed", seed, 0)):
+      if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+          or value < least):
+        raise ValueError(f"EpochLoader {name}={value!r} must be an integer >= {least}")
     self.batch_size = int(batch_size)
     self.seed = int(seed)
     self.retire_at = retire_at

@@ -74,6 +74,17 @@ def test_resume_rejects_mismatched_state():
     EpochLoader([1], batch_size=0, seed=0)
 
 
+def test_loader_refuses_a_fractional_batch_or_a_negative_seed_by_name():
+  # Neither is cut to an int (a batch of 2.5 drawing 2) nor left to NumPy's error.
+  for kwargs, name in ((dict(batch_size=2.5, seed=0), "batch_size=2.5"),
+                       (dict(batch_size=True, seed=0), "batch_size=True"),
+                       (dict(batch_size=2, seed=-1), "seed=-1"),
+                       (dict(batch_size=2, seed=0.5), "seed=0.5")):
+    with pytest.raises(ValueError, match=f"EpochLoader {name} must be an integer"):
+      EpochLoader(_names(4), **kwargs)
+  assert EpochLoader(_names(4), batch_size=np.int64(2), seed=np.uint32(7)).seed == 7
+
+
 # No-positive-resampling: solved problems retire from the epochs not yet drawn.
 
 def _names(n):
