@@ -4,9 +4,20 @@ Fig. 13 compares D = 6k with D = 500 easy problems: with less data the frontier
 saturates at a smaller n and larger n overfits. `d` sets data.num_train, a seeded
 subsample (data.split_seed, the same for every run of the sweep) of the training
 problems left after the validation set is held out; d=0 keeps them all. The
-validation set is the same for every D. Run one budget point from the repo root:
+validation set is the same for every D. Run one budget point from the repo root
+with the paper's setting, Qwen2.5-7B-Instruct on its Guru-Math easy split (6k
+training problems beside 300 for validation):
 
-  python -m isojax.main --config=experiments/data_size.py:d=500,n=64,budget=2e6 --workdir=runs/data_size/d500/n64
+  python -m isojax.main --config=experiments/data_size.py:d=500,n=64,budget=2e6 --workdir=runs/data_size/d500/n64 \
+      --config.model.path=/ckpt/Qwen2.5-7B-Instruct --config.sampler.backend=vllm \
+      --config.data.train=/data/guru_easy_train.jsonl \
+      --config.data.val=/data/guru_easy_val.jsonl --config.data.chat_template=True \
+      --config.data.reward=math
+
+The built-in default is the synthetic easy split of the committed tiny base model:
+it holds 520 problems, so with the study's 300 held out d=0 trains on 220 and d
+must lie between Bp (a batch never holds a problem twice) and 220; d=500 is the
+paper's data only.
 
 Laptop scale (tiny base model; the synthetic easy split holds 520 problems, 64 of
 them held out, so d=0 trains on 456 and d=40 on a twelfth of them, the paper's
@@ -18,12 +29,6 @@ Args: d (training problems; 0 = all) and those of experiments/easy_n_vs_m.py (bp
 budget, smoke), whose study, grid and recipe this is, once per D. Runs of each D
 carry the analysis label data.difficulty = "easy_d<D>" ("easy_dall" for d=0), so one
 `python -m isojax.analysis` over both sweeps draws one frontier per D.
-
-The paper's setting is Qwen2.5-7B-Instruct on its Guru-Math easy split (6k problems):
-  --config.model.path=/ckpt/Qwen2.5-7B-Instruct --config.sampler.backend=vllm
-  --config.data.train=/data/guru_easy_train.jsonl
-  --config.data.val=/data/guru_easy_val.jsonl --config.data.chat_template=True
-  --config.data.reward=math
 """
 
 from experiments import common, easy_n_vs_m

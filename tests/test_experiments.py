@@ -10,7 +10,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import scalerl_ablate
-from isojax import run, run_plan
+from isojax import run, run_plan, run_setup
 from isojax.analysis import runs as analysis_runs
 from tests.analysis import fake_runs
 
@@ -91,6 +91,34 @@ def test_docstring_commands_load_and_validate(path, monkeypatch):
     # Locked: a typo in an override is an error, not a new field.
     with pytest.raises((flags.Error, AttributeError), match="kl_cof"):
       _load(spec, "--config.rl.kl_cof=0")
+
+
+def _launch_commands(text: str) -> list[tuple[str, list[str]]]:
+  """(spec, --config.x=... flags) of each `python -m isojax.main` command in `text`,
+  its backslash-continued lines joined."""
+  joined = re.sub(r"\\\n\s*", " ", text)
+  out = []
+  for line in re.findall(r"python -m isojax\.main (.*)", joined):
+    words = line.split()
+    spec = next(w.partition("=")[2] for w in words if w.startswith("--config="))
+    out.append((spec, [w for w in words if w.startswith("--config.")]))
+  return out
+
+
+@pytest.mark.parametrize("path", DOCUMENTED, ids=lambda p: p.stem)
+def test_docstring_commands_find_their_data(path, monkeypatch):
+  # A command on the built-in data (no model or data flags) gets a training set
+  # that holds a batch of Bp distinct problems beside its validation sets; one with
+  # the paper's flags parses them.
+  monkeypatch.chdir(ROOT)
+  for spec, overrides in _launch_commands(path.read_text()):
+    config = _load(spec, *overrides)
+    if any(o.startswith(("--config.data.", "--config.model.path")) for o in overrides):
+      assert config.model.path and config.data.train.endswith(".jsonl"), spec
+      continue
+    train, val_sets = run_setup.load_problem_sets(config)
+    assert len(train) >= config.bp, f"{spec}: {len(train)} problems, Bp={config.bp}"
+    assert all(val_sets.values()), spec
 
 
 @pytest.mark.parametrize("path", STUDY_FILES + APP_F_FILES, ids=lambda p: p.stem)
