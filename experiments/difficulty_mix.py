@@ -22,14 +22,24 @@ Laptop scale (tiny base model):
   python -m isojax.main --config=experiments/difficulty_mix.py:smoke,mix=tri --workdir=/tmp/isojax/difficulty_mix/tri
 
 Args: mix (hard | dual | tri), bp, n, budget, smoke. Sweep grid: n in {8, 64} as
-in Fig. 14 at Bp = 32. Every mixture trains on data.num_train = 320 problems (the
-synthetic Hard split has 426, 100 held out for validation; the paper used 5k). Runs
-carry the analysis label data.difficulty = "mix_<mix>"; draw a set's frontier with
-`python -m isojax.analysis RUNS --out R --metric val/easy/avg@4`.
+in Fig. 14 at Bp = 32. Runs carry the analysis label data.difficulty = "mix_<mix>";
+draw a set's frontier with `python -m isojax.analysis RUNS --out R --metric
+val/easy/avg@4`.
+
+Sizes deviate from the paper's for the synthetic splits: every mixture trains on
+data.num_train = 320 problems (Fig. 14: 5k) and each validation set holds
+data.num_val = 100 (the playbook's sets hold 300), because the synthetic Hard split
+has 426 problems: 300 held out would leave 126, short of a mixture's 160 Hard ones.
 
 Study and recipe: experiments/hard_n_vs_m.py (KL and entropy off: at least half of
-every mixture is hard). With a real model, point data.train at a mixture file and data.val at named
-sets, e.g. --config.data.val=hard=/data/hard_val.jsonl,easy=/data/easy_val.jsonl.
+every mixture is hard). With a real model, point data.train at the mixture file, keep
+all of it (num_train 0: 320 would subsample the file) and name the validation sets:
+
+  python -m isojax.main --config=experiments/difficulty_mix.py:mix=dual,n=64,budget=2e6 --workdir=runs/difficulty_mix/dual/n64 \
+      --config.model.path=/ckpt/Qwen2.5-7B-Instruct --config.sampler.backend=vllm \
+      --config.data.train=/data/mix_dual_5k.jsonl --config.data.num_train=0 \
+      --config.data.val=hard=/data/hard_val.jsonl,easy=/data/easy_val.jsonl,very_easy=/data/very_easy_val.jsonl \
+      --config.data.chat_template=True --config.data.reward=math
 """
 
 from experiments import common, hard_n_vs_m

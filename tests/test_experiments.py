@@ -11,6 +11,7 @@ from ml_collections import config_flags
 
 from experiments import scalerl_ablate
 from isojax import run, run_plan, run_setup
+from isojax.data import problem_sets
 from isojax.analysis import runs as analysis_runs
 from tests.analysis import fake_runs
 
@@ -243,6 +244,13 @@ def test_axis_files(monkeypatch):
     c = _load(f"experiments/difficulty_mix.py:mix={mix}")
     assert c.data.train == f"mix:{weights}" and c.data.num_train == 320
     assert [name for name, _ in run.plan_run(c).val_sets] == ["hard", "easy", "very_easy"]
+  # With a real mixture file the paper's command keeps all of it (Fig. 14: 5k), not
+  # the synthetic splits' 320.
+  (real,) = [flags for _, flags in _launch_commands(AXIS_FILES[2].read_text()) if flags]
+  c = _load("experiments/difficulty_mix.py:mix=dual", *real)
+  assert c.data.num_train == 0 and c.data.train.endswith("5k.jsonl")
+  assert [n for n, _ in problem_sets.parse_val_spec(c.data.val)] == ["hard", "easy",
+                                                                      "very_easy"]
 
 
 def test_appendix_f_files(monkeypatch):
