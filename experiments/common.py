@@ -206,7 +206,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.clip_high = 0.2             # also CISPO's weight cap
   c.rl.clip_dual = ml_collections.config_dict.placeholder(float)
   c.rl.agg = "token_mean"
-  c.rl.tis_cap = ml_collections.FieldReference(2.0, field_type=float)  # truncated IS (App. A)
+  # Truncated IS (App. A uses TIS but gives no cap; 2 is Yao et al.'s C).
+  c.rl.tis_cap = ml_collections.FieldReference(2.0, field_type=float)
   c.rl.kl_coef = 1e-3              # Table 1: each study file sets its split's value
   c.rl.kl_estimator = "k3"
   c.rl.entropy_coef = 1e-3

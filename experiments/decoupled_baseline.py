@@ -1,6 +1,7 @@
 r"""Decoupled baseline (App. G, Fig. 26): is large n's gain a better baseline?
 
-Three settings at a fixed Bp (128 in the paper) on the easy set:
+Three settings at a fixed Bp (128 in the paper) on the easy set (App. G names no
+split; isojax takes the easy one, whose B_max admits Bp * 256 = 32768):
   large      n = 256 rollouts per problem, baseline and gradient from all 256
   small      n = 64
   decoupled  256 rollouts sampled (config.rl.n_est = 256), the group baseline from
