@@ -85,7 +85,7 @@ def test_zero_critic_policy_gradient_is_the_reward_to_go_one(models, base_run):
     return policy_loss(lp, jax.lax.stop_gradient(lp), batch.rewards_B, batch.loss_mask_BxT,
                        LOSS)[0]
 
-  grads = jax.tree.map(np.asarray, jax.grad(loss_fn)(params))
+  grads = jax.tree.map(np.asarray, jax.jit(jax.grad(loss_fn))(params))
   scale = scale_of(grads)
   assert scale > 1e-3
   assert_trees_close(jax.tree.map(lambda d: -d, d_policy), grads, atol=2e-5 * scale, rtol=1e-3)
@@ -120,13 +120,22 @@ def test_value_loss_reaches_only_the_critic(models, base_run):
                      atol=2e-5 * scale_of(c3), rtol=1e-3)
 
 
-def test_warmup_freezes_the_policy_and_policy_loss_stays_out_of_the_critic(models, base_run):
+# Critic warm-up with a different policy loss (an entropy bonus), one compile for
+# both warm-up tests.
+WARMUP_LOSS = dataclasses.replace(LOSS, entropy_coef=0.5)
+
+
+@pytest.fixture(scope="module")
+def warmup_step(models):
+  return build(models, loss=WARMUP_LOSS, value=dataclasses.replace(VALUE, critic_warmup=1))
+
+
+def test_warmup_freezes_the_policy_and_policy_loss_stays_out_of_the_critic(models, base_run,
+                                                                           warmup_step):
   # A different policy loss (entropy bonus) during critic warm-up: the policy and
   # its optimiser do not move, the critic moves exactly as without either change.
   _, d_critic, _, _ = base_run
-  loss = dataclasses.replace(LOSS, entropy_coef=0.5)
-  step = build(models, loss=loss, value=dataclasses.replace(VALUE, critic_warmup=1))
-  p, c, metrics, new = run(models, step, loss=loss)
+  p, c, metrics, new = run(models, warmup_step, loss=WARMUP_LOSS)
   assert all(np.all(x == 0) for x in jax.tree.leaves(p))
   assert int(jax.tree.leaves(new.opt_state)[0]) == 0  # the policy's Adam count
   assert_trees_close(c, d_critic, atol=1e-6 * scale_of(d_critic), rtol=1e-5)
@@ -134,19 +143,19 @@ def test_warmup_freezes_the_policy_and_policy_loss_stays_out_of_the_critic(model
   assert int(new.step) == 1
 
 
-def test_warmup_updates_the_critic_whatever_the_frozen_policy_computes(models, base_run):
+def test_warmup_updates_the_critic_whatever_the_frozen_policy_computes(models, base_run,
+                                                                      warmup_step):
   # A NaN weight makes the policy's loss and gradient NaN; the critic's are finite.
   # During warm-up the policy's numbers are unused: the critic moves as without it.
   _, d_critic, _, _ = base_run
   policy, critic = models
-  state = init_ppo_train_state(policy, critic, LOSS, SGD_LIKE, SGD_LIKE, batch_size=B)
+  state = init_ppo_train_state(policy, critic, WARMUP_LOSS, SGD_LIKE, SGD_LIKE, batch_size=B)
   first_down = lambda path: jax.tree_util.keystr(path).startswith(
       "['layers'][0]['mlp']['down_kernel']")
   state = state.replace(params=jax.tree_util.tree_map_with_path(
       lambda path, x: x.at[0, 0].set(np.nan) if first_down(path) else x, state.params))
   before = jax.tree.map(np.asarray, (state.params, state.critic_params))
-  step = build(models, value=dataclasses.replace(VALUE, critic_warmup=1))
-  new, metrics = step(state, make_batch(rewards=REWARDS))
+  new, metrics = warmup_step(state, make_batch(rewards=REWARDS))
   assert np.isnan(float(metrics["loss"])) and metrics["skipped"] == 0
   assert metrics["policy_frozen"] == 1 and int(new.step) == 1
   assert_trees_close(jax.tree.map(lambda a, b: np.asarray(a) - b, new.critic_params, before[1]),
@@ -237,7 +246,7 @@ def test_one_step_regression(models):
   critic_optim = OptimConfig(lr_base=3e-3, batch_base=1024)
   step = make_ppo_train_step(policy, critic, loss_cfg, value_cfg, optim_cfg, critic_optim,
                              batch_size=B, group_size=N, micro_batch_size=4,
-                             length_buckets=(6, 9))
+                             length_buckets=(9,))  # rows 4 6 6 7 | 7 11 11 12: at 9 and 12
   state = init_ppo_train_state(policy, critic, loss_cfg, optim_cfg, critic_optim,
                                batch_size=B)
   state = state.replace(params=perturbed(state.params, 1),
