@@ -40,9 +40,19 @@ from isojax.data import Problem, write_jsonl
 from isojax.rollout import memory
 from isojax.errors import DiskFullError, UnsafePathError
 from tests.config_overrides import set_fields
+from tests.xla_cache import persistent_compilation_cache
 
 # M = 4 updates of B = 8; a small eval so that a whole run takes seconds.
 POINT = "bp=4,n=2,budget=32"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+  """A persistent XLA cache for this module: most runs below share the step's and
+  the sampler's shapes, so all but the first load their executables instead of
+  compiling them. A cached executable is the compiled one: results are unchanged."""
+  with persistent_compilation_cache(str(tmp_path_factory.mktemp("jax_cache"))):
+    yield
 
 
 def small_config(arg=POINT, **overrides):
