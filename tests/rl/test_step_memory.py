@@ -16,6 +16,7 @@ from isojax.models import Decoder, ModelConfig
 from isojax.rl.value import ValueConfig
 from isojax.rl import (LossConfig, OptimConfig, abstract_batch, abstract_train_state,
                        init_train_state, make_train_step)
+from tests.xla_cache import persistent_compilation_cache
 
 B, T, N = 8, 16, 4
 LOSS = LossConfig(kl_coef=0.1, entropy_coef=0.01)
@@ -99,11 +100,16 @@ BIG = dict(dtype="bfloat16", param_dtype="float32", remat=True)
 BIG_LOSS = LossConfig(kl_coef=0.0, entropy_coef=0.0)
 
 @pytest.mark.parametrize("remat", ["none", "full", "attention"])  # a loop; scans
-def test_extrapolation_matches_a_full_compile(remat):
+def test_extrapolation_matches_a_full_compile(remat, tmp_path):
   cfg = tiny_config(num_layers=5, hidden_size=64, intermediate_size=128, remat=remat)
   kw = dict(batch_size=8, seq_len=64, group_size=N, micro_batch_size=4)
-  est = memory.extrapolated_step_memory(cfg, LOSS, OptimConfig(), **kw)
-  full = memory.extrapolated_step_memory(cfg, LOSS, OptimConfig(), probe_layers=(3, 5), **kw)
+  # Probes (2, 5) put the line through the 5-layer compile itself: `full` is that
+  # compile's figure whatever the lower probe, and with a persistent cache the
+  # 2-layer probe is loaded from `est`'s instead of compiled again.
+  with persistent_compilation_cache(str(tmp_path / "jax_cache")):
+    est = memory.extrapolated_step_memory(cfg, LOSS, OptimConfig(), **kw)
+    full = memory.extrapolated_step_memory(cfg, LOSS, OptimConfig(), probe_layers=(2, 5),
+                                           **kw)
   assert est.state == full.state and est.batch == full.batch and est.backend == "cpu"
   np.testing.assert_allclose(est.temporaries, full.temporaries, rtol=0.1)
 
