@@ -68,7 +68,8 @@ def split_indices(counts_P, n: int, ranges: Mapping[str, tuple[float, float]] = 
     ranges: name -> closed avg@n range.
     extreme_counts_P, extreme_n: counts out of extreme_n >= 128 samples for every
       problem; when given, adds "easy_pass128" and "very_easy" (rates in
-      EXTREME_RANGES, very_easy without its lower edge) and "extremely_hard" (no success among them).
+      EXTREME_RANGES, very_easy without its lower edge) and "extremely_hard" (no
+      success among them).
   """
   out = {name: indices_in_range(counts_P, n, lo, hi) for name, (lo, hi) in ranges.items()}
   if extreme_counts_P is not None:

@@ -160,7 +160,8 @@ def test_validate_request_accepts_good_request():
     (dict(seed=None), r"seed=None must be an int"),
     (dict(seed=True), r"seed=True must be an int"),
     # 7 prompt tokens + 4 new tokens > context of 10.
-    (dict(prompt_ids=[[1], [1] * 7]), r"prompt_ids\[1\] has 7 tokens.*11 > the sampler's context of 10"),
+    (dict(prompt_ids=[[1], [1] * 7]),
+     r"prompt_ids\[1\] has 7 tokens.*11 > the sampler's context of 10"),
 ])
 def test_validate_request_rejects_bad_input(kwargs, msg):
   req = dict(prompt_ids=[[1, 2]], n=2, max_tokens=4, temperature=1.0, vocab_size=10,
