@@ -192,8 +192,9 @@ def initialize_distributed(coordinator_address: str | None = None,
   on a laptop. Must run before any other JAX call touches devices.
   """
   explicit = any(a is not None for a in (coordinator_address, num_processes, process_id))
-  in_cluster = _slurm_tasks() > 1 or "OMPI_COMM_WORLD_SIZE" in os.environ
-  if not explicit and not in_cluster:
+  # Explicit arguments are what a job not started by srun is told to give: the SLURM
+  # variables are then not read (nor checked).
+  if not explicit and not (_slurm_tasks() > 1 or "OMPI_COMM_WORLD_SIZE" in os.environ):
     return False
   jax.distributed.initialize(coordinator_address=coordinator_address,
                              num_processes=num_processes, process_id=process_id)

@@ -139,3 +139,10 @@ def test_distributed_names_a_slurm_job_not_started_by_srun(monkeypatch):
   monkeypatch.setenv("SLURM_NTASKS", "")
   with pytest.raises(ValueError, match=r"SLURM_NTASKS='' is not a number of tasks"):
     sharding.initialize_distributed()
+  # Given explicitly, as the message advises, the coordinates are what JAX joins with.
+  monkeypatch.setenv("SLURM_NTASKS", "4")
+  joined = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw))
+  assert sharding.initialize_distributed("10.0.0.1:1234", 4, 0) is True
+  assert joined == [dict(coordinator_address="10.0.0.1:1234", num_processes=4,
+                         process_id=0)]
