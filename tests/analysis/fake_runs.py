@@ -7,6 +7,7 @@ AR(1) noise along the run (checkpoint-to-checkpoint correlation).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -192,3 +193,15 @@ def log_steps(bp, n, c_max, per_doubling=8):
   steps = sorted({math.ceil(2 ** (j / per_doubling) / (bp * n))
                   for j in range(int(per_doubling * math.log2(c_max)) + 1)})
   return [s for s in steps if s * bp * n <= c_max]
+
+
+@dataclasses.dataclass(frozen=True)
+class PointsRun:
+  """A run as `stability.collapsed` reads it: points(metric, unit) -> (compute, value)."""
+
+  compute: list
+  reward: list
+
+  def points(self, metric, unit):
+    del metric, unit
+    return np.asarray(self.compute, float), np.asarray(self.reward, float)

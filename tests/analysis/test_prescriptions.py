@@ -26,18 +26,6 @@ GRID = [(bp, n) for bp in (4, 8, 16) for n in (4, 8, 16, 32, 64)]
 METRIC = "val/avg@4"
 
 
-@dataclasses.dataclass(frozen=True)
-class FakeRun:
-  """What `collapsed` reads: points(metric, unit) -> (compute, value)."""
-
-  compute: list
-  reward: list
-
-  def points(self, metric, unit):
-    del metric, unit
-    return np.asarray(self.compute, float), np.asarray(self.reward, float)
-
-
 def law(compute_range=(1e3, 1e6), **kw):
   p = dict(L=4.0, k=2.0, x0=4.5, b=2.0) | kw
   return NStarFit(rms=0.0, r2=1.0, n_points=50, compute_range=compute_range, **p)
@@ -95,7 +83,7 @@ def test_a_run_that_collapses_makes_its_bp_unstable(tmp_path):
 
 def test_what_counts_as_a_collapse():
   def run(rewards, base=0.30):
-    return FakeRun([0] + list(range(1, len(rewards) + 1)), [base] + rewards)
+    return fake_runs.PointsRun([0] + list(range(1, len(rewards) + 1)), [base] + rewards)
   rise = [0.35, 0.45, 0.55, 0.55, 0.55]
   assert not collapsed(run(rise + [0.54, 0.55, 0.55]), METRIC)  # a plateau
   assert collapsed(run(rise + [0.40, 0.35, 0.30]), METRIC)  # lost 0.25 of 0.25
@@ -103,7 +91,7 @@ def test_what_counts_as_a_collapse():
   assert not collapsed(run(rise + [0.43, 0.43, 0.43]), METRIC)
   assert collapsed(run(rise + [0.42, 0.42, 0.42]), METRIC)
   assert not collapsed(run([0.31, 0.34, 0.30, 0.30, 0.30]), METRIC)
-  assert not collapsed(FakeRun(list(range(1, 9)), rise + [0.3] * 3), METRIC)  # no base
+  assert not collapsed(fake_runs.PointsRun(list(range(1, 9)), rise + [0.3] * 3), METRIC)  # no base
   # One noisy high evaluation is not a peak to fall from.
   assert not collapsed(run([0.32, 0.40, 0.33, 0.34, 0.33, 0.34]), METRIC)
   # Nor is a run still rising steeply at its end (log-spaced evaluations): its last
@@ -120,8 +108,8 @@ def test_a_collapse_is_seen_whatever_the_evaluation_schedule():
     c = np.array(list(steps), float) * point.sampled_batch
     up, down = np.minimum(c / 8e5, 1), np.clip(1 - (c - 8e5) / 8e5, 0, 1)
     r = 0.3 + 0.3 * np.where(c <= 8e5, up, down)
-    assert collapsed(FakeRun([0, *c], [0.3, *r]), METRIC)
-    assert not collapsed(FakeRun([0, *c], [0.3, *(0.3 + 0.3 * up)]), METRIC)
+    assert collapsed(fake_runs.PointsRun([0, *c], [0.3, *r]), METRIC)
+    assert not collapsed(fake_runs.PointsRun([0, *c], [0.3, *(0.3 + 0.3 * up)]), METRIC)
 
 
 def test_bp_asked_for_is_used_with_the_joint_law(tmp_path):

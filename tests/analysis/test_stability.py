@@ -1,25 +1,13 @@
 """stability.py: a collapse late in the run, and choosing a Bp from no runs."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 from isojax.analysis.stability import collapsed, smallest_stable_bp
 
+from . import fake_runs
+
 METRIC = "val/avg@4"
-
-
-@dataclasses.dataclass(frozen=True)
-class FakeRun:
-  """What `collapsed` reads: points(metric, unit) -> (compute, value)."""
-
-  compute: list
-  reward: list
-
-  def points(self, metric, unit):
-    del metric, unit
-    return np.asarray(self.compute, float), np.asarray(self.reward, float)
 
 
 def _linear_run(fall_at: int):
@@ -27,7 +15,7 @@ def _linear_run(fall_at: int):
   # at the base reward after update `fall_at`.
   steps = np.arange(10, 410, 10)
   r = np.where(steps > fall_at, 0.1, 0.1 + 0.5 * np.minimum(steps / 100, 1))
-  return FakeRun([0, *(steps * 128.0)], [0.1, *r])
+  return fake_runs.PointsRun([0, *(steps * 128.0)], [0.1, *r])
 
 
 def test_a_collapse_in_the_last_tenth_of_the_compute_is_a_collapse():
@@ -38,7 +26,7 @@ def test_a_collapse_in_the_last_tenth_of_the_compute_is_a_collapse():
   assert not collapsed(_linear_run(fall_at=400), METRIC)
   # A single low last evaluation is noise, not a collapse.
   run = _linear_run(fall_at=400)
-  assert not collapsed(FakeRun(run.compute, run.reward[:-1] + [0.1]), METRIC)
+  assert not collapsed(fake_runs.PointsRun(run.compute, run.reward[:-1] + [0.1]), METRIC)
 
 
 def test_no_runs_is_a_clear_error():
