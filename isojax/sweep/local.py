@@ -191,6 +191,8 @@ class _Pool:
     self.waiting: list[SweepPoint] = []    # locked elsewhere; retried after each poll
     self.running: dict[str, _Running] = {}
     self.announced: set[str] = set()       # names already reported as locked
+    # Config digests, read once per point: a waiting point is retried after each poll.
+    self.digests: dict[str, str] = {}
     self.total = len(sweep.points)
     self.start_progress = {sp.name: _rollouts(sweep, sp) for sp in sweep.points}
     self.t0 = time.time()
@@ -227,11 +229,13 @@ class _Pool:
   def launch(self, sp: SweepPoint) -> None:
     """Starts `sp` unless it is finished or locked by another launcher."""
     run_dir, cmd = self.sweep.run_dir(sp), self.sweep.command(sp)
-    try:
-      digest = self.sweep.config_digest(sp)
-    except Exception as e:  # the user's get_config: whatever it raises fails this point
-      self._fail(sp, _why(e, "cannot read its config"))
-      return
+    if sp.name not in self.digests:
+      try:
+        self.digests[sp.name] = self.sweep.config_digest(sp)
+      except Exception as e:  # the user's get_config: whatever it raises fails this point
+        self._fail(sp, _why(e, "cannot read its config"))
+        return
+    digest = self.digests[sp.name]
     if is_done(run_dir) and finished_as(run_dir, cmd, digest):
       self._skip(sp, f"already finished ({DONE_FILE} present, same command and config)")
       return
