@@ -239,6 +239,11 @@ def _is_int(x) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def is_number(x) -> bool:
+  """A Python or NumPy int or float, and not a bool."""
+  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
 def check_count(where: str, name: str, value, *, minimum: int, none: str = "") -> None:
   """Checks a count setting: an int (not a bool: True would mean 1) >= `minimum`,
   or None where `none` says what None means. The ValueError names `where`, the
@@ -284,16 +289,14 @@ def check_sampling(temperature=0.0, top_p=1.0, top_k=None, *, prefix: str = "") 
   MIN_TEMPERATURE, top_p in (0, 1] (1 = off), top_k None or an int >= 0 (0 = off).
   The ValueError names the setting as `prefix` + its name (a config's fields:
   "config.sampler.")."""
-  def number(x):
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-  if not (number(temperature) and np.isfinite(temperature) and temperature >= 0):
+  if not (is_number(temperature) and np.isfinite(temperature) and temperature >= 0):
     raise ValueError(f"{prefix}temperature={temperature!r} must be a number >= 0 "
                      f"(0 = greedy)")
   if 0 < temperature < MIN_TEMPERATURE:
     raise ValueError(f"{prefix}temperature={temperature!r} is below {MIN_TEMPERATURE}: "
                      f"vLLM would sample at {MIN_TEMPERATURE}, and far below it logits / "
                      "temperature lose float32 precision; use 0 for greedy decoding")
-  if not (number(top_p) and 0 < top_p <= 1):
+  if not (is_number(top_p) and 0 < top_p <= 1):
     raise ValueError(f"{prefix}top_p={top_p!r} must be in (0, 1] (1 = off)")
   if top_k is not None and (not _is_int(top_k) or top_k < 0):
     raise ValueError(f"{prefix}top_k={top_k!r} must be None or an int >= 0 (0 = off)")

@@ -51,7 +51,7 @@ from jax.experimental import multihost_utils
 from isojax import sharding
 from isojax.rollout import decode
 from isojax.rollout.base import (FINISH_LENGTH, FINISH_STOP, Rollouts, VersionLabels,
-                                 check_count, next_version, validate_request)
+                                 check_count, is_number, next_version, validate_request)
 from isojax.rollout.memory import CacheLayout, cache_layout, rows_at_once
 
 PAD_ID = 0  # what left-pads prompts (masked: any id would do)
@@ -155,8 +155,7 @@ class JaxSampler:
     check_count("JaxSampler", "cache_block", cache_block, minimum=1)
     check_count("JaxSampler", "decode_chunk", decode_chunk, minimum=1, none="no bound")
     if kv_budget_gib is not None and not (
-        isinstance(kv_budget_gib, (int, float, np.integer, np.floating))
-        and not isinstance(kv_budget_gib, bool) and 0 < kv_budget_gib < math.inf):
+        is_number(kv_budget_gib) and 0 < kv_budget_gib < math.inf):
       raise ValueError(f"JaxSampler: kv_budget_gib={kv_budget_gib!r}; expected a finite "
                        f"number > 0 (or None: no budget)")
     self._min_prompt_bucket = int(min_prompt_bucket)
