@@ -12,9 +12,10 @@ per-layer remat, the fp32 lm head in chunks. For every (model, length) it prints
   * tokens/s of the jitted step (forward, backward, AdamW update) over all B*T
     positions of a batch whose rows are all real tokens;
   * model TFLOP/s: 6 x (dense matmul FLOPs + causal attention, half of T x T)
-    per token, the lm head only where it is computed (the chunks holding
-    completion tokens), nothing for recomputation; MFU against the H100's 989 TFLOP/s
-    dense bf16 spec and against a bf16 matmul measured in this run; beside it
+    per token, the lm head only over the chunks holding completion tokens
+    (a GPU computes and masks the others: wasted, not counted), nothing for
+    recomputation; MFU against the H100's 989 TFLOP/s dense bf16 spec and
+    against a bf16 matmul measured in this run; beside it
     the MFU of PaLM's formula (Chowdhery et al. 2022, App. B: attention over
     all T x T), the convention most published MFU figures use;
   * peak device memory (``memory_stats``: the process's peak so far, so the
@@ -83,7 +84,7 @@ def bf16_matmul_tflops(n, repeats=5):
 
 def model_flops(cfg: ModelConfig, B, T, head_positions, causal=True):
   """Training FLOPs of one step: 3 x forward. The lm head counts only at the
-  `head_positions` it is computed for (`head_positions_computed`); attention
+  `head_positions` it is needed for (`head_positions_computed`); attention
   scores causally (T^2 / 2 per head), or over all T^2 with causal=False (PaLM's MFU)."""
   D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
   NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -93,9 +94,9 @@ def model_flops(cfg: ModelConfig, B, T, head_positions, causal=True):
 
 
 def head_positions_computed(batch, chunk):
-  """Positions the chunked lm head computes: every position of each chunk that
-  holds a trained one (`isojax.rl.logprobs` skips the others; position t-1
-  predicts token t)."""
+  """Positions the chunked lm head needs: every position of each chunk that
+  holds a trained one (`isojax.rl.logprobs` skips the others off a GPU, and
+  masks them on one; position t-1 predicts token t)."""
   need_BxS = np.asarray(batch.loss_mask_BxT)[:, 1:] > 0
   B, S = need_BxS.shape
   if chunk >= S:  # one unchunked head over every position

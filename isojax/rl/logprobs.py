@@ -13,7 +13,12 @@ over ``chunk`` positions at a time with a hand-written backward pass
 two float32 numbers per token, the backward recomputes one chunk's logits at a
 time and accumulates the hidden-state and head-weight gradients, so no more
 than one chunk of [tokens, V] logits is ever alive. Chunks in which no token is
-trained (the left-padded prompt region) are skipped outright, both ways.
+trained (the left-padded prompt region) give zeros and no gradient; off a GPU
+they are skipped outright, both ways. On a GPU they are computed and masked:
+XLA:GPU reads a branch's predicate on the host, waiting for the device each
+time (two branches per chunk and micro-batch, 64 waits in a 1.5B-model step at
+32 x 4096, whose device sat idle 5 % of the step on an H200), which costs more
+than the few all-prompt chunks do.
 
 Shape letters: B rows, T tokens, S = T - 1 predicted positions, D hidden, V
 vocabulary; P positions fed to the head at once (all B * S, or one chunk's B *
@@ -61,42 +66,48 @@ def _chunk_forward(h_PxD, w, tgt_P, vocab_axis, dtype, temperature):
   return tgt_P - lse_P, ent_P, lse_P
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def chunked_head_logp_entropy(h_ChxPxD, w, tgt_ChxP, need_Ch, vocab_axis, dtype, temperature):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def chunked_head_logp_entropy(h_ChxPxD, w, tgt_ChxP, need_Ch, vocab_axis, dtype, temperature,
+                              skip=True):
   """(log p(target), entropy) [Ch, P] of Ch chunks of P positions each.
 
   Args:
     h_ChxPxD: final hidden states, chunked.
     w: the head weight, [V, D] (vocab_axis=0, tied embedding) or [D, V] (1).
     tgt_ChxP: int target ids.
-    need_Ch: bool; chunks with False give 0 and get no gradient (not computed).
+    need_Ch: bool; chunks with False give 0 and get no gradient.
     vocab_axis, dtype, temperature: static; logits are float32 after a
       `dtype` matmul, divided by `temperature`.
+    skip: static; whether chunks with need_Ch False are skipped (a branch per
+      chunk) or computed and masked.
 
   The gradients (custom VJP, see module docstring) are those of the plain
   computation: with z = logits / temperature, p = softmax(z), lse = logsumexp(z)
   and H = lse - sum(p z),  d logp_t / dz = onehot_t - p  and
   dH / dz = -p (z - lse + H).
   """
-  out, _ = _head_fwd(h_ChxPxD, w, tgt_ChxP, need_Ch, vocab_axis, dtype, temperature)
+  out, _ = _head_fwd(h_ChxPxD, w, tgt_ChxP, need_Ch, vocab_axis, dtype, temperature, skip)
   return out
 
 
-def _head_fwd(h_ChxPxD, w, tgt_ChxP, need_Ch, vocab_axis, dtype, temperature):
+def _head_fwd(h_ChxPxD, w, tgt_ChxP, need_Ch, vocab_axis, dtype, temperature, skip):
   P = h_ChxPxD.shape[1]
 
   def body(_, xs):
     h_PxD, tgt_P, need = xs
-    zeros = (jnp.zeros((P,), jnp.float32),) * 3
-    return None, jax.lax.cond(
-        need, lambda: _chunk_forward(h_PxD, w, tgt_P, vocab_axis, dtype, temperature),
-        lambda: zeros)
+    forward = lambda: _chunk_forward(h_PxD, w, tgt_P, vocab_axis, dtype, temperature)
+    if skip:
+      return None, jax.lax.cond(need, forward, lambda: (jnp.zeros((P,), jnp.float32),) * 3)
+    return None, forward()
 
   _, (logp_ChxP, ent_ChxP, lse_ChxP) = jax.lax.scan(body, None, (h_ChxPxD, tgt_ChxP, need_Ch))
-  return (logp_ChxP, ent_ChxP), (h_ChxPxD, w, tgt_ChxP, need_Ch, lse_ChxP, ent_ChxP)
+  res = (h_ChxPxD, w, tgt_ChxP, need_Ch, lse_ChxP, ent_ChxP)
+  if not skip:  # computed everywhere; the backward keeps the finite lse of every chunk
+    logp_ChxP, ent_ChxP = (jnp.where(need_Ch[:, None], x, 0.0) for x in (logp_ChxP, ent_ChxP))
+  return (logp_ChxP, ent_ChxP), res
 
 
-def _head_bwd(vocab_axis, dtype, temperature, res, cotangents):
+def _head_bwd(vocab_axis, dtype, temperature, skip, res, cotangents):
   h_ChxPxD, w, tgt_ChxP, need_Ch, lse_ChxP, ent_ChxP = res
   g_logp_ChxP, g_ent_ChxP = cotangents
   contract_v = ((1,), (vocab_axis,))  # dlogits [P, V] x w -> [P, D]
@@ -122,9 +133,13 @@ def _head_bwd(vocab_axis, dtype, temperature, res, cotangents):
 
   def body(dw_acc, xs):
     need = xs[-1]
-    dh_PxD, dw = jax.lax.cond(
-        need, lambda: chunk_grads(*xs[:-1]),
-        lambda: (jnp.zeros(h_ChxPxD.shape[1:], jnp.float32), jnp.zeros(w.shape, jnp.float32)))
+    if skip:
+      dh_PxD, dw = jax.lax.cond(
+          need, lambda: chunk_grads(*xs[:-1]),
+          lambda: (jnp.zeros(h_ChxPxD.shape[1:], jnp.float32), jnp.zeros(w.shape, jnp.float32)))
+    else:  # a chunk outside need_Ch gets no gradient: its cotangents are zeroed
+      *args, g_lp_P, g_ent_P = xs[:-1]
+      dh_PxD, dw = chunk_grads(*args, jnp.where(need, g_lp_P, 0.0), jnp.where(need, g_ent_P, 0.0))
     return dw_acc + dw, dh_PxD.astype(h_ChxPxD.dtype)
 
   xs = (h_ChxPxD, tgt_ChxP, lse_ChxP, ent_ChxP, g_logp_ChxP.astype(jnp.float32),
@@ -183,7 +198,7 @@ def token_logp_entropy(model, input_ids_BxT, attention_mask_BxT, loss_mask_BxT, 
     need_Ch = chunked(need_BxS).any(axis=1)
     lp_ChxP, ent_ChxP = chunked_head_logp_entropy(
         chunked(h_BxSxD, D), w, chunked(tgt_BxS), need_Ch, vocab_axis, dtype,
-        float(temperature))
+        float(temperature), jax.default_backend() != "gpu")
 
     def unchunked(x_ChxP):
       return x_ChxP.reshape(n_chunks, B, chunk).swapaxes(0, 1).reshape(B, -1)[:, :S]

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from isojax.rl.logprobs import logits_logp_entropy, token_logp_entropy
+from isojax.rl.logprobs import (chunked_head_logp_entropy, logits_logp_entropy,
+                                 token_logp_entropy)
 
 
 def np_logp_entropy(logits, targets):
@@ -101,6 +102,54 @@ def test_chunked_equals_unchunked_values_and_gradients(chunk, vocab_axis, temper
   rlp, _ = np_logp_entropy(np.asarray(emb[ids[:, 6]]) @ head / temperature,
                            np.asarray(ids[:, 7]))
   np.testing.assert_allclose(np.asarray(lp1)[:, 7], rlp, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab_axis", [0, 1])
+def test_masked_chunks_equal_skipped_chunks(vocab_axis):
+  """On a GPU chunks with no trained token are computed and masked, not skipped
+  by a branch: the same zeros, values and gradients, with every output weighted
+  (those of the masked chunks too) so that a gradient leaking out of them shows."""
+  rng = np.random.default_rng(5)
+  Ch, P, D, V = 4, 6, 5, 11
+  h = jnp.asarray(rng.normal(size=(Ch, P, D)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(V, D) if vocab_axis == 0 else (D, V)) * 3, jnp.float32)
+  tgt = jnp.asarray(rng.integers(0, V, (Ch, P)))
+  need = jnp.asarray([False, True, False, True])
+  w_lp, w_ent = (jnp.asarray(rng.uniform(-1, 1, (Ch, P)), jnp.float32) for _ in range(2))
+
+  def loss(h, w, skip):
+    lp, ent = chunked_head_logp_entropy(h, w, tgt, need, vocab_axis, jnp.float32, 0.1, skip)
+    return jnp.sum(lp * w_lp + ent * w_ent), (lp, ent)
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+  (v_skip, (lp_skip, ent_skip)), g_skip = grad(h, w, True)
+  (v_mask, (lp_mask, ent_mask)), g_mask = grad(h, w, False)
+  assert np.all(np.asarray(lp_mask)[~np.asarray(need)] == 0)
+  assert np.all(np.asarray(ent_mask)[~np.asarray(need)] == 0)
+  assert np.all(np.asarray(g_mask[0])[~np.asarray(need)] == 0)
+  np.testing.assert_allclose(float(v_mask), float(v_skip), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(lp_mask), np.asarray(lp_skip))
+  np.testing.assert_array_equal(np.asarray(ent_mask), np.asarray(ent_skip))
+  for a, b in zip(g_mask, g_skip):
+    assert np.all(np.isfinite(np.asarray(a)))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_chunked_head_skips_chunks_off_a_gpu_only(monkeypatch):
+  """token_logp_entropy branches over chunks off a GPU, and not on one."""
+  B, T, D, V = 2, 9, 5, 13
+  ids, ones = jnp.zeros((B, T), jnp.int32), jnp.ones((B, T), jnp.int32)
+
+  def loss(emb, proj):
+    return jnp.sum(token_logp_entropy(StandIn(emb, proj), ids, ones, ones, chunk=4)[0])
+
+  def branches():  # one in the forward scan over chunks, one in the backward's
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(jnp.ones((V, D)), jnp.ones((D, V)))
+    return str(jaxpr).count("cond[")
+
+  assert branches() == 2
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert branches() == 0
 
 
 def test_chunked_head_lowers_compiled_temporaries():
