@@ -31,7 +31,8 @@ once, its compilation included); `--shapes 1.5b` runs only the latter. Each
 line prints tokens/s, ms per decode step, the HBM-bandwidth bound from the
 bytes a step must read (every weight and every cached position once; the device's
 bandwidth, or `--hbm_gbps`), the fraction of it reached, and the peak device
-memory.
+memory; the 0.5B shape also runs with one decode step per check of the decode
+loop's condition (`JaxSampler(steps_per_sync=1)`) beside the backend's default.
 
 `--memory_check` compiles the 1.5B x 512 x 8192 sampler from shapes only (no
 weights) with the KV budget and prints XLA's memory analysis: what one device must
@@ -298,6 +299,14 @@ def bench_gpu(args):
     if long:
       print(f"  (one run: {compiling['seconds']:.0f} s of it compiled "
             f"{compiling['programs']} programs)")
+    if not long and sampler._steps_per_sync > 1:  # the default beside one step per check
+      single = JaxSampler(model, kv_budget_gib=budget, steps_per_sync=1)
+      best_1, _, tok_1 = time_runs(
+          lambda seed: single.generate(prompts, n=n, max_tokens=max_tokens, temperature=1.0,
+                                       seed=seed).num_generated_tokens, args.repeats)
+      del single
+      print(f"{'  1 step per loop check':<28}{best_1:>9.2f}s {tok_1 / best_1:>10.0f} tok/s; "
+            f"{sampler._steps_per_sync} steps per check (above): {best_1 / best:.2f}x as fast")
     if args.profile and not long:
       import device_profile  # pylint: disable=g-import-not-at-top  (bench/, beside this file)
       with tempfile.TemporaryDirectory() as tmp:

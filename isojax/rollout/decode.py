@@ -5,9 +5,10 @@ A fixed set of R cache rows decodes (prompt, sample) pairs, indexed
 prompt-major (pair p is sample p % n of prompt p // n). Admission prefills each
 distinct prompt once, copies its cache row to every row that decodes one of its
 samples, and samples their first tokens; decoding then runs all R rows in a
-lax.while_loop until every row is done or, when more pairs wait, until
-`min_free` rows are done (the host refills them and calls again), or after
-`max_steps` steps (the host calls again, then with the weights current by then).
+lax.while_loop (one or `steps_per_sync` steps per iteration) until every row is
+done or, when more pairs wait, until `min_free` rows are done (the host refills
+them and calls again), or after `max_steps` steps (the host calls again, then
+with the weights current by then).
 Each pair's outputs go to its own row of the output arrays, wherever it was
 decoded.
 
@@ -43,6 +44,7 @@ class Static:
   top_k: int  # 0 = no top-k filtering
   use_top_p: bool
   cache_block: int = DEFAULT_BLOCK  # slots per attention block of the cache
+  steps_per_sync: int = 1  # decode steps per loop condition (see decode_steps)
   # With a mesh: the sharding of rollout rows (R, P) and of their KV cache.
   rows: Any = None
   cache_rows: Any = None
@@ -166,7 +168,12 @@ def _nucleus(scaled_BxV, top_p):
   def first_ties():
     return at_BxV & (jnp.cumsum(at_BxV, axis=-1, dtype=jnp.int32) <= take_B[:, None])
 
-  ties_BxV = jax.lax.cond(jnp.any(count_B > take_B), first_ties, lambda: at_BxV)
+  if jax.default_backend() == "gpu":
+    # XLA:GPU reads a branch's predicate on the host (a wait for the device, per
+    # decode step); the cumsum over the row costs less there.
+    ties_BxV = first_ties()
+  else:  # ties past `take` are rare: skip the cumsum over the row
+    ties_BxV = jax.lax.cond(jnp.any(count_B > take_B), first_ties, lambda: at_BxV)
   return (key_BxV > z_B[:, None]) | ties_BxV
 
 
@@ -262,6 +269,17 @@ def _emit(out: Out, live_R, pair_R, step_R, tok_R, logp_R, hit_R) -> Out:
              stopped_P=out.stopped_P.at[at_R].set(hit_R, mode="drop"))
 
 
+# Decode steps per check of the decode loop's condition on a GPU, where each
+# check waits for the device (a traced 0.5B request at one step per check kept
+# an H200 busy 7 % of the time); at most 7 steps of a decode call idle.
+GPU_STEPS_PER_SYNC = 8
+
+
+def default_steps_per_sync() -> int:
+  """`Static.steps_per_sync` for this process's backend."""
+  return GPU_STEPS_PER_SYNC if jax.default_backend() == "gpu" else 1
+
+
 def next_pow2(x: int) -> int:
   """The smallest power of two >= x (1 for x <= 1): the buckets shapes are
   rounded to, so nearby sizes share a compilation."""
@@ -329,20 +347,32 @@ def decode_steps(graphdef, s: Static, state, rows: Rows, out: Out, stop_V, tempe
     max_steps: decoding stops after this many steps (a bound on the tokens a row
       emits before the host may swap weights); a dynamic int32, so changing it
       does not recompile.
+
+  With `s.steps_per_sync` = k > 1, the loop first runs k steps per iteration
+  (a fixed-count inner loop) while k more steps stay inside the read extent
+  and `max_steps`, then single steps up to where the one-step loop would stop.
+  XLA:GPU evaluates a while loop's condition on the host, waiting for the
+  device at every iteration; a fixed-count loop runs without. Rows that finish
+  inside a group idle (a done row emits nothing) until its end, so up to k - 1
+  steps pass after all rows are done or `min_free` are: the same tokens, at
+  the cost of those steps.
   """
   model = nnx.merge(graphdef, state)
   t_max = s.max_tokens
+  k = s.steps_per_sync
   read_len = rows.cache.read_len or rows.cache.max_len
 
-  def cond(carry):
+  def go_on(carry, ahead):
+    """Whether `ahead` more steps may run: rows wait, and the steps' writes stay
+    inside the read extent and within max_steps."""
     rows, _, steps = carry
     # A step writes slot lengths_R of every live row and attends up to it: it
     # must be inside the read extent.
     fill = jnp.max(jnp.where(rows.done_R, 0, rows.cache.lengths_B))
     return (~jnp.all(rows.done_R) & (jnp.sum(rows.done_R, dtype=jnp.int32) < min_free)
-            & (fill < read_len) & (steps < max_steps))
+            & (fill + ahead <= read_len) & (steps <= max_steps - ahead))
 
-  def body(carry):
+  def step(carry):
     rows, out, steps = carry
     before = rows.cache
     logits_RxV, cache = model.decode_step(rows.prev_R, before)
@@ -364,5 +394,9 @@ def decode_steps(graphdef, s: Static, state, rows: Rows, out: Out, stop_V, tempe
                          done_R=rows.done_R | hit_R | (step_R >= max_tokens))
     return rows, out, steps + 1
 
-  rows, out, _ = jax.lax.while_loop(cond, body, (rows, out, jnp.zeros((), jnp.int32)))
+  carry = (rows, out, jnp.zeros((), jnp.int32))
+  if k > 1:
+    carry = jax.lax.while_loop(
+        lambda c: go_on(c, k), lambda c: jax.lax.fori_loop(0, k, lambda _, c: step(c), c), carry)
+  rows, out, _ = jax.lax.while_loop(lambda c: go_on(c, 1), step, carry)
   return rows, out

@@ -137,12 +137,18 @@ class JaxSampler:
       widened. Tokens do not depend on it while the weights stay the same.
       A chunk that only resumes decoding admits nothing (no prefill); each
       costs a host round trip (a small transfer).
+    steps_per_sync: decode steps run between two checks of the decode loop's
+      stopping condition (`decode.decode_steps`). None:
+      `decode.default_steps_per_sync()`, several on a GPU, where XLA checks a
+      loop's condition on the host, waiting for the device each time; 1 elsewhere. Tokens do not depend on it; a decode call
+      may run up to steps_per_sync - 1 steps past the one it could stop after
+      (rows that finished meanwhile idle).
   """
 
   def __init__(self, model, *, mesh=None, rules=None, max_len: int | None = None,
                min_prompt_bucket: int = 16, max_rows: int | None = None,
                kv_budget_gib: float | None = None, cache_block: int = decode.DEFAULT_BLOCK,
-               decode_chunk: int | None = None):
+               decode_chunk: int | None = None, steps_per_sync: int | None = None):
     self._cfg = model.cfg
     self._mesh = mesh
     self._rules = sharding.DEFAULT_RULES if rules is None else rules
@@ -154,6 +160,8 @@ class JaxSampler:
     check_count("JaxSampler", "max_rows", max_rows, minimum=1, none="no cap")
     check_count("JaxSampler", "cache_block", cache_block, minimum=1)
     check_count("JaxSampler", "decode_chunk", decode_chunk, minimum=1, none="no bound")
+    check_count("JaxSampler", "steps_per_sync", steps_per_sync, minimum=1,
+                none="the backend's default")
     if kv_budget_gib is not None and not (
         is_number(kv_budget_gib) and 0 < kv_budget_gib < math.inf):
       raise ValueError(f"JaxSampler: kv_budget_gib={kv_budget_gib!r}; expected a finite "
@@ -164,6 +172,7 @@ class JaxSampler:
     limits = [int(x) for x in (context, max_len) if x is not None]
     self._max_len = min(limits) if limits else None
     self._decode_chunk = None if decode_chunk is None else int(decode_chunk)
+    self._steps_per_sync = int(steps_per_sync or decode.default_steps_per_sync())
     self._max_rows = None if max_rows is None else int(max_rows)
     self._kv_budget_gib = kv_budget_gib
     self._cache_block = int(cache_block)
@@ -295,7 +304,8 @@ class JaxSampler:
     num_pairs, num_rows = layout.pairs, layout.rows
     s = decode.Static(max_tokens=layout.completion_len, greedy=greedy, top_k=k,
                       use_top_p=(not greedy) and top_p < 1.0,
-                      cache_block=self._cache_block, rows=self._rows,
+                      cache_block=self._cache_block, steps_per_sync=self._steps_per_sync,
+                      rows=self._rows,
                       cache_rows=self._cache_rows)
 
     b = len(prompt_ids) * n

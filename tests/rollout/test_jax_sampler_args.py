@@ -23,6 +23,7 @@ def model():
     ("max_len", 0), ("max_len", 1), ("max_len", True), ("max_len", math.inf),
     ("cache_block", True), ("cache_block", 0), ("cache_block", 8.0),
     ("decode_chunk", True), ("decode_chunk", 0), ("decode_chunk", math.inf),
+    ("steps_per_sync", True), ("steps_per_sync", 0), ("steps_per_sync", 4.0),
     ("kv_budget_gib", True), ("kv_budget_gib", 0.0), ("kv_budget_gib", math.inf),
     ("kv_budget_gib", math.nan), ("kv_budget_gib", "1"),
 ])

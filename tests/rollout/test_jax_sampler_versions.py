@@ -3,6 +3,7 @@ the rollouts unchanged, and version labels that say which weights sampled each t
 
 import threading
 
+import jax
 import numpy as np
 import pytest
 
@@ -145,3 +146,55 @@ def test_decode_chunk_and_version_are_checked(model):
     JaxSampler(model, decode_chunk=0)
   with pytest.raises(ValueError, match="version=-1"):
     JaxSampler(model).update_weights(model, version=-1)
+
+
+def _while_loops(sampler, *args):
+  """The while loops in the decode program compiled for these arguments."""
+  return sampler._jit_decode.lower(*args).as_text().count("stablehlo.while")
+
+
+@pytest.mark.parametrize("prompts,n,max_rows,kw", [
+    (PROMPTS[:2], 4, None, {}),  # a row per rollout: one decode call, in lockstep
+    (PROMPTS[:2], 4, 3, dict(cache_block=4)),  # refills, and extents widened twice
+    (MANY_PROMPTS, 1, 16, dict(decode_chunk=5)),  # refills at 2 free rows, 5-step chunks
+])
+def test_steps_per_sync_gives_the_same_rollouts(model, prompts, n, max_rows, kw):
+  """Several decode steps per check of the loop's condition: the rollouts of one
+  step per check, whatever stopped a call (stops, refills, extents, chunks)."""
+  gen = dict(n=n, max_tokens=10, temperature=1.0, seed=6, top_p=0.9)
+  one = JaxSampler(model, max_rows=max_rows, steps_per_sync=1, **kw)
+  gen["stop_token_ids"] = (_stop_token(one.generate(prompts, **gen), len(prompts) * n),)
+  ref = one.generate(prompts, **gen)
+  assert (ref.lengths_B < 10).any() and (ref.lengths_B == 10).any()
+  for k in (3, 4):
+    grouped = JaxSampler(model, max_rows=max_rows, steps_per_sync=k, **kw)
+    calls = []
+    real = grouped._jit_decode
+    grouped._jit_decode = lambda *a: (calls.append(jax.tree.map(_abstract, a)), real(*a))[1]
+    got = grouped.generate(prompts, **gen)
+    np.testing.assert_array_equal(got.tokens_BxT, ref.tokens_BxT)
+    np.testing.assert_allclose(got.logprobs_BxT, ref.logprobs_BxT, atol=1e-6)
+    np.testing.assert_array_equal(got.lengths_B, ref.lengths_B)
+    np.testing.assert_array_equal(got.finish_reason_B, ref.finish_reason_B)
+    # The grouped loop (an outer loop around a k-step loop) precedes the
+    # one-step loop; one step per check compiles that loop alone.
+    grouped._jit_decode = real
+    assert _while_loops(grouped, *calls[0]) == 3
+  one_calls = []
+  real = one._jit_decode
+  one._jit_decode = lambda *a: (one_calls.append(jax.tree.map(_abstract, a)), real(*a))[1]
+  one.generate(prompts, **gen)
+  one._jit_decode = real
+  assert _while_loops(one, *one_calls[0]) == 1
+
+
+def _abstract(x):
+  return jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
+
+
+def test_steps_per_sync_defaults_to_several_on_a_gpu_only(model, monkeypatch):
+  from isojax.rollout import decode
+  assert JaxSampler(model)._steps_per_sync == 1
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert JaxSampler(model)._steps_per_sync == decode.GPU_STEPS_PER_SYNC > 1
+  assert JaxSampler(model, steps_per_sync=1)._steps_per_sync == 1
