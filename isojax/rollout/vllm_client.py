@@ -46,6 +46,7 @@ from absl import logging
 from isojax.rollout import weight_sync
 from isojax.rollout.base import (Rollouts, VLLMError, VLLMResponseError, next_version,
                                  validate_request)
+from isojax.rollout.daemon_pool import DaemonPool
 from isojax.rollout.vllm_answers import answer_field, parse_completion
 
 _SEED_STRIDE = 1_000_003
@@ -120,7 +121,7 @@ class VLLMSampler:
     self._eos_token_ids = None if eos_token_ids is None else tuple(map(int, eos_token_ids))
     self._warned_no_eos = False
     self._local = threading.local()
-    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+    self._pool: DaemonPool | None = None
     self._model_info: dict[str, Any] | None = None
     self.weights = weight_sync.WeightSync(self, weights_root=weights_root,
                                           keep_last=keep_last, in_flight=in_flight)
@@ -322,7 +323,7 @@ class VLLMSampler:
   def close(self) -> None:
     """Shuts the request thread pool down and removes temp weight snapshots."""
     if self._pool is not None:
-      self._pool.shutdown(wait=False, cancel_futures=True)
+      self._pool.shutdown(cancel_futures=True)
       self._pool = None
     self.weights.close()
 
@@ -334,9 +335,11 @@ class VLLMSampler:
 
   # -- internals ------------------------------------------------------------
 
-  def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+  def _executor(self) -> DaemonPool:
+    # Daemon threads: a request in flight to a hung server must not hold the
+    # interpreter's exit after close() (ThreadPoolExecutor's threads would).
     if self._pool is None:
-      self._pool = concurrent.futures.ThreadPoolExecutor(
+      self._pool = DaemonPool(
           max_workers=self.max_concurrency, thread_name_prefix="vllm-client")
     return self._pool
 

@@ -652,3 +652,31 @@ def test_failed_start_leaves_no_weight_snapshot(server, fake, silent_server, tin
   if server == "no_weight_sync":  # a snapshot was written before the push failed
     assert ("GET", "/v1/models") in fake.paths()
   assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_a_request_in_flight_after_close_does_not_hold_the_exit(fake):
+  """A process that closed its sampler (Ctrl-C, an error) exits at once, even with
+  a request still waiting on a server that does not answer."""
+  import subprocess
+  import sys
+  answer = threading.Event()
+  fake.routes[("POST", "/v1/completions")] = lambda b, q: (answer.wait(30),
+                                                           (200, fake.complete(b)))[1]
+  script = (
+      "import threading, time\n"
+      "from isojax.rollout.vllm_client import VLLMSampler\n"
+      f"s = VLLMSampler({fake.url!r}, request_timeout_s=60, eos_token_ids=())\n"
+      "threading.Thread(target=s.generate, args=([[1, 2]],), daemon=True,\n"
+      "                 kwargs=dict(n=1, max_tokens=2, temperature=1.0)).start()\n"
+      "time.sleep(1.0)\n"
+      "s.close()\n")
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+  t0 = time.monotonic()
+  try:
+    subprocess.run([sys.executable, "-c", script], env=env, cwd=root, timeout=25,
+                   check=True, capture_output=True)
+  finally:
+    answer.set()
+  assert time.monotonic() - t0 < 25
+  assert any(p == "/v1/completions" for _, p in fake.paths())
