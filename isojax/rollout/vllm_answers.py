@@ -46,7 +46,8 @@ def parse_completion(body: Any, *, prompts: list[list[int]], n: int, url: str,
   for j in range(b):
     c, where = by_index[j], f"choices[{j}]."
     prompt = prompts[j // n]
-    if c.get("prompt_token_ids") is not None and list(c["prompt_token_ids"]) != prompt:
+    echoed = c.get("prompt_token_ids")
+    if echoed is not None and (not isinstance(echoed, list) or echoed != prompt):
       raise VLLMResponseError(
           f"vLLM answer from {url}: field '{where}prompt_token_ids' does not match "
           f"the prompt sent (the server re-tokenised it?)")

@@ -242,6 +242,7 @@ def _set(*paths_and_values):
     (lambda b, q: (200, {"choices": [dict(c, prompt_token_ids=[9, 9]) for c in
                                      FakeVLLM.complete(b)["choices"]]}),
      "'choices[0].prompt_token_ids' does not match"),
+    (_set("choices.[0].prompt_token_ids", 5), "'choices[0].prompt_token_ids' does not match"),
     (lambda b, q: (200, b"<html>not json</html>"), "answered non-JSON"),
     # The trainer's gather would clamp an id past the vocabulary (2000).
     (_set("choices.[0].token_ids", [2000]),
