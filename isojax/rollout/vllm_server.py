@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 
 import requests
+from absl import logging
 
 from isojax.files import log_tail
 
@@ -278,7 +279,16 @@ class VLLMServer:
     if self.process is None:
       return
     stop_process_group(self.process.pid, grace_s=grace_s)
-    self.process.wait()
+    try:
+      # Bounded: a server stuck in the kernel (a hung GPU driver) outlives SIGKILL,
+      # and an unbounded wait here (atexit's too) would keep this process alive.
+      self.process.wait(timeout=_KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+      logging.warning("vLLM server pid %d outlived SIGKILL; left running (its pid "
+                      "file %s stays, for stop_pid_file)", self.process.pid, self.pid_file)
+      self.process = None
+      atexit.unregister(self.stop)
+      return
     self.process = None
     atexit.unregister(self.stop)
     with contextlib.suppress(FileNotFoundError):

@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -138,3 +140,24 @@ def test_start_that_cannot_write_its_pid_file_stops_the_server(tmp_path, popened
     server.start()
   assert server.process is None and len(popened) == 1
   assert not _live_members(popened[0])
+
+
+def test_stop_of_a_server_that_outlives_sigkill_returns(tmp_path, popened, monkeypatch):
+  """A server stuck in the kernel (stood in for by a kill that does nothing) is
+  left with its pid file: stop() and the atexit hook must not wait on it forever."""
+  from isojax.rollout import vllm_server
+  model, venv = _fake_server(tmp_path, _engine_core_then("exec sleep 300"))
+  server = VLLMServer(model, venv=venv, workdir=str(tmp_path / "w"), startup_timeout_s=60)
+  monkeypatch.setattr(VLLMServer, "_wait_healthy", lambda self: None)
+  monkeypatch.setattr(VLLMServer, "_warm_up", lambda self: None)
+  server.start()
+  pid = server.process.pid
+  monkeypatch.setattr(vllm_server, "stop_process_group", lambda pid, grace_s: None)
+  monkeypatch.setattr(vllm_server, "_KILL_WAIT_S", 0.5)
+  stopper = threading.Thread(target=server.stop, daemon=True)
+  t0 = time.monotonic()
+  stopper.start()
+  stopper.join(timeout=20)
+  assert not stopper.is_alive(), "stop() waited on a process that survived the kill"
+  assert time.monotonic() - t0 < 10 and server.process is None
+  assert os.path.exists(server.pid_file) and _live_members(pid)
