@@ -121,6 +121,8 @@ class VLLMSampler:
     self._eos_token_ids = None if eos_token_ids is None else tuple(map(int, eos_token_ids))
     self._warned_no_eos = False
     self._local = threading.local()
+    self._sessions: list[requests.Session] = []  # every thread's, for close()
+    self._sessions_lock = threading.Lock()
     self._pool: DaemonPool | None = None
     self._model_info: dict[str, Any] | None = None
     self.weights = weight_sync.WeightSync(self, weights_root=weights_root,
@@ -133,6 +135,8 @@ class VLLMSampler:
     s = getattr(self._local, "session", None)
     if s is None:
       s = self._local.session = requests.Session()
+      with self._sessions_lock:
+        self._sessions.append(s)
     return s
 
   def request(self, method: str, path: str, *, json_body: Any = None,
@@ -321,10 +325,16 @@ class VLLMSampler:
     self._version = label
 
   def close(self) -> None:
-    """Shuts the request thread pool down and removes temp weight snapshots."""
+    """Shuts the request thread pool down, hangs up the connections kept alive
+    and removes temp weight snapshots."""
     if self._pool is not None:
       self._pool.shutdown(cancel_futures=True)
       self._pool = None
+    with self._sessions_lock:
+      sessions, self._sessions = self._sessions, []
+      self._local = threading.local()
+    for session in sessions:
+      session.close()
     self.weights.close()
 
   def __enter__(self) -> VLLMSampler:

@@ -681,3 +681,29 @@ def test_a_request_in_flight_after_close_does_not_hold_the_exit(fake):
     answer.set()
   assert time.monotonic() - t0 < 25
   assert any(p == "/v1/completions" for _, p in fake.paths())
+
+
+def test_close_closes_the_connections_it_kept_alive(fake):
+  """vLLM keeps connections alive (HTTP/1.1): close() hangs them up, not the
+  garbage collector (the sampler and its WeightSync hold each other)."""
+  handler = fake.httpd.RequestHandlerClass
+  handler.protocol_version = "HTTP/1.1"
+  open_connections = []
+  serve = handler.handle
+
+  def handle(self):
+    open_connections.append(self)
+    try:
+      serve(self)
+    finally:
+      open_connections.remove(self)
+  handler.handle = handle
+  s = _sampler(fake.url)
+  s.wait_until_ready()  # on this thread
+  s.generate([[1, 2], [3]], n=1, max_tokens=2, temperature=1.0)  # on the pool's
+  assert open_connections
+  s.close()
+  deadline = time.monotonic() + 5
+  while open_connections and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert not open_connections
