@@ -17,7 +17,8 @@ Implementations (`ModelConfig.attention`):
     left by its count of left-pad tokens (real tokens must be one contiguous
     span per row, as the samplers produce: left-padded prompt ++ right-padded
     completion) and rotated back after.
-  * "auto": "cudnn" on a GPU backend for bf16/fp16, "xla" otherwise.
+  * "auto": "cudnn" on a GPU backend for bf16/fp16 with a head size cuDNN
+    takes (a multiple of 8, at most 128), "xla" otherwise.
 """
 
 from __future__ import annotations
@@ -37,23 +38,33 @@ _MASKED = float(jnp.finfo(jnp.float32).min)
 BLOCK = 512
 
 
-def _cudnn_applies(dtype) -> bool:
-  """cuDNN's fused attention runs here: a GPU backend and 16-bit compute."""
-  return jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
+def _cudnn_head_dim_ok(head_dim, limit) -> bool:
+  # cuDNN's flash attention takes head sizes that are multiples of 8, up to 128
+  # (256 from Hopper on); jax raises NotImplementedError inside its lowering otherwise.
+  return head_dim is None or (head_dim % 8 == 0 and head_dim <= limit)
 
 
-def resolve_implementation(implementation: str, dtype) -> str:
-  """"auto" -> "cudnn" on GPU for 16-bit compute, else "xla"; others unchanged."""
+def _cudnn_applies(dtype, head_dim=None) -> bool:
+  """cuDNN's fused attention runs here: a GPU backend, 16-bit compute and a head
+  size every GPU generation takes (128 at most, so "auto" never needs Hopper)."""
+  return (jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
+          and _cudnn_head_dim_ok(head_dim, 128))
+
+
+def resolve_implementation(implementation: str, dtype, head_dim=None) -> str:
+  """"auto" -> "cudnn" on GPU for 16-bit compute (and, given `head_dim`, a head
+  size cuDNN takes), else "xla"; others unchanged."""
   if implementation != "auto":
     return implementation
-  return "cudnn" if _cudnn_applies(dtype) else "xla"
+  return "cudnn" if _cudnn_applies(dtype, head_dim) else "xla"
 
 
-def check_implementation(implementation: str, dtype) -> str:
+def check_implementation(implementation: str, dtype, head_dim=None) -> str:
   """The implementation `resolve_implementation` picks for `dtype` compute, or a
-  ValueError naming it when it cannot run here ("cudnn" off GPU or in float32,
-  where jax.nn.dot_product_attention would fail deep in its lowering)."""
-  impl = resolve_implementation(implementation, dtype)
+  ValueError naming it when it cannot run here ("cudnn" off GPU, in float32 or,
+  given `head_dim`, for a head size cuDNN refuses, where
+  jax.nn.dot_product_attention would fail deep in its lowering)."""
+  impl = resolve_implementation(implementation, dtype, head_dim)
   if impl not in ("xla", "cudnn"):
     raise ValueError(f"attention implementation {implementation!r}: expected 'auto', "
                      "'xla' or 'cudnn'")
@@ -61,6 +72,10 @@ def check_implementation(implementation: str, dtype) -> str:
     raise ValueError(f"attention implementation 'cudnn' needs a GPU and 16-bit compute; "
                      f"here the backend is {jax.default_backend()!r} and the compute dtype "
                      f"{jnp.dtype(dtype).name}: use 'auto' (cudnn where it applies) or 'xla'")
+  if impl == "cudnn" and not _cudnn_head_dim_ok(head_dim, 256):
+    raise ValueError(f"attention implementation 'cudnn' needs a head_dim that is a "
+                     f"multiple of 8 and at most 256 (128 before Hopper); got {head_dim}: "
+                     f"use 'auto' or 'xla'")
   return impl
 
 
@@ -259,7 +274,7 @@ def attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, *, implementation="
   """
   block = BLOCK if block is None else block
   scale = q_BxTxNxH.shape[-1] ** -0.5
-  if check_implementation(implementation, q_BxTxNxH.dtype) == "cudnn":
+  if check_implementation(implementation, q_BxTxNxH.dtype, q_BxTxNxH.shape[-1]) == "cudnn":
     return _fused_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, scale, "cudnn")
   if q_BxTxNxH.shape[1] > block:
     return blocked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, scale=scale,

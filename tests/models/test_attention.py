@@ -106,6 +106,21 @@ def test_auto_picks_xla_off_gpu_and_bad_names_raise():
     attn_lib.attention(q, k, v, jnp.ones((B, T), bool), implementation="cudnn")
 
 
+def test_auto_takes_cudnn_only_for_head_sizes_it_runs(monkeypatch):
+  """cuDNN's flash attention refuses a head size that is not a multiple of 8 (or
+  over 256) with a NotImplementedError inside jax's lowering: on a GPU "auto"
+  must pick "xla" there, and an explicit "cudnn" must say which head_dim."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  for head_dim, auto in ((64, "cudnn"), (128, "cudnn"), (12, "xla"), (20, "xla"),
+                         (256, "xla"), (None, "cudnn")):
+    assert attn_lib.resolve_implementation("auto", jnp.bfloat16, head_dim) == auto, head_dim
+    assert attn_lib.check_implementation("auto", jnp.bfloat16, head_dim) == auto, head_dim
+  assert attn_lib.check_implementation("cudnn", jnp.bfloat16, 256) == "cudnn"
+  for head_dim in (12, 264):
+    with pytest.raises(ValueError, match=f"head_dim .*got {head_dim}"):
+      attn_lib.check_implementation("cudnn", jnp.bfloat16, head_dim)
+
+
 def test_decoder_on_the_blocked_path_matches_transformers(hf_dir, torch_logits, monkeypatch):
   """Left-padded batch with blocks of 8 tokens, so the 30-token full forward runs the
   blocked kernel; a cached prefill + decode (the cache's own attention) beside it."""
