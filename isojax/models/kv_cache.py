@@ -167,6 +167,17 @@ class KVCache:
                                           head_dim, dtype, block))
     return cache
 
+  def _check_rows_fit(self, other: KVCache, what: str) -> None:
+    """A ValueError unless `other`'s rows are stored like this cache's: a float32
+    row set into uint16 (bf16) storage would be cast to integers, and a cache
+    with fewer layers would be zipped short, both silently."""
+    def layout(c):
+      return (len(c.k_BxKxHxS), jnp.dtype(c.dtype).name,
+              tuple(c.k_BxKxHxS[0].shape[1:3]) if c.k_BxKxHxS else ())
+    if layout(other) != layout(self):
+      raise ValueError(f"KVCache.{what}: source (layers, dtype, (kv heads, head_dim)) "
+                       f"{layout(other)} differ from this cache's {layout(self)}")
+
   def with_prefix(self, prefix: KVCache) -> KVCache:
     """This cache's rows, emptied, attending the rows of `prefix` (e.g. a
     prefill of Q prompts) as shared prefixes: row b attends prefix row
@@ -175,6 +186,7 @@ class KVCache:
     if prefix.shared_prefix or batch % num_prefixes:
       raise ValueError(f"KVCache.with_prefix: {num_prefixes} prefixes for {batch} rows; "
                        f"expected a cache without prefixes whose rows divide {batch}")
+    self._check_rows_fit(prefix, "with_prefix")
     group = batch // num_prefixes
     return self.replace(
         prefix_k_QxKxHxL=prefix.k_BxKxHxS, prefix_v_QxKxLxH=prefix.v_BxKxSxH,
@@ -223,6 +235,7 @@ class KVCache:
     if s_src > self.max_len:
       raise ValueError(f"KVCache.insert: source rows have {s_src} slots, more than "
                        f"this cache's {self.max_len}")
+    self._check_rows_fit(src, "insert")
     valid_AxS = jnp.zeros((src_A.shape[0], self.max_len), bool).at[:, :s_src].set(
         src.valid_BxS[src_A])
     return self.replace(

@@ -177,3 +177,23 @@ def test_init_cache_shapes(hf_dir):
   assert all(x.dtype == jnp.uint16 for x in cache.k_BxKxHxS + cache.v_BxKxSxH)
   # A pytree (passes through jit / while_loop): 2 arrays per layer + bookkeeping.
   assert len(jax.tree.leaves(cache)) == 2 * L + 3
+
+
+def test_insert_and_with_prefix_refuse_rows_stored_otherwise():
+  """A float32 source row set into a bfloat16 cache (stored as uint16 bits) was
+  cast to integers (1.5 -> bits 1, a denormal), and a source with fewer layers
+  was zipped short (the other layers kept stale rows): both silently."""
+  zeros = lambda layers=2, dtype=jnp.bfloat16, kv=2, b=2: KVCache.zeros(
+      layers, b, 8, kv, 4, dtype, block=8)
+  src = zeros()
+  src = src.replace(k_BxKxHxS=tuple(
+      jax.lax.bitcast_convert_type(jnp.full(k.shape, 1.5, jnp.bfloat16), jnp.uint16)
+      for k in src.k_BxKxHxS))
+  got = zeros().insert(jnp.array([0]), src, jnp.array([1]))  # alike: inserted as is
+  k = jax.lax.bitcast_convert_type(got.k_BxKxHxS[1][0], jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(k, np.float32), 1.5)
+  for other in (zeros(dtype=jnp.float32), zeros(layers=1), zeros(kv=1)):
+    with pytest.raises(ValueError, match="KVCache.insert: source"):
+      zeros().insert(jnp.array([0]), other, jnp.array([1]))
+    with pytest.raises(ValueError, match="KVCache.with_prefix: source"):
+      zeros(b=4).with_prefix(other)
