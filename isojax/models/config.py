@@ -120,6 +120,14 @@ class ModelConfig:
       elif bool(getattr(self, name)) != value:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} contradicts "
                          f"{self.architecture}, which has {name}={value}; leave it unset")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"ModelConfig.{name}={value!r} must be a positive integer")
+    if self.head_dim % 2:  # else a split deep inside the forward pass fails
+      raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even: RoPE rotates "
+                       f"the first half of each head against the second")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                        f"num_key_value_heads={self.num_kv_heads}")
@@ -276,6 +284,9 @@ def _parse_rope(hf: dict) -> dict:
       raise ValueError(f"original_max_position_embeddings={top} disagrees with {field}'s "
                        f"pretraining length {original}: which one RoPE scales from is "
                        f"ambiguous; make them equal")
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
+    if missing:
+      raise ValueError(f"{field} rope_type 'llama3' lacks {missing}")
     out.update(rope_factor=float(params["factor"]),
                rope_low_freq_factor=float(params["low_freq_factor"]),
                rope_high_freq_factor=float(params["high_freq_factor"]),

@@ -143,3 +143,32 @@ def test_a_model_saved_with_fewer_layers_loads_in_transformers(torch_logits, hf_
   assert json.loads((out / "config.json").read_text())["layer_types"] == ["full_attention"]
   np.testing.assert_allclose(np.asarray(model(IDS_BxT)),
                              _transformers_logits(out, torch_logits), atol=1e-4, rtol=0)
+
+
+HF_LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=16, hidden_size=16,
+                intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+
+
+@pytest.mark.parametrize("changes,match", [
+    # was ZeroDivisionError (num_heads % 0)
+    (dict(num_kv_heads=0), r"num_kv_heads=0 must be a positive integer"),
+    (dict(num_layers=-1), r"num_layers=-1 must be a positive integer"),
+    (dict(hidden_size=16.0), r"hidden_size=16.0 must be a positive integer"),
+    # was accepted, then "array split does not result in an equal division" in RoPE
+    (dict(head_dim=7), r"head_dim=7 must be even"),
+])
+def test_bad_sizes_are_refused_naming_the_field(changes, match):
+  base = dict(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=16,
+              intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8)
+  ModelConfig(**base)
+  with pytest.raises(ValueError, match=match):
+    ModelConfig(**{**base, **changes})
+
+
+def test_llama3_rope_without_its_factors_is_refused_naming_them():
+  """Was a bare KeyError('low_freq_factor') from inside the parser."""
+  hf = dict(HF_LLAMA, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+  with pytest.raises(ValueError, match=r"rope_scaling rope_type 'llama3' lacks "
+                                       r"\['low_freq_factor', 'high_freq_factor'\]"):
+    ModelConfig.from_hf_dict(hf)
+  assert ModelConfig.from_hf_dict(dict(HF_LLAMA, rope_scaling=LLAMA3)).rope_factor == 8.0
