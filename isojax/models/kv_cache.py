@@ -72,15 +72,17 @@ def _from_storage(x: jax.Array, dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
 
 
-def _online_softmax_step(q_BxKxGxTxH, k_BxKxHxC, v_BxKxCxH, ok_BxTxC, m_BxKxGxT, l_BxKxGxT,
-                         acc_BxKxGxTxH):
+def _online_softmax_step(q_BxKxGxTxH, k_BxKxHxC, v_BxKxCxH, ok_BxTxC, scale, m_BxKxGxT,
+                         l_BxKxGxT, acc_BxKxGxTxH):
   """Folds C more key slots into a running softmax: (max m, normaliser l,
   unnormalised output acc) -> the same after them; `ok` says which slots each
-  query sees. Scores and the carry are float32; p meets v in v's dtype. A
+  query sees. Scores (scaled in float32, as the uncached path does: a 16-bit
+  q * scale rounds q again, and doubled the bf16 error against float64) and the
+  carry are float32; p meets v in v's dtype. A
   carry of None is the empty one (the first block): the same values with
   fewer operations (a decode step reads one block per layer)."""
   s = jnp.einsum("bkgth,bkhc->bkgtc", q_BxKxGxTxH, k_BxKxHxC,
-                 preferred_element_type=jnp.float32)
+                 preferred_element_type=jnp.float32) * scale
   ok = ok_BxTxC[:, None, None]
   m_new = jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1)
   if m_BxKxGxT is not None:
@@ -247,7 +249,7 @@ class KVCache:
         valid_BxS=self.valid_BxS.at[dest_A].set(valid_AxS, mode="drop"),
         lengths_B=self.lengths_B.at[dest_A].set(src.lengths_B[src_A], mode="drop"))
 
-  def _attend_prefix(self, layer: int, q_BxKxGxTxH: jax.Array):
+  def _attend_prefix(self, layer: int, q_BxKxGxTxH: jax.Array, scale: float):
     """The online-softmax state (m, l, acc) of every row's queries after its
     shared prefix. The queries of a prefix's rows are stacked, so that they
     meet its keys and values in one matmul each (the prefix is read once)."""
@@ -260,7 +262,7 @@ class KVCache:
     state = _online_softmax_step(q_QxKxMxTxH,
                                  _from_storage(self.prefix_k_QxKxHxL[layer], self.dtype),
                                  _from_storage(self.prefix_v_QxKxLxH[layer], self.dtype),
-                                 ok_QxTxL, None, None, None)
+                                 ok_QxTxL, scale, None, None, None)
 
     def per_row(x):  # [Q, K, n*G, T, ...] -> [B, K, G, T, ...]
       x = x.reshape(Q, K, n, G, *x.shape[3:])
@@ -299,8 +301,7 @@ class KVCache:
       v_all = self.v_BxKxSxH[layer].at[row_Bx1, :, slot_BxT].set(_to_storage(v_BxTxKxH, dt))
 
     blk = self.block
-    q_BxKxGxTxH = (q_BxTxNxH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
-                   * jnp.asarray(scale, q_BxTxNxH.dtype))
+    q_BxKxGxTxH = q_BxTxNxH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
     num_blocks = jnp.minimum(-(-jnp.max(first_B + T) // blk), self.max_len // blk)
 
     def read(start, size, carry):
@@ -311,12 +312,12 @@ class KVCache:
       valid_BxC = jax.lax.dynamic_slice_in_dim(self.valid_BxS, start, size, axis=1)
       slot_C = start + jnp.arange(size, dtype=jnp.int32)
       ok_BxTxC = valid_BxC[:, None, :] & (slot_C[None, None, :] <= slot_BxT[:, :, None])
-      m, l, acc = _online_softmax_step(q_BxKxGxTxH, k_BxKxHxC, v_BxKxCxH, ok_BxTxC,
+      m, l, acc = _online_softmax_step(q_BxKxGxTxH, k_BxKxHxC, v_BxKxCxH, ok_BxTxC, scale,
                                        m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxH)
       return m, l, acc, k_all, v_all
 
     # The running softmax starts from the shared prefix, if any (None: empty).
-    start = (self._attend_prefix(layer, q_BxKxGxTxH) if self.shared_prefix
+    start = (self._attend_prefix(layer, q_BxKxGxTxH, scale) if self.shared_prefix
              else (None, None, None))
     if self.read_len is not None or self.max_len == blk:
       # A static extent: plain attention over it, no control flow (a loop costs a
