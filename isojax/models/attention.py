@@ -32,7 +32,8 @@ __all__ = ["attention", "blocked_attention", "check_implementation", "resolve_im
            "BLOCK"]
 
 # Masked scores. Finite so a row with nothing to attend to (a left-pad query)
-# softmaxes to uniform instead of NaN, which would poison gradients.
+# softmaxes to uniform instead of NaN, which would poison gradients (the blocked
+# kernel gives such a row zeros instead: see _blocked_fwd).
 _MASKED = float(jnp.finfo(jnp.float32).min)
 # Query/key block of the blocked kernel; also the query length above which it is used.
 BLOCK = 512
@@ -152,7 +153,11 @@ def _blocked_fwd(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, valid_BxS, scale, bq, bk):
             jnp.zeros((B, K, G, bq), jnp.float32), jnp.zeros((B, K, G, bq, H), jnp.float32))
     # Every query block sees key block 0, and masked scores are finite: l > 0.
     m, l, acc = jax.lax.fori_loop(0, _key_blocks_for(i, bq, bk, nk), key_block, init)
-    return acc / l[..., None], m + jnp.log(l)
+    # A query that sees no key (m stayed _MASKED; real scores are above it) gets
+    # zeros: its logsumexp, _MASKED + log(l), rounds to _MASKED, so the backward
+    # could not recompute its uniform p = 1 / l (it got p = 1, l times too big).
+    seen = m > _MASKED
+    return jnp.where(seen[..., None], acc / l[..., None], 0.0), m + jnp.log(l)
 
   o_QxBxKxGxbqxH, lse_QxBxKxGxbq = jax.lax.map(q_block, jnp.arange(nq))
   o = o_QxBxKxGxbqxH.transpose(1, 0, 4, 2, 3, 5).reshape(B, T, K, G, H)
@@ -189,7 +194,8 @@ def _blocked_vjp_bwd(scale, bq, bk, res, do_BxTxKxGxH):
       delta = jax.lax.dynamic_slice_in_dim(delta_BxKxGxT, i * bq, bq, axis=3)
       s = jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
       mask = _tile_mask(i, j, bq, bk, valid_BxS)
-      p = jnp.exp(jnp.where(mask, s, _MASKED) - lse[..., None])
+      # Masked p is 0 (a query that sees no key has a constant, zero, output).
+      p = jnp.where(mask, jnp.exp(jnp.where(mask, s, _MASKED) - lse[..., None]), 0.0)
       dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(do.dtype), do,
                            preferred_element_type=jnp.float32)
       dp = jnp.einsum("bqkgh,bskh->bkgqs", do, v, preferred_element_type=jnp.float32)
@@ -227,7 +233,8 @@ _blocked.defvjp(_blocked_vjp_fwd, _blocked_vjp_bwd)
 def blocked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, kv_valid_BxS, *, scale,
                       block_q=BLOCK, block_k=BLOCK):
   """Flash-style attention (see the comment above); same rule and result as the
-  einsum path up to float rounding, for rows with at least one visible key."""
+  einsum path up to float rounding, for queries with at least one visible key
+  (a query with none, a left-pad token, gets zeros and no gradient)."""
   B, T, N, H = q_BxTxNxH.shape
   S, K = k_BxSxKxH.shape[1], k_BxSxKxH.shape[2]
   bq, bk = min(block_q, T), min(block_k, S)

@@ -83,6 +83,32 @@ def test_gradients_match_the_einsum_path(path):
                                err_msg=name)
 
 
+@pytest.mark.parametrize("path", ["blocked_4", "blocked_q3_k5"])
+def test_blocked_gradient_is_its_forward_s_on_queries_that_see_nothing(path):
+  """A left-pad query sees no key. The blocked kernel's backward recomputed its
+  probabilities from a logsumexp that rounds to the masked score, giving p = 1
+  where its forward averaged with p = 1/l: a loss reading such a query got a v
+  gradient l times too big (2.0 against a finite difference of 0.5). Now the
+  kernel gives such a query zeros and no gradient; the reference is the einsum
+  path with those queries zeroed, differentiated by jax."""
+  q, k, v = qkv(3)
+  valid = jnp.asarray(valid_rows())
+  sees_BxT = jnp.cumsum(valid, axis=1) > 0  # causal: some key at or before t
+  w = jnp.asarray(np.random.default_rng(5).normal(size=(B, T, N, H)), jnp.float32)
+
+  def reference(q, k, v, valid):
+    return jnp.where(sees_BxT[:, :, None, None], PATHS["einsum"](q, k, v, valid), 0.0)
+
+  def grads(fn):  # the loss reads every query, pad ones too
+    return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a, valid) * w), argnums=(0, 1, 2)))(q, k, v)
+
+  for name, a, b in zip("qkv", grads(PATHS[path]), grads(reference)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5,
+                               err_msg=name)
+  out = np.asarray(PATHS[path](q, k, v, valid))
+  assert not np.asarray(sees_BxT).all() and (out[~np.asarray(sees_BxT)] == 0).all()
+
+
 def test_bf16_blocked_is_close_to_einsum():
   q, k, v = qkv(4, dtype=jnp.bfloat16)
   valid = jnp.asarray(valid_rows())
