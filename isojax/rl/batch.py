@@ -50,7 +50,8 @@ def validate_batch(batch: Batch, *, group_size: int, batch_size: int | None = No
 
   Checks shapes against each other and the static sizes, that group_size
   divides B, that the masks are 0/1 with the loss mask inside the attention
-  mask and off column 0, and that rewards and sampler log-probs are finite.
+  mask and off column 0 and each row's first real token, and that rewards and
+  sampler log-probs are finite.
   """
   if not isinstance(batch, Batch):
     raise ValueError(f"batch must be an isojax.rl.Batch, got {type(batch).__name__}")
@@ -83,6 +84,14 @@ def validate_batch(batch: Batch, *, group_size: int, batch_size: int | None = No
   if np.any(loss_mask[:, 0] > 0):
     raise ValueError("Batch.loss_mask_BxT[:, 0] must be 0 (the first token has no "
                      "prediction)")
+  # Likewise a row's first real token: in the batch's layout its log-prob would come
+  # from a pad position, in the step's left-aligned one (length buckets) it is 0.
+  real = attn > 0
+  first_B = np.argmax(real, axis=1)
+  rows_B = real.any(axis=1) & (loss_mask[np.arange(b), first_B] > 0)
+  if rows_B.any():
+    raise ValueError(f"Batch.loss_mask_BxT is 1 on the first real token of row "
+                     f"{int(np.argmax(rows_B))} (no token before it to predict it from)")
   checks = [("rewards_B", batch.rewards_B), ("sampler_logp_BxT", batch.sampler_logp_BxT)]
   if batch.baseline_rewards_B is not None:
     checks.append(("baseline_rewards_B", batch.baseline_rewards_B))

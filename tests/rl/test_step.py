@@ -262,6 +262,9 @@ def _bad(batch, **changes):
      "sampler_logp_BxT has 1 non-finite.*index \\(2, 7\\)"),
     (lambda b: _bad(b, rewards_B=b.rewards_B.at[3].set(jnp.inf)), "rewards_B has 1 non-finite"),
     (lambda b: _bad(b, loss_mask_BxT=b.loss_mask_BxT.at[0, 0].set(1.0)), "\\[:, 0\\] must be 0"),
+    # Row 2 without its prompt: its first real token, at PROMPT, is trained.
+    (lambda b: _bad(b, attention_mask_BxT=b.attention_mask_BxT.at[2, :PROMPT].set(0)),
+     "1 on the first real token of row 2"),
     (lambda b: _bad(b, attention_mask_BxT=b.attention_mask_BxT.at[0, 6].set(0)),
      "loss_mask_BxT is 1 where attention_mask_BxT is 0"),
     (lambda b: _bad(b, input_ids_BxT=b.input_ids_BxT.astype(jnp.float32)), "integer"),
