@@ -119,6 +119,11 @@ class LossConfig:
     for field in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "adv_std_eps"):
       if not getattr(self, field) >= 0:
         raise ValueError(f"LossConfig.{field}={getattr(self, field)} must be >= 0")
+    # clip_high and tis_cap may be inf (no cap); an infinite coefficient makes every
+    # loss non-finite (each update skipped), an infinite eps every advantage 0.
+    for field in ("kl_coef", "entropy_coef", "adv_std_eps"):
+      if getattr(self, field) == float("inf"):
+        raise ValueError(f"LossConfig.{field}={getattr(self, field)} must be finite")
     if self.clip_dual is not None and not self.clip_dual > 1:
       raise ValueError(f"LossConfig.clip_dual={self.clip_dual} must be > 1 or None")
     if self.clip_dual is not None and self.kind.startswith("cispo"):

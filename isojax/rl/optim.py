@@ -53,22 +53,24 @@ class OptimConfig:
   def __post_init__(self):
     if self.lr_rule not in LR_RULES:
       raise ValueError(f"OptimConfig.lr_rule={self.lr_rule!r}; choose from {sorted(LR_RULES)}")
-    if not self.lr_base > 0 or not self.batch_base > 0:
-      raise ValueError(f"OptimConfig.lr_base={self.lr_base} and batch_base="
-                       f"{self.batch_base} must be > 0")
-    if self.warmup_steps < 0:
-      raise ValueError(f"OptimConfig.warmup_steps={self.warmup_steps} must be >= 0")
+    # Finite too: an infinite or NaN rate (or warmup) skips every update as
+    # non-finite, an infinite batch_base makes the rate 0: the run would not train.
+    for field in ("lr_base", "batch_base"):
+      if not 0 < getattr(self, field) < math.inf:
+        raise ValueError(f"OptimConfig.{field}={getattr(self, field)} must be > 0 and finite")
+    if not (0 <= self.warmup_steps < math.inf and self.warmup_steps == int(self.warmup_steps)):
+      raise ValueError(f"OptimConfig.warmup_steps={self.warmup_steps} must be an integer >= 0")
     if self.max_grad_norm is not None and not self.max_grad_norm > 0:
       raise ValueError(f"OptimConfig.max_grad_norm={self.max_grad_norm} must be > 0")
-    if not self.weight_decay >= 0:  # negative decay grows the weights every step
-      raise ValueError(f"OptimConfig.weight_decay={self.weight_decay} must be >= 0")
+    if not 0 <= self.weight_decay < math.inf:  # negative decay grows the weights every step
+      raise ValueError(f"OptimConfig.weight_decay={self.weight_decay} must be >= 0 and finite")
     # b = 1 divides Adam's bias correction by zero (every update NaN, so skipped);
     # eps = 0 gives 0 / 0 wherever a gradient is exactly 0 (an unseen token's row).
     for field in ("b1", "b2"):
       if not 0 <= getattr(self, field) < 1:
         raise ValueError(f"OptimConfig.{field}={getattr(self, field)} must be in [0, 1)")
-    if not self.eps > 0:
-      raise ValueError(f"OptimConfig.eps={self.eps} must be > 0")
+    if not 0 < self.eps < math.inf:  # inf: every Adam step is 0, only the decay acts
+      raise ValueError(f"OptimConfig.eps={self.eps} must be > 0 and finite")
 
 
 def learning_rate(cfg: OptimConfig, batch_size: int) -> float:

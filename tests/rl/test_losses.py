@@ -360,6 +360,9 @@ def test_entropy_gradient_is_minus_coef_times_weights():
     (dict(tis_cap=0.5), r"tis_cap=0.5 must be >= 1 or None"),
     (dict(clip_low=1.0), r"clip_low=1.0 must be < 1"),
     (dict(kl_coef=-1.0), "kl_coef"),
+    (dict(kl_coef=float("inf")), r"kl_coef=inf must be finite"),
+    (dict(entropy_coef=float("inf")), r"entropy_coef=inf must be finite"),
+    (dict(adv_std_eps=float("inf")), r"adv_std_eps=inf must be finite"),
 ])
 def test_bad_config(kw, match):
   with pytest.raises(ValueError, match=match):

@@ -86,6 +86,13 @@ def test_adamw_matches_reference(clip):
     (dict(b1=1.0), r"b1=1.0 must be in \[0, 1\)"),
     (dict(b2=1.5), r"b2=1.5 must be in \[0, 1\)"),
     (dict(eps=0.0), r"eps=0.0 must be > 0"),
+    # Accepted before, then every update was skipped (non-finite rate) or the rate was 0.
+    (dict(lr_base=float("inf")), r"lr_base=inf must be > 0 and finite"),
+    (dict(batch_base=float("inf")), r"batch_base=inf must be > 0 and finite"),
+    (dict(warmup_steps=float("nan")), r"warmup_steps=nan must be an integer >= 0"),
+    (dict(warmup_steps=2.5), r"warmup_steps=2.5 must be an integer"),
+    (dict(weight_decay=float("inf")), r"weight_decay=inf must be >= 0 and finite"),
+    (dict(eps=float("inf")), r"eps=inf must be > 0 and finite"),
 ])
 def test_bad_config(kw, match):
   with pytest.raises(ValueError, match=match):
