@@ -19,37 +19,45 @@ import jax.numpy as jnp
 __all__ = ["KL_ESTIMATORS", "PG_LOSSES"]
 
 
-def _clipped_surrogate(ratio_BxT, adv_BxT, cfg):
+def _clipped_surrogate(log_ratio_BxT, adv_BxT, cfg):
   """-min(r A, clip(r) A), optionally dual-clipped at -c A for A < 0.
 
   The branch is chosen with `where` on the clip flags, not with min/max: at a
   tie (r exactly on a bound, e.g. r = 1 on-policy with a zero clip) autodiff
   splits a min's gradient between its operands, while PPO's gradient there is
-  the unclipped one.
+  the unclipped one. Where a bound binds (or A = 0) the token's loss is a
+  constant, and the unclipped branch sees r = 1 there: exp of a stale token's
+  log-ratio may overflow, and `where` would turn its zero cotangent into
+  0 * inf = NaN, losing the whole update for a token that has no gradient.
   """
   lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+  r_BxT = jax.lax.stop_gradient(jnp.exp(log_ratio_BxT))
   neg, pos = adv_BxT < 0, adv_BxT > 0
-  flags = {"clip_low": neg & (ratio_BxT < lo), "clip_high": pos & (ratio_BxT > hi)}
-  bound_BxT = jnp.where(pos, hi, lo)
-  loss_BxT = jnp.where(flags["clip_low"] | flags["clip_high"], -adv_BxT * bound_BxT,
-                       -adv_BxT * ratio_BxT)
+  flags = {"clip_low": neg & (r_BxT < lo), "clip_high": pos & (r_BxT > hi)}
+  clipped_BxT = flags["clip_low"] | flags["clip_high"]
+  bound_loss_BxT = -adv_BxT * jnp.where(pos, hi, lo)
+  frozen_BxT = clipped_BxT | (adv_BxT == 0)
   if cfg.clip_dual is not None:
     cap_BxT = -adv_BxT * cfg.clip_dual
-    flags["clip_dual"] = neg & (loss_BxT > cap_BxT)
+    flags["clip_dual"] = neg & (jnp.where(clipped_BxT, bound_loss_BxT, -adv_BxT * r_BxT)
+                                > cap_BxT)
+    frozen_BxT = frozen_BxT | flags["clip_dual"]
+  ratio_BxT = jnp.exp(jnp.where(frozen_BxT, 0.0, log_ratio_BxT))
+  loss_BxT = jnp.where(clipped_BxT, bound_loss_BxT, -adv_BxT * ratio_BxT)
+  if cfg.clip_dual is not None:
     loss_BxT = jnp.where(flags["clip_dual"], cap_BxT, loss_BxT)
   return loss_BxT, flags
 
 
 def _ppo_clip(logp_BxT, old_logp_BxT, adv_BxT, mask_BxT, cfg):
-  return _clipped_surrogate(jnp.exp(logp_BxT - old_logp_BxT), adv_BxT, cfg)
+  return _clipped_surrogate(logp_BxT - old_logp_BxT, adv_BxT, cfg)
 
 
 def _gspo(logp_BxT, old_logp_BxT, adv_BxT, mask_BxT, cfg):
   # s_i = exp(mean_t log(pi/pi_old)): one ratio per sequence, given to its tokens.
   len_Bx1 = jnp.maximum(mask_BxT.sum(axis=1, keepdims=True), 1.0)
   log_s_Bx1 = ((logp_BxT - old_logp_BxT) * mask_BxT).sum(axis=1, keepdims=True) / len_Bx1
-  ratio_BxT = jnp.broadcast_to(jnp.exp(log_s_Bx1), logp_BxT.shape)
-  return _clipped_surrogate(ratio_BxT, adv_BxT, cfg)
+  return _clipped_surrogate(jnp.broadcast_to(log_s_Bx1, logp_BxT.shape), adv_BxT, cfg)
 
 
 def _cispo(logp_BxT, old_logp_BxT, adv_BxT, mask_BxT, cfg, *, two_sided=False):

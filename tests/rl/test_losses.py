@@ -258,6 +258,31 @@ def test_on_policy_cispo_and_ppo_clip_give_the_same_gradient(agg):
   np.testing.assert_allclose(grads[2], grads[0], rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("kind, dual", [("ppo_clip", None), ("ppo_clip", 3.0),
+                                        ("gspo", 3.0)])
+def test_a_clipped_token_whose_ratio_overflows_leaves_the_gradient_finite(kind, dual):
+  """Stale tokens whose ratio pi / mu overflows float32 (log-ratio 300: GSPO's mean
+  over 3 tokens too) where a clip binds (A > 0; A < 0 under the dual clip) or
+  A = 0: their loss is a constant and they have no gradient, exactly as at a
+  merely large ratio (log-ratio 5). Before, exp's inf met the zero cotangent as
+  0 * inf = NaN and the update was skipped."""
+  logp = jnp.asarray([[0.0, -1.0, -2.0, -0.5]] * 3)
+  mask = jnp.asarray([[0.0, 1.0, 1.0, 1.0]] * 3)
+  # A < 0 only under the dual clip: without it that loss is +inf, rightly skipped.
+  adv = jnp.asarray([1.0, 0.0 if dual is None else -1.0, 0.0])
+  cfg = LossConfig(kind=kind, clip_dual=dual)
+
+  def value_and_grad(gap):  # the sampler's log-prob of token 2 lies `gap` below pi's
+    sampler = jnp.asarray([[0.0, -1.1, -2.0 - gap, -0.4]] * 3)
+    return jax.value_and_grad(lambda lp: policy_loss(lp, None, adv, mask, cfg,
+                                                     sampler_logp_BxT=sampler)[0])(logp)
+
+  (loss, grad), (want_loss, want_grad) = value_and_grad(300.0), value_and_grad(5.0)
+  assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(grad)))
+  np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-6, atol=1e-8)
+
+
 @pytest.mark.parametrize("clips", [dict(clip_low=0.0), dict(clip_high=0.0),
                                    dict(clip_low=0.0, clip_high=0.0)])
 @pytest.mark.parametrize("kind", ["ppo_clip", "gspo"])
