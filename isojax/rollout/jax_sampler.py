@@ -140,9 +140,10 @@ class JaxSampler:
     steps_per_sync: decode steps run between two checks of the decode loop's
       stopping condition (`decode.decode_steps`). None:
       `decode.default_steps_per_sync()`, several on a GPU, where XLA checks a
-      loop's condition on the host, waiting for the device each time; 1 elsewhere. Tokens do not depend on it; a decode call
-      may run up to steps_per_sync - 1 steps past the one it could stop after
-      (rows that finished meanwhile idle).
+      loop's condition on the host, waiting for the device each time; 1
+      elsewhere. Tokens do not depend on it; a decode call may run up to
+      steps_per_sync - 1 steps past the one it could stop after (rows that
+      finished meanwhile idle).
   """
 
   def __init__(self, model, *, mesh=None, rules=None, max_len: int | None = None,
@@ -305,8 +306,7 @@ class JaxSampler:
     s = decode.Static(max_tokens=layout.completion_len, greedy=greedy, top_k=k,
                       use_top_p=(not greedy) and top_p < 1.0,
                       cache_block=self._cache_block, steps_per_sync=self._steps_per_sync,
-                      rows=self._rows,
-                      cache_rows=self._cache_rows)
+                      rows=self._rows, cache_rows=self._cache_rows)
 
     b = len(prompt_ids) * n
     prompt_QxL, mask_QxL = _left_pad(prompt_ids, l_bucket)
