@@ -334,10 +334,11 @@ def test_batch_prompt_and_length_buckets_share_one_compilation(sampler):
   assert r.tokens_BxT.shape == (6, 7) and r.num_rollouts == 6
 
 
-def test_mesh_of_8_devices_matches_one_device(model, sampler):
+@pytest.mark.parametrize("steps_per_sync", [1, 3])
+def test_mesh_of_8_devices_matches_one_device(model, sampler, steps_per_sync):
   assert len(jax.devices()) >= 8
   mesh = make_mesh(data=2, fsdp=2, tensor=2)
-  sharded = JaxSampler(model, mesh=mesh)
+  sharded = JaxSampler(model, mesh=mesh, steps_per_sync=steps_per_sync)
   # 3 prompts -> 4, split over data x fsdp = 4; 2 prompts x n=4 -> prompts
   # replicated (2 does not split 4 ways), their 8 rows split.
   for prompts, kw in ((PROMPTS, dict(n=2, max_tokens=6, temperature=0.0)),
