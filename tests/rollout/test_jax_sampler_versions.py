@@ -148,11 +148,6 @@ def test_decode_chunk_and_version_are_checked(model):
     JaxSampler(model).update_weights(model, version=-1)
 
 
-def _while_loops(sampler, *args):
-  """The while loops in the decode program compiled for these arguments."""
-  return sampler._jit_decode.lower(*args).as_text().count("stablehlo.while")
-
-
 @pytest.mark.parametrize("prompts,n,max_rows,kw", [
     (PROMPTS[:2], 4, None, {}),  # a row per rollout: one decode call, in lockstep
     (PROMPTS[:2], 4, 3, dict(cache_block=4)),  # refills, and extents widened twice
@@ -164,32 +159,30 @@ def test_steps_per_sync_gives_the_same_rollouts(model, prompts, n, max_rows, kw)
   gen = dict(n=n, max_tokens=10, temperature=1.0, seed=6, top_p=0.9)
   one = JaxSampler(model, max_rows=max_rows, steps_per_sync=1, **kw)
   gen["stop_token_ids"] = (_stop_token(one.generate(prompts, **gen), len(prompts) * n),)
-  ref = one.generate(prompts, **gen)
+  ref, one_loops = _generate_counting_loops(one, prompts, gen)
   assert (ref.lengths_B < 10).any() and (ref.lengths_B == 10).any()
-  for k in (3, 4):
-    grouped = JaxSampler(model, max_rows=max_rows, steps_per_sync=k, **kw)
-    calls = []
-    real = grouped._jit_decode
-    grouped._jit_decode = lambda *a: (calls.append(jax.tree.map(_abstract, a)), real(*a))[1]
-    got = grouped.generate(prompts, **gen)
-    np.testing.assert_array_equal(got.tokens_BxT, ref.tokens_BxT)
-    np.testing.assert_allclose(got.logprobs_BxT, ref.logprobs_BxT, atol=1e-6)
-    np.testing.assert_array_equal(got.lengths_B, ref.lengths_B)
-    np.testing.assert_array_equal(got.finish_reason_B, ref.finish_reason_B)
-    # The grouped loop (an outer loop around a k-step loop) precedes the
-    # one-step loop; one step per check compiles that loop alone.
-    grouped._jit_decode = real
-    assert _while_loops(grouped, *calls[0]) == 3
-  one_calls = []
-  real = one._jit_decode
-  one._jit_decode = lambda *a: (one_calls.append(jax.tree.map(_abstract, a)), real(*a))[1]
-  one.generate(prompts, **gen)
-  one._jit_decode = real
-  assert _while_loops(one, *one_calls[0]) == 1
+  got, loops = _generate_counting_loops(
+      JaxSampler(model, max_rows=max_rows, steps_per_sync=3, **kw), prompts, gen)
+  np.testing.assert_array_equal(got.tokens_BxT, ref.tokens_BxT)
+  np.testing.assert_allclose(got.logprobs_BxT, ref.logprobs_BxT, atol=1e-6)
+  np.testing.assert_array_equal(got.lengths_B, ref.lengths_B)
+  np.testing.assert_array_equal(got.finish_reason_B, ref.finish_reason_B)
+  # The grouped loop (an outer loop around a 3-step loop) precedes the one-step
+  # loop; one step per check compiles that loop alone.
+  assert (loops, one_loops) == (3, 1)
 
 
-def _abstract(x):
-  return jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
+def _generate_counting_loops(sampler, prompts, gen):
+  """(rollouts, while loops in the program of the request's first decode call)."""
+  calls = []
+  real = sampler._jit_decode
+  abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
+  sampler._jit_decode = lambda *a: (calls.append(jax.tree.map(abstract, a)), real(*a))[1]
+  try:
+    rollouts = sampler.generate(prompts, **gen)
+  finally:
+    sampler._jit_decode = real
+  return rollouts, real.lower(*calls[0]).as_text().count("stablehlo.while")
 
 
 def test_steps_per_sync_defaults_to_several_on_a_gpu_only(model, monkeypatch):
