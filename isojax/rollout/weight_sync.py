@@ -55,16 +55,37 @@ def _layout(hf: dict) -> dict:
           "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False))}
 
 
+def _function(hf: dict) -> dict:
+  """The fields that change what the weights compute but no tensor's name or
+  shape (RoPE, the norms' epsilon), as isojax reads them (either RoPE format);
+  {} for a config.json isojax does not read."""
+  from isojax.models import ModelConfig  # pylint: disable=g-import-not-at-top
+  try:
+    cfg = ModelConfig.from_hf_dict(hf)
+  except (ValueError, KeyError, TypeError):
+    return {}
+  fields = ["rope_type", "rope_theta", "rms_norm_eps"]
+  if cfg.rope_type == "llama3":
+    fields += ["rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+               "rope_original_max_position"]
+  return {f: getattr(cfg, f) for f in fields}
+
+
 def check_matches_served(pushed: dict, served: dict, url: str) -> None:
-  """Raises ValueError naming every layout field (`_layout`) in which the pushed
-  model's config.json differs from the served model's. vLLM reloads weights into
-  the model it serves: a differing shape fails inside the server (and can kill
-  it), an untied head pushed onto a tied one is silently not loaded."""
+  """Raises ValueError naming every layout field (`_layout`) or function field
+  (`_function`) in which the pushed model's config.json differs from the served
+  model's. vLLM reloads weights into the model it serves, keeping its config: a
+  differing shape fails inside the server (and can kill it), an untied head
+  pushed onto a tied one is silently not loaded, and another RoPE or norm epsilon
+  would silently sample a model other than the one trained."""
   if not served:  # the served config.json is not visible from here
     return
   mine, theirs = _layout(pushed), _layout(served)
-  differ = [f"{k} {mine[k]!r} (served: {theirs[k]!r})" for k in mine
-            if mine[k] is not None and theirs[k] is not None and mine[k] != theirs[k]]
+  mine_f, theirs_f = _function(pushed), _function(served)
+  if mine_f and theirs_f:
+    mine, theirs = {**mine, **mine_f}, {**theirs, **theirs_f}
+  differ = [f"{k} {mine[k]!r} (served: {theirs.get(k)!r})" for k in mine
+            if mine[k] is not None and theirs.get(k) is not None and mine[k] != theirs[k]]
   if differ:
     raise ValueError(f"update_weights: the model pushed to the vLLM server at {url} is "
                      f"not the one it serves: {'; '.join(differ)}. Serve this "

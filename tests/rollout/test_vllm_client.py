@@ -500,6 +500,13 @@ def test_a_pause_the_client_gave_up_on_is_still_resumed(fake, tiny_model, tmp_pa
     ({"tie_word_embeddings": True}, r"tie_word_embeddings False \(served: True\)"),
     ({"num_key_value_heads": 2, "head_dim": 4},
      r"num_key_value_heads 1 \(served: 2\); head_dim 8 \(served: 4\)"),
+    # Same tensors, another function: vLLM would keep its own and sample another model.
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+     r"rope_theta 10000.0 \(served: 1000000.0\)"),
+    ({"rms_norm_eps": 1e-5}, r"rms_norm_eps 1e-06 \(served: 1e-05\)"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0}},
+     r"rope_type 'default' \(served: 'llama3'\)"),
 ])
 def test_a_model_the_server_does_not_serve_is_refused_before_any_request(
     fake, tiny_model, tmp_path, served, differ):
