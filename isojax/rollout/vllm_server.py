@@ -283,14 +283,15 @@ class VLLMServer:
       # Bounded: a server stuck in the kernel (a hung GPU driver) outlives SIGKILL,
       # and an unbounded wait here (atexit's too) would keep this process alive.
       self.process.wait(timeout=_KILL_WAIT_S)
+      stopped = True
     except subprocess.TimeoutExpired:
       logging.warning("vLLM server pid %d outlived SIGKILL; left running (its pid "
                       "file %s stays, for stop_pid_file)", self.process.pid, self.pid_file)
-      self.process = None
-      atexit.unregister(self.stop)
-      return
+      stopped = False
     self.process = None
     atexit.unregister(self.stop)
+    if not stopped:
+      return
     with contextlib.suppress(FileNotFoundError):
       os.remove(self.pid_file)
     if self._own_workdir:
