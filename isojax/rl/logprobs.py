@@ -196,9 +196,10 @@ def token_logp_entropy(model, input_ids_BxT, attention_mask_BxT, loss_mask_BxT, 
 
     w, vocab_axis, dtype = model.lm_head_weight()
     need_Ch = chunked(need_BxS).any(axis=1)
+    skip = jax.default_backend() != "gpu"  # a branch waits for the device on a GPU only
     lp_ChxP, ent_ChxP = chunked_head_logp_entropy(
         chunked(h_BxSxD, D), w, chunked(tgt_BxS), need_Ch, vocab_axis, dtype,
-        float(temperature), jax.default_backend() != "gpu")
+        float(temperature), skip)
 
     def unchunked(x_ChxP):
       return x_ChxP.reshape(n_chunks, B, chunk).swapaxes(0, 1).reshape(B, -1)[:, :S]
