@@ -45,13 +45,15 @@ _BxT_FIELDS = ("input_ids_BxT", "attention_mask_BxT", "loss_mask_BxT", "sampler_
 
 
 def validate_batch(batch: Batch, *, group_size: int, batch_size: int | None = None,
-                   micro_batch_size: int | None = None, batch_shards: int = 1) -> None:
+                   micro_batch_size: int | None = None, batch_shards: int = 1,
+                   vocab_size: int | None = None) -> None:
   """Host-side checks before an update; raises ValueError naming the input.
 
   Checks shapes against each other and the static sizes, that group_size
-  divides B, that the masks are 0/1 with the loss mask inside the attention
-  mask and off column 0 and each row's first real token, and that rewards and
-  sampler log-probs are finite.
+  divides B, that token ids lie in [0, vocab_size) (given it), that the masks
+  are 0/1 with the loss mask inside the attention mask and off column 0 and
+  each row's first real token, and that rewards and sampler log-probs are
+  finite.
   """
   if not isinstance(batch, Batch):
     raise ValueError(f"batch must be an isojax.rl.Batch, got {type(batch).__name__}")
@@ -74,6 +76,17 @@ def validate_batch(batch: Batch, *, group_size: int, batch_size: int | None = No
     raise ValueError(f"micro_batch_size={micro_batch_size} does not divide B={b}")
   if not np.issubdtype(np.asarray(batch.input_ids_BxT[:1, :1]).dtype, np.integer):
     raise ValueError("Batch.input_ids_BxT must be an integer array")
+  if vocab_size is not None:
+    # Out of range, jnp.take's embedding row is NaN (the update is then skipped
+    # as non-finite, with nothing pointing at the ids) and the target gather
+    # scores another token: pad ids included, as a NaN key poisons attention.
+    ids = np.asarray(batch.input_ids_BxT)
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+      r, t = (int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(f"Batch.input_ids_BxT has token ids outside [0, vocab_size="
+                       f"{vocab_size}), {int(bad.sum())} in all, the first {int(ids[r, t])} "
+                       f"at row {r}, column {t}: the tokenizer and the model disagree")
   attn = np.asarray(batch.attention_mask_BxT)
   loss_mask = np.asarray(batch.loss_mask_BxT)
   for name, m in (("attention_mask_BxT", attn), ("loss_mask_BxT", loss_mask)):

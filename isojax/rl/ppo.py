@@ -335,7 +335,8 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
       return new_state, metrics
 
   return jit_step(step, state_sh, mesh, batch_size=batch_size, group_size=group_size,
-                  micro_batch_size=rows_per_micro, donate=donate)
+                  micro_batch_size=rows_per_micro, vocab_size=policy.cfg.vocab_size,
+                  donate=donate)
 
 
 def critic_update_flops(cfg, attention_mask_BxT) -> int:

@@ -91,10 +91,12 @@ class TrainStep:
   group_size: int
   micro_batch_size: int
   batch_shards: int
+  vocab_size: int
 
   def __call__(self, state: TrainState, batch: Batch):
     validate_batch(batch, group_size=self.group_size, batch_size=self.batch_size,
-                   micro_batch_size=self.micro_batch_size, batch_shards=self.batch_shards)
+                   micro_batch_size=self.micro_batch_size, batch_shards=self.batch_shards,
+                   vocab_size=self.vocab_size)
     return self.jitted(state, batch)
 
   def lower(self, state: TrainState, batch: Batch):
@@ -366,11 +368,13 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
       return new_state, metrics
 
   return jit_step(step, state_sh, mesh, batch_size=batch_size, group_size=group_size,
-                  micro_batch_size=rows_per_micro, donate=donate)
+                  micro_batch_size=rows_per_micro, vocab_size=model.cfg.vocab_size,
+                  donate=donate)
 
 
 def jit_step(step: Callable, state_sharding, mesh: Mesh, *, batch_size: int,
-             group_size: int, micro_batch_size: int, donate: bool) -> TrainStep:
+             group_size: int, micro_batch_size: int, vocab_size: int,
+             donate: bool) -> TrainStep:
   """``step(state, batch) -> (state, metrics)`` jitted with shardings: the state
   on ``state_sharding`` (donated), the batch split over data x fsdp, the
   metrics replicated."""
@@ -381,4 +385,4 @@ def jit_step(step: Callable, state_sharding, mesh: Mesh, *, batch_size: int,
   return TrainStep(jitted=jitted, state_shardings=state_sharding, batch_sharding=batch_sh,
                    batch_size=batch_size, group_size=group_size,
                    micro_batch_size=micro_batch_size,
-                   batch_shards=shd.batch_shards(mesh))
+                   batch_shards=shd.batch_shards(mesh), vocab_size=vocab_size)

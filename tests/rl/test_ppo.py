@@ -195,7 +195,8 @@ def test_bad_configs_are_named(models):
                   for v in (32, 96))
   with pytest.raises(ValueError, match="critic's vocab_size=32 is smaller than the policy's 64"):
     build((policy, small))
-  build((policy, large))  # a larger (padded) embedding reads every id
+  step = build((policy, large))  # a larger (padded) embedding reads every id
+  assert step.vocab_size == 64  # but batches are checked against the policy's
 
 
 def test_abstract_state_has_the_real_states_shapes_and_shardings(models):

@@ -268,6 +268,10 @@ def _bad(batch, **changes):
     (lambda b: _bad(b, attention_mask_BxT=b.attention_mask_BxT.at[0, 6].set(0)),
      "loss_mask_BxT is 1 where attention_mask_BxT is 0"),
     (lambda b: _bad(b, input_ids_BxT=b.input_ids_BxT.astype(jnp.float32)), "integer"),
+    (lambda b: _bad(b, input_ids_BxT=b.input_ids_BxT.at[1, 9].set(64)),
+     "outside \\[0, vocab_size=64\\), 1 in all, the first 64 at row 1, column 9"),
+    (lambda b: _bad(b, input_ids_BxT=b.input_ids_BxT.at[5, 0].set(-1)),
+     "1 in all, the first -1 at row 5, column 0"),
     (lambda b: _bad(b, baseline_rewards_B=jnp.zeros(6)), "baseline_rewards_B has shape"),
 ])
 def test_bad_batch_raises_before_update(model, mutate, match):
