@@ -142,17 +142,22 @@ def run(config, workdir: str | os.PathLike) -> dict:
     logging.info("%s: finished at step %d already; not rerunning", workdir, done["step"])
     return done["last"]
   opened = open_run(config, run_plan, workdir, resolved)
+  # DONE is written before the run directory is unlocked: a second run let in
+  # between would find it unfinished and resume it, rewriting its files.
   try:
-    last = train_loop(opened, config, run_plan)
+    try:
+      last = train_loop(opened, config, run_plan)
+    finally:
+      opened.close_files()
+    if last is None:  # resumed at the last step: nothing was left to do
+      last = rundir.read_metrics(workdir / METRICS_FILE).records[-1]
+    point = run_plan.point
+    if run_open.writes_run_files():  # on the module: a test stands in for another host
+      with disk_full_as(workdir, DONE_FILE):
+        write_json(workdir / DONE_FILE, {"step": point.m, "wall_s": time.time() - opened.t0,
+                                         "last": last})
   finally:
-    opened.close()
-  if last is None:  # resumed at the last step: nothing was left to do
-    last = rundir.read_metrics(workdir / METRICS_FILE).records[-1]
-  point = run_plan.point
-  if run_open.writes_run_files():  # on the module: a test stands in for another host
-    with disk_full_as(workdir, DONE_FILE):
-      write_json(workdir / DONE_FILE, {"step": point.m, "wall_s": time.time() - opened.t0,
-                                       "last": last})
+    opened.unlock()
   logging.info("done: %s in %.1f s", point.name, time.time() - opened.t0)
   return last
 

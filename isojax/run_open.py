@@ -71,8 +71,10 @@ class OpenRun:
   t0: float
   unlock: Callable[[], None]
 
-  def close(self) -> None:
-    _close_all(self.writer.close, self.ckpt.close, self.parts.close, self.unlock)
+  def close_files(self) -> None:
+    """Closes the metrics writer, checkpointer and parts; the lock stays held (the
+    caller writes DONE under it, then calls `unlock`)."""
+    _close_all(self.writer.close, self.ckpt.close, self.parts.close)
 
 
 def open_run(config, run_plan, workdir: pathlib.Path, resolved: dict) -> OpenRun:

@@ -19,7 +19,8 @@ mid-way says so in one message and leaves files a rerun can resume from.
 * a rerun on other problems than its checkpoints' (the data files changed) is
   refused, naming the sets;
 * a second process in a run directory, checkpoints without their config.json, a
-  damaged config.json, DONE or checkpoint are each refused, naming the file.
+  damaged config.json, DONE or checkpoint are each refused, naming the file; the
+  lock is held until DONE is written.
 """
 
 import dataclasses
@@ -35,7 +36,7 @@ import numpy as np
 import pytest
 
 from experiments import tiny
-from isojax import checkpoint as ckpt_lib, run, run_setup, rundir
+from isojax import checkpoint as ckpt_lib, files, run, run_setup, rundir
 from isojax.data import Problem, write_jsonl
 from isojax.rollout import memory
 from isojax.errors import DiskFullError, UnsafePathError
@@ -403,6 +404,27 @@ def test_a_second_process_in_the_workdir_is_refused(tmp_path):
     assert sorted(os.listdir(workdir)) == [rundir.RUN_LOCK_FILE]
   finally:
     os.close(held)
+
+
+def test_done_is_written_before_the_run_directory_is_unlocked(tmp_path, monkeypatch):
+  # Unlocked before DONE, a second run started in between would find the run
+  # unfinished and free, and resume it.
+  workdir = tmp_path / "run"
+  monkeypatch.setattr(run, "train_loop", lambda *args, **kwargs: {"step": 4})
+  real_write, lock_free = run.write_json, []
+
+  def probe_lock_then_write(path, obj):
+    if path.name == rundir.DONE_FILE:
+      fd = files.try_flock(workdir / rundir.RUN_LOCK_FILE, "probe")
+      lock_free.append(fd is not None)
+      if fd is not None:
+        os.close(fd)
+    real_write(path, obj)
+
+  monkeypatch.setattr(run, "write_json", probe_lock_then_write)
+  assert run.run(small_config(), workdir) == {"step": 4}
+  assert lock_free == [False] and rundir.is_done(workdir)
+  os.close(rundir.lock_run_dir(workdir))  # and released once DONE is on disk
 
 
 @pytest.mark.parametrize("text, what", [('{"bp": 4, "n"', "is not valid JSON"),
