@@ -47,8 +47,14 @@ def lock_holder(run_dir: str) -> str:
 def record_attempt(run_dir: str, **event) -> None:
   """Appends one event (start / end of an attempt) to the run's attempts file."""
   event = {"time": time.time(), "launcher_pid": os.getpid(), **event}
-  with files.open_append(os.path.join(run_dir, ATTEMPTS_FILE)) as f:
-    f.write(json.dumps(event) + "\n")
+  path = os.path.join(run_dir, ATTEMPTS_FILE)
+  with files.open_append(path) as f:
+    # A launcher killed (or a disk filled) mid-line leaves it without its newline:
+    # appended to, that fragment would swallow this event, and a point finished by
+    # this attempt would not be known as finished (`finished_as`). The point's
+    # lock keeps other launchers from appending meanwhile.
+    torn = files.read_tail(path, 1) not in (b"", b"\n")
+    f.write(("\n" if torn else "") + json.dumps(event) + "\n")
 
 
 def finished_as(run_dir: str, command: list[str], config_digest: str) -> bool:
