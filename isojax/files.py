@@ -97,19 +97,27 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, *, fsync: bool = Tr
   With `fsync`, the data and then the rename reach the disk before it returns:
   a rename is a change to the directory, which a crash can lose unless the
   directory is synced too (a run's checkpoints would then lie beside no
-  config.json, and the run could not resume). A stale `path.tmp` left by a
-  killed writer is overwritten (it is a regular file of ours); a link there is
-  refused.
+  config.json, and the run could not resume). A write that fails (a full disk)
+  leaves `path` as it was and removes `path.tmp`; a stale one left by a killed
+  writer is overwritten (it is a regular file of ours); a link there is refused.
   """
   path = os.fspath(path)
   tmp = path + ".tmp"
   fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-  with os.fdopen(fd, "wb") as f:
-    f.write(data.encode() if isinstance(data, str) else data)
-    f.flush()
-    if fsync:
-      os.fsync(f.fileno())
-  os.replace(tmp, path)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data.encode() if isinstance(data, str) else data)
+      f.flush()
+      if fsync:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    # A full disk: the part written would only hold space the user must free.
+    try:
+      os.unlink(tmp)
+    except OSError:
+      pass
+    raise
   if fsync:
     fsync_dir(os.path.dirname(path) or ".")
 

@@ -1,4 +1,5 @@
-"""isojax.files: names isojax creates are never written through a symbolic link."""
+"""isojax.files: names isojax creates are never written through a symbolic link, and
+an atomic write that fails (a full disk) leaves the file as it was and no temporary."""
 
 import os
 
@@ -6,6 +7,7 @@ import pytest
 
 from isojax import files
 from isojax.errors import UnsafePathError
+from tests.file_limits import files_capped_at
 
 
 @pytest.fixture
@@ -39,6 +41,15 @@ def test_write_atomic_syncs_the_data_then_the_rename(tmp_path, monkeypatch):
   files.write_atomic(path, "two\n", fsync=False)
   assert synced == [] and path.read_text() == "two\n"
   files.fsync_dir(tmp_path / "missing")  # nothing to sync: no error
+
+
+def test_write_atomic_on_a_full_disk_keeps_the_file_and_leaves_no_temp(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  files.write_atomic(path, "kept\n")
+  with pytest.raises(OSError), files_capped_at(64):
+    files.write_atomic(path, "x" * 1000)
+  assert path.read_text() == "kept\n"
+  assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
 
 
 def test_write_atomic_refuses_a_link_at_the_temp_name(tmp_path, victim):
