@@ -15,6 +15,7 @@ import re
 
 import numpy as np
 
+from isojax import files
 from isojax.analysis import plots
 from isojax.analysis.fits import SIGMOID_PARAMS
 from isojax.analysis.frontier import key_label
@@ -212,10 +213,11 @@ def _remove_previous(out_dir: str) -> None:
 
 
 def _write(out_dir: str, fits: dict, markdown: str) -> None:
-  with open(os.path.join(out_dir, "fits.json"), "w") as f:
-    json.dump(_jsonable(fits), f, indent=1, allow_nan=False)
-  with open(os.path.join(out_dir, "report.md"), "w") as f:
-    f.write(markdown)
+  """fits.json, then report.md, each whole or not at all: an analysis killed or out
+  of disk while writing leaves no cut file that reads as its result."""
+  files.write_atomic(os.path.join(out_dir, "fits.json"),
+                     json.dumps(_jsonable(fits), indent=1, allow_nan=False), fsync=False)
+  files.write_atomic(os.path.join(out_dir, "report.md"), markdown, fsync=False)
 
 
 def write_recipe_report(comparison, out_dir: str, *, root: str = "",

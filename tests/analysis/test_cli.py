@@ -9,7 +9,9 @@ import sys
 import pytest
 
 from isojax.analysis import compare_recipes, fit_curves, plots, read_runs
+from isojax.analysis import report
 from isojax.analysis.__main__ import main
+from tests.file_limits import files_capped_at
 
 from . import fake_runs
 
@@ -345,6 +347,17 @@ def test_an_analysis_failing_part_way_leaves_no_stale_report(runs_dir, tmp_path,
   with pytest.raises(RuntimeError, match="a bug in a figure"):  # a bug still surfaces
     main([str(runs_dir), "--out", str(out), "--n-boot", "0"])
   assert set(os.listdir(out)) == {"notes.png", "fig7_notes.txt"}
+
+
+def test_a_report_cut_short_by_a_full_disk_leaves_no_partial_file(tmp_path):
+  fits = {"groups": [{"n": n, "a": 0.5} for n in range(200)]}
+  with pytest.raises(OSError), files_capped_at(1000):
+    report._write(str(tmp_path), fits, "# report\n" * 200)
+  assert os.listdir(tmp_path) == []  # not a cut fits.json that reads as the result
+  with pytest.raises(OSError), files_capped_at(10_000):  # fits.json fits, report.md not
+    report._write(str(tmp_path), fits, "# report\n" * 2000)
+  assert os.listdir(tmp_path) == ["fits.json"]
+  assert json.loads((tmp_path / "fits.json").read_text()) == fits
 
 
 @pytest.mark.parametrize("argv, match", [
