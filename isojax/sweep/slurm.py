@@ -16,6 +16,7 @@ No JAX import here either; only tasks of vLLM configs import the server helper.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import shlex
@@ -31,6 +32,7 @@ from isojax.sweep.points import Sweep
 
 POINTS_FILE = "points.json"
 SCRIPT_FILE = "sweep.sbatch"
+ARRAY_LOCK_FILE = ".array.lock"  # held while the points file is checked and written
 # `python -c` prologue of a multi-node run: join jax.distributed (coordinator, process
 # count and id from SLURM's environment), then run the runner as if it were __main__.
 _DISTRIBUTED_BOOTSTRAP = (
@@ -114,10 +116,19 @@ def write_array(sweep: Sweep, options: SlurmOptions, *,
              for i, sp in enumerate(sweep.points)]
   spec = {"config": sweep.config, "root": sweep.root, "nodes": options.nodes,
           "vllm_model": vllm_model, "points": entries}
-  _check_no_other_array(points_path, spec)
-  _write_atomic(points_path, json.dumps(spec, indent=1) + "\n")
-  _write_atomic(script_path, _script(sweep, options, launcher=launcher, workdir=workdir,
-                                     points_path=points_path, vllm=vllm))
+  # Two launchers writing arrays of other grids into one root at once would both
+  # find no points file and both write one; the array submitted first would then
+  # run the other's points. The check and the writes are one step under a lock,
+  # held for milliseconds (and dropped by the kernel if its holder is killed).
+  lock = files.open_nofollow(os.path.join(out_dir, ARRAY_LOCK_FILE), os.O_RDWR | os.O_CREAT)
+  try:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    _check_no_other_array(points_path, spec)
+    _write_atomic(points_path, json.dumps(spec, indent=1) + "\n")
+    _write_atomic(script_path, _script(sweep, options, launcher=launcher, workdir=workdir,
+                                       points_path=points_path, vllm=vllm))
+  finally:
+    os.close(lock)
   os.chmod(script_path, 0o755)
   return script_path, points_path
 

@@ -1,7 +1,9 @@
 """Tests for isojax/sweep/slurm.py: the #SBATCH lines as sbatch reads them, and what
 write_array refuses."""
 
+import json
 import os
+import threading
 
 import pytest
 
@@ -68,3 +70,38 @@ def test_multi_node_points_with_a_script_runner_are_refused_when_written(tmp_pat
   with pytest.raises(ValueError, match="a multi-node point needs a module runner"):
     slurm.write_array(study, slurm.SlurmOptions(nodes=2))
   assert not (tmp_path / "r").exists()  # no array left behind to submit
+
+
+def test_two_launchers_writing_other_arrays_at_once_refuse_the_second(tmp_path,
+                                                                     monkeypatch):
+  # Launcher B writes its array while A has checked the root is free and not yet
+  # written: B must wait for A and then refuse, not write an array A overwrites.
+  monkeypatch.chdir(tmp_path)
+  def grid(n):
+    return sweep.Sweep(config=TINY, root="sl",
+                       points=(sweep.SweepPoint(budget.BudgetPoint(bp=4, n=n, m=2)),))
+  real_check, outcome = slurm._check_no_other_array, {}
+
+  def write_b():
+    try:
+      slurm.write_array(grid(8), slurm.SlurmOptions())
+      outcome["b"] = "written"
+    except ValueError as e:
+      outcome["b"] = str(e)
+
+  def check_then_let_b_in(points_path, spec):
+    real_check(points_path, spec)
+    if spec["points"][0]["name"].startswith("bp4_n2"):  # launcher A
+      monkeypatch.setattr(slurm, "_check_no_other_array", real_check)
+      b = threading.Thread(target=write_b)
+      b.start()
+      b.join(timeout=2)  # B runs to its end here unless the array lock holds it
+      outcome["b_waited"] = b.is_alive()
+      outcome["thread"] = b
+
+  monkeypatch.setattr(slurm, "_check_no_other_array", check_then_let_b_in)
+  _, points = slurm.write_array(grid(2), slurm.SlurmOptions())
+  outcome["thread"].join(timeout=30)
+  assert outcome["b_waited"]
+  assert "already holds the SLURM array of another sweep" in outcome["b"]
+  assert [p["name"] for p in json.load(open(points))["points"]] == ["bp4_n2_m2_s0"]
