@@ -124,9 +124,10 @@ def write_array(sweep: Sweep, options: SlurmOptions, *,
   try:
     fcntl.flock(lock, fcntl.LOCK_EX)
     _check_no_other_array(points_path, spec)
-    _write_atomic(points_path, json.dumps(spec, indent=1) + "\n")
-    _write_atomic(script_path, _script(sweep, options, launcher=launcher, workdir=workdir,
-                                       points_path=points_path, vllm=vllm))
+    files.write_atomic(points_path, json.dumps(spec, indent=1) + "\n", fsync=False)
+    files.write_atomic(script_path, _script(sweep, options, launcher=launcher,
+                                            workdir=workdir, points_path=points_path,
+                                            vllm=vllm), fsync=False)
   finally:
     os.close(lock)
   os.chmod(script_path, 0o755)
@@ -315,11 +316,3 @@ def run_task(points_path: str, index: int, *, print_fn=print) -> int:
     print_fn(f"{entry['name']}: exit 0 but no {rundir.DONE_FILE} marker")
     return 1
   return rc
-
-
-def _write_atomic(path: str, text: str) -> None:
-  tmp = f"{path}.tmp{os.getpid()}"
-  fd = files.open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-  with os.fdopen(fd, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
