@@ -15,6 +15,9 @@ from isojax.rollout.base import FINISH_LENGTH, FINISH_STOP, VLLMResponseError
 # A log-probability is <= 0; a token of probability ~1 may come back a rounding
 # error above it, never more.
 LOGPROB_TOLERANCE = 1e-3
+# vLLM writes a -inf log-probability as this (JSON has no -inf); a sampled token
+# at or below it had probability 0, and the trainer's ratio against it is inf.
+VLLM_NEG_INF_LOGPROB = -9999.0
 
 
 def parse_completion(body: Any, *, prompts: list[list[int]], n: int, url: str,
@@ -27,7 +30,8 @@ def parse_completion(body: Any, *, prompts: list[list[int]], n: int, url: str,
   first missing or malformed field, or the value out of range: a token id >=
   `vocab_size` (the trainer's gather would clamp it and score another token),
   more than `max_tokens` tokens, a log-probability above 0 (beyond
-  LOGPROB_TOLERANCE). None skips the check.
+  LOGPROB_TOLERANCE) or not finite (NaN, -inf, or vLLM's stand-in for -inf,
+  VLLM_NEG_INF_LOGPROB). None skips the check.
   """
   choices = answer_field(body, "choices", list, url)
   b = len(prompts) * n
@@ -61,11 +65,15 @@ def parse_completion(body: Any, *, prompts: list[list[int]], n: int, url: str,
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
       raise VLLMResponseError(f"vLLM answer from {url}: field '{where}token_ids' "
                               f"holds non-token values")
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool)
-               and not math.isnan(x) for x in lps):
+    bad = [t for t, x in enumerate(lps)
+           if not isinstance(x, (int, float)) or isinstance(x, bool)]
+    if bad:
       raise VLLMResponseError(
-          f"vLLM answer from {url}: field '{where}logprobs.token_logprobs' holds "
-          f"null/NaN/non-numeric values (was the request sent with logprobs=0?)")
+          f"vLLM answer from {url}: field '{where}logprobs.token_logprobs[{bad[0]}]' "
+          f"is {lps[bad[0]]!r}: it holds null/non-numeric values at {len(bad)} of "
+          f"{len(lps)} positions (was the request sent with logprobs=0? a NaN the "
+          f"server wrote as null?)")
+    _check_finite(ids, lps, url, where)
     _check_ranges(ids, lps, vocab_size, max_tokens, url, where)
     reason = c.get("finish_reason")
     if reason not in (FINISH_STOP, FINISH_LENGTH):
@@ -76,6 +84,21 @@ def parse_completion(body: Any, *, prompts: list[list[int]], n: int, url: str,
     logprobs.append([float(x) for x in lps])
     finish.append(reason)
   return tokens, logprobs, finish
+
+
+def _check_finite(ids: list, lps: list, url: str, where: str) -> None:
+  """Every sampled token's log-probability finite. Caught here, a NaN or -inf
+  names its answer and position; passed on, it would surface only later, as a
+  non-finite update (vLLM's -9999.0 is finite) or an error blaming the
+  learning rate."""
+  for t, x in enumerate(lps):
+    if not math.isfinite(x) or x <= VLLM_NEG_INF_LOGPROB:
+      shown = f"{x!r} (vLLM's stand-in for -inf)" if math.isfinite(x) else repr(float(x))
+      raise VLLMResponseError(
+          f"vLLM answer from {url}: field '{where}logprobs.token_logprobs[{t}]' is "
+          f"{shown}, the log-probability of sampled token {ids[t]} at position {t}; "
+          f"a sampled token's log-probability must be finite (the server's logits "
+          f"were inf/NaN, from non-finite pushed weights or a dtype that overflows)")
 
 
 def _check_ranges(ids: list, lps: list, vocab_size: int | None, max_tokens: int | None,

@@ -20,8 +20,9 @@ its prompt, but rollouts of different prompts are dependent. A prompt is never
 sent twice in one request (it would get identical samples).
 
 Answers are checked field by field, token ids against the vocabulary, lengths
-against max_tokens and log-probs against 0 (`isojax.rollout.vllm_answers`). Weight sync
-(`update_weights`) is in `isojax.rollout.weight_sync`. vLLM does
+against max_tokens, log-probs against 0 and for finiteness
+(`isojax.rollout.vllm_answers`). Weight sync (`update_weights`) is in
+`isojax.rollout.weight_sync`. vLLM does
 not say which tokens of a request came after a reload, so every token of a
 `generate` call carries the version label current when the call started
 (`Rollouts.version_BxT`): a lower bound on the weights that sampled it. With
@@ -182,7 +183,10 @@ class VLLMSampler:
       if not r.content:
         return None
       try:
-        return r.json()
+        # The standard library's decoder, which reads NaN and -Infinity, so that
+        # a non-finite log-probability is refused by field and position;
+        # r.json() uses simplejson where installed, which refuses them as non-JSON.
+        return json.loads(r.content)
       except ValueError as e:
         raise VLLMResponseError(
             f"vLLM server at {url} answered non-JSON: {r.text[:300]!r}") from e

@@ -233,7 +233,8 @@ def _set(*paths_and_values):
      "finish_reason' is 'abort'"),
     (lambda b, q: (200, {"choices": [dict(c, logprobs={"token_logprobs": [None] * len(
         c["token_ids"])}) for c in FakeVLLM.complete(b)["choices"]]}),
-     "token_logprobs' holds null"),
+     "'choices[0].logprobs.token_logprobs[0]' is None: it holds null/non-numeric values "
+     "at 1 of 1 positions"),
     (lambda b, q: (200, {"choices": [dict(c, logprobs={"token_logprobs": [-1.0] * 5})
                                      for c in FakeVLLM.complete(b)["choices"]]}),
      "token_logprobs' has 5 entries but"),
@@ -252,6 +253,17 @@ def _set(*paths_and_values):
           [-1.0] * 3), "'choices[1].token_ids' holds 3 tokens, more than max_tokens=2"),
     (_set("choices.[1].logprobs.token_logprobs", [-1.0, 0.5]),
      "'choices[1].logprobs.token_logprobs' holds log-probability 0.5 > 0"),
+    # A sampled token's log-probability is finite: the trainer's ratio against
+    # -inf (or vLLM's JSON stand-in for it) is inf.
+    (_set("choices.[1].logprobs.token_logprobs", [-1.0, float("-inf")]),
+     "'choices[1].logprobs.token_logprobs[1]' is -inf, the log-probability of sampled "
+     "token 1002 at position 1"),
+    (_set("choices.[1].logprobs.token_logprobs", [float("nan"), -1.0]),
+     "'choices[1].logprobs.token_logprobs[0]' is nan, the log-probability of sampled "
+     "token 1 at position 0"),
+    (_set("choices.[0].logprobs.token_logprobs", [-9999.0]),
+     "'choices[0].logprobs.token_logprobs[0]' is -9999.0 (vLLM's stand-in for -inf), "
+     "the log-probability of sampled token 0 at position 0"),
 ])
 def test_malformed_answer_names_the_field(fake, route, field):
   fake.routes[("POST", "/v1/completions")] = route
