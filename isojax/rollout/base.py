@@ -42,6 +42,10 @@ class VLLMResponseError(VLLMError):
   """The vLLM server answered 200 but the JSON lacks or mangles a field."""
 
 
+class VLLMPausedError(VLLMError):
+  """The vLLM server stayed paused after a weight update: /resume kept failing."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Rollouts:
   """Completions for len(prompts) * n rollouts, prompt-major, on the host.

@@ -45,8 +45,8 @@ import requests
 from absl import logging
 
 from isojax.rollout import weight_sync
-from isojax.rollout.base import (Rollouts, VLLMError, VLLMResponseError, next_version,
-                                 validate_request)
+from isojax.rollout.base import (Rollouts, VLLMError, VLLMPausedError, VLLMResponseError,
+                                 next_version, validate_request)
 from isojax.rollout.daemon_pool import DaemonPool
 from isojax.rollout.vllm_answers import answer_field, parse_completion
 
@@ -253,6 +253,8 @@ class VLLMSampler:
       ValueError: bad arguments, or a prompt that does not fit the server's
         context with `max_tokens` (checked before anything is sent).
       VLLMError / VLLMResponseError: server faults, naming the URL / field.
+      VLLMPausedError: a weight update left the server paused and /resume
+        still fails (before any request is sent, or while waiting on them).
     """
     version = self._version  # before any request: a lower bound for all its tokens
     request = dict(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -273,6 +275,9 @@ class VLLMSampler:
     # prompt are identical, so ask for one and repeat it.
     copies = int(n) if temperature == 0 else 1
     base["n"] = int(n) // copies
+    # A paused server would hold these requests until request_timeout_s and
+    # then fail as "hung": resume it first, or say that it is paused.
+    self.weights.ensure_resumed()
     prompts = [[int(t) for t in p] for p in prompt_ids]
     bodies = [dict(base, prompt=[prompts[i] for i in chunk],
                    seed=(int(seed) * _SEED_STRIDE + chunk[0] * int(n)) % _SEED_MOD)
@@ -294,6 +299,11 @@ class VLLMSampler:
         failed = [f for f in futures if f.done() and f.exception() is not None]
         if failed:
           raise failed[0].exception()
+        paused_after = self.weights.paused_after
+        if pending and paused_after is not None:  # an update on another thread
+          raise VLLMPausedError(
+              f"{len(pending)}/{len(futures)} requests to {self.base_url} wait on a "
+              f"server left paused {paused_after} (/resume kept failing)")
         if pending:
           logging.info("waiting for %d/%d requests to %s (%.0f s so far; each fails "
                        "after %.0f s without an answer)", len(pending), len(futures),
@@ -391,5 +401,5 @@ def _read_hf_config(root: str | None) -> dict:
     return {}
 
 
-__all__ = ["VLLMSampler", "VLLMError", "VLLMResponseError", "chunk_prompts",
+__all__ = ["VLLMSampler", "VLLMError", "VLLMPausedError", "VLLMResponseError", "chunk_prompts",
            "parse_completion"]

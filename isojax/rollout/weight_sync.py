@@ -15,7 +15,11 @@ The protocol (vLLM >= 0.32 with VLLM_SERVER_DEV_MODE=1):
    `in_flight=True`, `?reset_running_requests=true`: the kept requests' KV is
    dropped too and recomputed, prompt and tokens so far, with the new weights);
 5. `POST /resume` (always, even when 2, 3 or 4 failed, so the server is not
-   left paused).
+   left paused), retried `resume_attempts` times: vLLM's resume only clears its
+   paused flag, so sending it again is safe. A server still paused after that
+   would hold every request until its timeout; the push then raises
+   `VLLMPausedError` naming the URL, and the next push or `generate` first
+   resumes the server or raises that error again, sending nothing else.
 
 Only the last `keep_last` snapshots are kept on disk: the one being served and
 the one before it.
@@ -33,7 +37,7 @@ from typing import Any
 
 from absl import logging
 
-from isojax.rollout.base import VLLMError
+from isojax.rollout.base import VLLMError, VLLMPausedError
 
 _SNAPSHOT = "weights_{:06d}"
 _SNAPSHOT_RE = re.compile(r"^weights_(\d{6,})$")
@@ -105,12 +109,21 @@ class WeightSync:
     in_flight: keep the server's in-flight requests through the update and
       continue them with the new weights (pause `mode=keep`) instead of
       waiting for them to finish (`mode=wait`).
+    resume_attempts: tries of `/resume` (each with the client's own retries of
+      a refused connection) before the server is taken to be left paused.
   """
 
   def __init__(self, client: Any, *, weights_root: str | None = None, keep_last: int = 2,
-               in_flight: bool = False):
+               in_flight: bool = False, resume_attempts: int = 3):
     if keep_last < 1:
       raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    if (not isinstance(resume_attempts, int) or isinstance(resume_attempts, bool)
+        or resume_attempts < 1):
+      raise ValueError(f"resume_attempts={resume_attempts!r} must be an int >= 1")
+    self.resume_attempts = resume_attempts
+    # Why the server may be paused (a /resume that kept failing), else None.
+    # Written by the pushing thread, read by generate's: one reference, replaced whole.
+    self.paused_after: str | None = None
     self.client = client
     self._weights_root = os.path.abspath(weights_root) if weights_root else None
     self._owns_root = False  # True once a temp dir of our own holds the snapshots
@@ -157,6 +170,7 @@ class WeightSync:
       raise ValueError("update_weights: model has no .cfg; pass its ModelConfig")
     check_matches_served(cfg.to_hf_dict(), self.client.model_info()["hf_config"],
                          self.client.base_url)
+    self.ensure_resumed()  # before a snapshot is written for a server that is stuck
     t0 = time.perf_counter()
     path = self.next_dir()
     save_pretrained(model, cfg, path)
@@ -186,21 +200,51 @@ class WeightSync:
     except BaseException:
       # Resumed even when the pause itself failed: a pause the client stopped
       # waiting for still completes on the server, which would stay paused.
-      self._resume_after_failure()
+      try:
+        self._resume(f"after a failed weight update (loading {path})")
+      except VLLMPausedError as e:  # the step that failed is the error to report
+        logging.warning("%s", e)
       raise
     t = time.perf_counter()
-    c.request("POST", "/resume")
+    # The server now holds the new weights; only resuming it is left.
+    self._resume(f"after reloading its weights from {path}, which succeeded")
     timings["resume_s"] = time.perf_counter() - t
     self.num_pushes += 1
     self.last_timings = timings
 
-  def _resume_after_failure(self) -> None:
-    """/resume, best effort: the step that failed is the error to report."""
-    try:
-      self.client.request("POST", "/resume")
-    except VLLMError as e:
-      logging.warning("could not resume the vLLM server after a failed weight "
-                      "update (POST %s/resume by hand): %s", self.client.base_url, e)
+  def ensure_resumed(self) -> None:
+    """Resumes a server that a failed `/resume` left paused; a no-op otherwise.
+
+    Raises:
+      VLLMPausedError: naming the URL, when /resume fails again.
+    """
+    after = self.paused_after
+    if after is not None:
+      self._resume(after)
+      logging.info("resumed the vLLM server at %s, paused %s", self.client.base_url,
+                   after)
+
+  def _resume(self, after: str) -> None:
+    """POST /resume, up to `resume_attempts` times; VLLMPausedError if it never
+    answers (and `paused_after` says why, for `ensure_resumed`)."""
+    c = self.client
+    for attempt in range(self.resume_attempts):
+      try:
+        c.request("POST", "/resume")
+      except VLLMError as e:
+        last = e
+        if attempt + 1 < self.resume_attempts:
+          time.sleep(c.backoff_s * 2**attempt)
+        continue
+      self.paused_after = None
+      return
+    self.paused_after = after
+    raise VLLMPausedError(
+        f"the vLLM server at {c.base_url} may be left paused {after}: POST "
+        f"{c.base_url}/resume failed {self.resume_attempts} times (last: {last}). "
+        f"A paused server holds every request until it times out; resume it by hand "
+        f"(curl -X POST {c.base_url}/resume). The next update_weights or generate "
+        f"tries /resume first and sends nothing else until it succeeds") from last
 
   def _reset_prefix_cache(self, attempts: int = 20) -> None:
     # vLLM refuses ({"success": false}) while KV blocks are still held; after a

@@ -23,8 +23,8 @@ import pytest
 from isojax.rollout.base import Rollouts
 from isojax.rollout.interruption import (InterruptingSampler, Interruption,
                                          continuation_seed)
-from isojax.rollout.vllm_client import (VLLMError, VLLMResponseError, VLLMSampler,
-                                        chunk_prompts)
+from isojax.rollout.vllm_client import (VLLMError, VLLMPausedError, VLLMResponseError,
+                                        VLLMSampler, chunk_prompts)
 
 
 class Truncated(bytes):
@@ -505,6 +505,94 @@ def test_a_pause_the_client_gave_up_on_is_still_resumed(fake, tiny_model, tmp_pa
   with pytest.raises(VLLMError, match=rf"{fake.url}/pause did not answer within 0.2 s"):
     s.update_weights(tiny_model)
   assert fake.paths()[-1] == ("POST", "/resume")
+
+
+def _pausing_routes(fake, resume_statuses):
+  """Weight routes where, as in vLLM, a pause holds every completion request until
+  a /resume answers 200; /resume answers `resume_statuses` (a list, consumed) first."""
+  _weight_routes(fake)
+  resumed = threading.Event()
+  resumed.set()
+
+  def pause(b, q):
+    fake.pause_modes.append(q.get("mode"))
+    resumed.clear()
+    return 200, {"status": "paused"}
+
+  def resume(b, q):
+    if resume_statuses:
+      return resume_statuses.pop(0), {"error": "resume failed"}
+    resumed.set()
+    return 200, {"status": "resumed"}
+
+  def complete(b, q):
+    resumed.wait(timeout=5)
+    return 200, fake.complete(b)
+  fake.routes.update({("POST", "/pause"): pause, ("POST", "/resume"): resume,
+                      ("POST", "/v1/completions"): complete})
+
+
+def test_a_failed_resume_after_a_reload_is_retried_then_named(fake, tiny_model, tmp_path):
+  statuses = [500, 503]  # the fake's 503 is also retried by the client itself
+  _pausing_routes(fake, statuses)
+  s = _sampler(fake.url, weights_root=str(tmp_path / "w"), request_timeout_s=2)
+  s.update_weights(tiny_model)  # /resume failed twice, then answered
+  assert fake.paths().count(("POST", "/resume")) == 3 and s.weights.paused_after is None
+  assert s.weights.num_pushes == 1
+
+  statuses[:] = [500] * 3
+  with pytest.raises(VLLMPausedError, match=rf"vLLM server at {fake.url} may be left "
+                     r"paused after reloading its weights from .*weights_000002, which "
+                     rf"succeeded: POST {fake.url}/resume failed 3 times \(last: .*HTTP 500"):
+    s.update_weights(tiny_model)
+  # Neither a generate nor a push goes on against the paused server (a generate
+  # would wait out request_timeout_s and fail as "hung"): each tries /resume only.
+  statuses[:] = [500] * 6
+  fake.calls.clear()
+  with pytest.raises(VLLMPausedError, match=rf"{fake.url} may be left paused after "
+                                            r"reloading .*weights_000002"):
+    s.generate([[1, 2]], n=1, max_tokens=2, temperature=1.0)
+  with pytest.raises(VLLMPausedError, match=rf"{fake.url}/resume failed 3 times"):
+    s.update_weights(tiny_model)
+  assert fake.paths() == [("POST", "/resume")] * 6
+  assert sorted(os.listdir(tmp_path / "w")) == ["weights_000001", "weights_000002"]
+  # Once /resume answers, the next call resumes the server and carries on.
+  r = s.generate([[1, 2]], n=1, max_tokens=2, temperature=1.0)
+  assert r.sequences() == [[0]] and s.weights.paused_after is None
+  assert fake.paths()[6:] == [("POST", "/resume"), ("POST", "/v1/completions")]
+
+
+def test_a_generate_waiting_through_an_update_that_leaves_the_server_paused_says_so(
+    fake, tiny_model, tmp_path):
+  _pausing_routes(fake, [500] * 3)
+  arrived, release = threading.Event(), threading.Event()
+  complete = fake.routes[("POST", "/v1/completions")]
+
+  def held(b, q):  # in flight when the update pauses the server
+    arrived.set()
+    release.wait(timeout=5)
+    return complete(b, q)
+  fake.routes[("POST", "/v1/completions")] = held
+  s = _sampler(fake.url, weights_root=str(tmp_path / "w"), in_flight=True,
+               wait_log_s=0.05, request_timeout_s=3)
+  s.model_info()
+  raised = []
+
+  def generate():
+    try:
+      s.generate([[1, 2]], n=1, max_tokens=2, temperature=1.0)
+    except Exception as e:  # pylint: disable=broad-except
+      raised.append(e)
+  waiting = threading.Thread(target=generate)
+  waiting.start()
+  assert arrived.wait(timeout=10)
+  with pytest.raises(VLLMPausedError):
+    s.update_weights(tiny_model)
+  release.set()
+  waiting.join(timeout=30)
+  assert len(raised) == 1 and isinstance(raised[0], VLLMPausedError), raised
+  assert re.search(rf"1/1 requests to {fake.url} wait on a server left paused after "
+                   r"reloading its weights from .*weights_000001", str(raised[0]))
 
 
 @pytest.mark.parametrize("served, differ", [
