@@ -22,13 +22,14 @@ The protocol (vLLM >= 0.32 with VLLM_SERVER_DEV_MODE=1):
    resumes the server or raises that error again, sending nothing else.
 
 Only the last `keep_last` snapshots are kept on disk: the one being served and
-the one before it.
+the one before it. A given `weights_root` may be shared and outlive the process:
+at the first push, snapshots there whose writer is provably gone are deleted and
+any others it cannot judge are logged (`isojax.rollout.snapshots`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -37,10 +38,8 @@ from typing import Any
 
 from absl import logging
 
+from isojax.rollout import snapshots
 from isojax.rollout.base import VLLMError, VLLMPausedError
-
-_SNAPSHOT = "weights_{:06d}"
-_SNAPSHOT_RE = re.compile(r"^weights_(\d{6,})$")
 
 
 def _layout(hf: dict) -> dict:
@@ -130,6 +129,7 @@ class WeightSync:
     self.keep_last = int(keep_last)
     self.in_flight = bool(in_flight)
     self._written: list[str] = []
+    self._swept = False  # stale snapshots of gone writers looked for in weights_root
     self.num_pushes = 0
     self.last_timings: dict[str, float] = {}
 
@@ -145,11 +145,17 @@ class WeightSync:
     return self._weights_root
 
   def next_dir(self) -> str:
-    """A snapshot directory numbered after every one already in weights_root."""
-    os.makedirs(self.weights_root, exist_ok=True)
-    taken = [int(m.group(1)) for name in os.listdir(self.weights_root)
-             if (m := _SNAPSHOT_RE.match(name))]
-    return os.path.join(self.weights_root, _SNAPSHOT.format(max(taken, default=0) + 1))
+    """A new snapshot directory, made and numbered after every one in weights_root.
+
+    At the first call on a given root, the snapshots of writers that are gone
+    are removed first (`snapshots.remove_stale`), except the served model's
+    directory, which the server and this client read config.json from.
+    """
+    root = self.weights_root
+    if not self._owns_root and not self._swept:
+      self._swept = True
+      snapshots.remove_stale(root, keep=[self.client.model_info().get("root")])
+    return snapshots.reserve(root)
 
   def push(self, model: Any, cfg: Any = None) -> str:
     """Saves `model` and makes the server serve it; returns the snapshot dir.
@@ -173,8 +179,9 @@ class WeightSync:
     self.ensure_resumed()  # before a snapshot is written for a server that is stuck
     t0 = time.perf_counter()
     path = self.next_dir()
-    save_pretrained(model, cfg, path)
-    self._written.append(path)
+    self._written.append(path)  # pruned even if the save fails
+    save_pretrained(model, cfg, path)  # replaces the reserved directory whole
+    snapshots.write_record(path)
     t1 = time.perf_counter()
     self.load(path)
     self.last_timings["save_s"] = t1 - t0
@@ -274,7 +281,8 @@ class WeightSync:
     """Removes the temp dir of snapshots, if this object made one.
 
     The server keeps serving the weights it loaded (they live in its memory);
-    a given `weights_root` is left alone, pruned to the last `keep_last`.
+    a given `weights_root` keeps this object's last `keep_last`, which the
+    first push of a later process there removes once this one is gone.
     """
     if self._owns_root:
       self._cleanup()  # rmtree, once

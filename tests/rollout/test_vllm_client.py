@@ -480,6 +480,35 @@ def test_close_removes_its_own_temp_snapshots_but_not_a_given_root(fake, tiny_mo
   assert [p.name for p in given.iterdir()] == ["weights_000001"]
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_the_first_push_removes_the_snapshots_of_gone_writers_only(fake, tiny_model,
+                                                                   tmp_path):
+  import subprocess
+  import sys
+  from isojax.rollout import snapshots
+  _weight_routes(fake)
+  root = tmp_path / "w"
+  earlier = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  start = snapshots._start_time(earlier.pid)  # pylint: disable=protected-access
+  earlier.kill()
+  earlier.wait()
+  for name in ("weights_000001", "weights_000002"):  # an earlier run's, now gone
+    (root / name).mkdir(parents=True)
+    (root / name / "config.json").write_text("{}")
+    (root / name / snapshots.RECORD).write_text(json.dumps(
+        dict(snapshots.writer_record(), pid=earlier.pid, start=start)))
+  (root / "weights_000003").mkdir()  # no writer record: not provably isojax's
+  (root / "weights_000003" / "config.json").write_text("{}")
+  _sampler(fake.url, weights_root=str(root)).update_weights(tiny_model)
+  assert sorted(p.name for p in root.iterdir()) == ["weights_000003", "weights_000004"]
+  record = json.loads((root / "weights_000004" / snapshots.RECORD).read_text())
+  assert record["pid"] == os.getpid()
+  # Another sampler of a live process (this one) leaves that snapshot alone.
+  _sampler(fake.url, weights_root=str(root)).update_weights(tiny_model)
+  assert sorted(p.name for p in root.iterdir()) == [
+      "weights_000003", "weights_000004", "weights_000005"]
+
+
 def test_failed_reload_names_url_and_still_resumes(fake, tiny_model, tmp_path):
   _weight_routes(fake, reload_status=500)
   s = _sampler(fake.url, weights_root=str(tmp_path / "w"))
