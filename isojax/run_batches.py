@@ -74,6 +74,11 @@ class SampledBatch:
 
 
 def nonfinite_policy_message(step: int, weights: int, config) -> str:
+  if weights == 0:  # no update has run: the learning rate is not the cause
+    return (f"stopping at step {step}: the sampler's log-probs are not finite with the "
+            f"initial weights (no update has run): the model gives inf/NaN logits. "
+            f"Check the checkpoint in config.model and its compute dtype "
+            f"(config.model.dtype={config.model.dtype!r}).")
   return (f"stopping at step {step}: the sampler's log-probs are not finite, i.e. the "
           f"weights after update {weights} give inf/NaN logits although that update "
           f"was finite (config.rl.lr_base={config.rl.lr_base:g} is far too large?). "

@@ -284,9 +284,15 @@ def test_main_prints_one_line_and_exits_2(tmp_path):
   assert proc.returncode == 2 and "Traceback" in proc.stderr
 
 
-@pytest.mark.parametrize("max_lag, weights", [(0, "1"), (2, "[01]")])
+_AFTER_UPDATE_1 = (r", i.e. the weights after update 1 give inf/NaN.*"
+                   r"config.rl.lr_base=2e-05.*Lower config.rl.lr_base")
+
+
+# PipelineRL may sample step 2's batch with the initial weights, before update 1.
+@pytest.mark.parametrize("max_lag, advice", [
+    (0, _AFTER_UPDATE_1), (2, f"({_AFTER_UPDATE_1}| with the initial weights)")])
 def test_weights_that_sample_non_finite_logprobs_stop_with_advice(tmp_path, monkeypatch,
-                                                                  max_lag, weights):
+                                                                  max_lag, advice):
   # What a far too large learning rate does: an update with finite loss, gradient
   # and weights after which the policy's log-probs overflow. The run stops at the
   # next step naming the learning rate, instead of a Batch validation error.
@@ -305,10 +311,26 @@ def test_weights_that_sample_non_finite_logprobs_stop_with_advice(tmp_path, monk
   # PipelineRL samples step 2's batch while update 1 may still run: the step is the
   # batch's, the weights those its tokens' labels name.
   with pytest.raises(run.NonFiniteLossError,
-                     match=r"stopping at step 2: the sampler's log-probs are not finite, "
-                           rf"i.e. the weights after update {weights} give inf/NaN.*"
-                           r"config.rl.lr_base=2e-05.*Lower config.rl.lr_base"):
+                     match=r"stopping at step 2: the sampler's log-probs are not "
+                           rf"finite{advice}"):
     run.run(small_config(**{"rl.pipeline.max_lag": max_lag}), tmp_path / "run")
+
+
+def test_initial_weights_that_sample_non_finite_logprobs_do_not_blame_the_lr(tmp_path,
+                                                                            monkeypatch):
+  from isojax.rollout.jax_sampler import JaxSampler
+  real_generate = JaxSampler.generate
+
+  def overflowing(self, prompt_ids, *, n, **kw):
+    out = real_generate(self, prompt_ids, n=n, **kw)
+    return dataclasses.replace(out, logprobs_BxT=np.full_like(out.logprobs_BxT, np.nan))
+
+  monkeypatch.setattr(JaxSampler, "generate", overflowing)
+  with pytest.raises(run.NonFiniteLossError,
+                     match=r"stopping at step 1: .* not finite with the initial weights "
+                           r"\(no update has run\).*config.model.dtype") as e:
+    run.run(small_config(), tmp_path / "run")
+  assert "lr_base" not in str(e.value)
 
 
 def test_drop_too_long_leaves_problems_out_with_a_count_in_the_log(caplog):
