@@ -186,6 +186,10 @@ class JaxSampler:
     self._weights = (0, self._put_state(state))
     self._build_jit()
 
+  @property
+  def steps_per_sync(self) -> int:
+    """Decode steps per loop-condition check: the argument or the backend's default."""
+    return self._steps_per_sync
 
   def _shardings_for(self, state):
     if self._mesh is None:

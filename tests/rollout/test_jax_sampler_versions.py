@@ -187,7 +187,7 @@ def _generate_counting_loops(sampler, prompts, gen):
 
 def test_steps_per_sync_defaults_to_several_on_a_gpu_only(model, monkeypatch):
   from isojax.rollout import decode
-  assert JaxSampler(model)._steps_per_sync == 1
+  assert JaxSampler(model).steps_per_sync == 1
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert JaxSampler(model)._steps_per_sync == decode.GPU_STEPS_PER_SYNC > 1
-  assert JaxSampler(model, steps_per_sync=1)._steps_per_sync == 1
+  assert JaxSampler(model).steps_per_sync == decode.GPU_STEPS_PER_SYNC > 1
+  assert JaxSampler(model, steps_per_sync=1).steps_per_sync == 1
