@@ -299,18 +299,24 @@ def bench_gpu(args):
     if long:
       print(f"  (one run: {compiling['seconds']:.0f} s of it compiled "
             f"{compiling['programs']} programs)")
-    if not long and sampler._steps_per_sync > 1:  # the default beside one step per check
+    samplers = [(f"{sampler.steps_per_sync} steps per loop check", sampler)]
+    if not long and sampler.steps_per_sync > 1:  # the default beside one step per check
       single = JaxSampler(model, kv_budget_gib=budget, steps_per_sync=1)
       best_1, _, tok_1 = time_runs(
           lambda seed: single.generate(prompts, n=n, max_tokens=max_tokens, temperature=1.0,
                                        seed=seed).num_generated_tokens, args.repeats)
-      del single
       print(f"{'  1 step per loop check':<28}{best_1:>9.2f}s {tok_1 / best_1:>10.0f} tok/s; "
-            f"{sampler._steps_per_sync} steps per check (above): {best_1 / best:.2f}x as fast")
+            f"{sampler.steps_per_sync} steps per check (above): {best_1 / best:.2f}x as fast")
+      samplers.append(("1 step per loop check", single))
     if args.profile and not long:
       import device_profile  # pylint: disable=g-import-not-at-top  (bench/, beside this file)
-      with tempfile.TemporaryDirectory() as tmp:
-        print(device_profile.profile_call(lambda: run(0), tmp).table(args.profile))
+      for label, s in samplers:
+        with tempfile.TemporaryDirectory() as tmp:
+          profile = device_profile.profile_call(
+              lambda: s.generate(prompts, n=n, max_tokens=max_tokens, temperature=1.0,
+                                 seed=0).num_generated_tokens, tmp)
+        print(f"  profile, {label}:\n{profile.table(args.profile)}")
+    del samplers
     if size == "0.5b" and not args.skip_transformers:
       # transformers prefills every rollout's copy of its prompt; so does this control.
       copies = [p for p in prompts for _ in range(n)]

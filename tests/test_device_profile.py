@@ -20,6 +20,9 @@ def test_device_ops_busy_union_and_totals():
   events = [
       meta(1, "/host:CPU"), meta(7, "/device:GPU:0"),
       op(1, "python call", 0, 1000),  # host: not a device op
+      # A host loop around a synchronisation and two launches: self time only.
+      op(1, "WhileThunk", 100, 500, tid=3), op(1, "cuStreamSynchronize", 150, 300, tid=3),
+      op(1, "cuLaunchKernel", 500, 20, tid=3), op(1, "cuLaunchKernel", 550, 20, tid=3),
       op(7, "gemm_fusion_dot_1", 0, 100), op(7, "gemm_fusion_dot_1", 300, 100),
       op(7, "loop_add_fusion", 350, 100, tid=2),  # overlaps the second dot: another stream
       op(7, "nvjet_sm90_kernel", 600, 50, hlo_op="custom-call.3"),  # named by its HLO op
@@ -33,9 +36,20 @@ def test_device_ops_busy_union_and_totals():
                    ("loop_add_fusion", pytest.approx(0.1), 1),
                    ("loop_body_fusion", pytest.approx(0.08), 1),
                    ("custom-call.3", pytest.approx(0.05), 1)]
+  # Idle spans named by the op that ended last before them and the op after.
+  assert p.gaps == [("gemm_fusion_dot_1 -> gemm_fusion_dot_1", pytest.approx(0.2), 1),
+                    ("loop_add_fusion -> custom-call.3", pytest.approx(0.15), 1),
+                    ("custom-call.3 -> loop_body_fusion", pytest.approx(0.1), 1)]
+  assert p.host == [("python call", pytest.approx(1.0), 1),
+                    ("cuStreamSynchronize", pytest.approx(0.3), 1),
+                    ("WhileThunk", pytest.approx(0.16), 1),
+                    ("cuLaunchKernel", pytest.approx(0.04), 2)]
   table = p.table(2)
   assert "device busy 0.4 ms of 1.0 ms wall (38%), 5 device ops" in table
-  assert "gemm_fusion_dot_1" in table and "custom-call.3" not in table
+  ops, gaps, host = table.split("total ms")[1:]
+  assert "gemm_fusion_dot_1" in ops and "custom-call.3" not in ops
+  assert "loop_add_fusion -> custom-call.3" in gaps and "custom-call.3 ->" not in gaps
+  assert "cuStreamSynchronize" in host and "WhileThunk" not in host
 
 
 def test_a_cpu_call_is_traced_and_its_matmuls_outweigh_its_tanh(tmp_path):
