@@ -134,8 +134,10 @@ def abstract_batch(batch_size: int, seq_len: int, *, mesh: Mesh | None = None,
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
   bxt = (batch_size, seq_len)
+  # The dtypes of a run's batches (isojax.batching): a step compiled from these
+  # shapes is the program its first update runs, not a second one.
   return Batch(input_ids_BxT=spec(bxt, jnp.int32), attention_mask_BxT=spec(bxt, jnp.int32),
-               loss_mask_BxT=spec(bxt, jnp.float32), sampler_logp_BxT=spec(bxt, jnp.float32),
+               loss_mask_BxT=spec(bxt, jnp.int32), sampler_logp_BxT=spec(bxt, jnp.float32),
                rewards_B=spec((batch_size,), jnp.float32),
                baseline_rewards_B=None if baseline_size is None
                else spec((baseline_size,), jnp.float32))
