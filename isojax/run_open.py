@@ -22,7 +22,7 @@ from absl import logging
 
 from isojax import budget as budget_lib
 from isojax import checkpoint as ckpt_lib
-from isojax import files, run_setup
+from isojax import files, memory, rl, run_setup
 from isojax import metrics as metrics_lib
 from isojax.checkpoint import HostState
 from isojax.data import problems_digest
@@ -163,17 +163,28 @@ def _log_memory_split(config, parts: RunParts, state, point: budget_lib.BudgetPo
     calls = parts.sampler.cache_layouts(num_prompts, n, longest, parts.max_tokens)
     return max(calls, key=lambda c: c.bytes_per_device(cfg))
 
+  def step_gib():
+    # Compiled from the shapes of the run's host batches, without shardings as
+    # they come (the step's in_shardings place both): jit's cache then hands the
+    # first update this executable, so the figure costs no second compile.
+    n_est = config.rl.n_est or point.n
+    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), rl.abstract_batch(
+        point.batch, parts.prompt_width + parts.max_tokens,
+        baseline_size=point.bp * n_est if n_est > point.n else None))
+    mem = memory.step_memory(parts.train_step, state, batch)
+    return (mem.temporaries + mem.output_not_aliased) / memory.GIB
+
   split = check_run_split(
       config, cfg, state,
       train_cache=largest(point.bp, config.rl.n_est or config.n, parts.prompt_width),
       eval_cache=(largest(eval_problems, config.eval.k, parts.eval_prompt_len)
                   if eval_problems else None),
-      pipelined_params=state.params if pipelined else None)
+      pipelined_params=state.params if pipelined else None, step_gib=step_gib)
   if split is not None:
-    logging.info("memory per device: trainer state %.2f GiB + sampler weights %.2f GiB + "
-                 "KV cache %.2f GiB (%d rows) of %.2f GiB", split["trainer_gib"],
-                 split["sampler_weights_gib"], split["kv_gib"], split["rows"],
-                 split["device_gib"])
+    logging.info("memory per device: trainer state %.2f GiB + update step %.2f GiB + "
+                 "sampler weights %.2f GiB + KV cache %.2f GiB (%d rows) of %.2f GiB",
+                 split["trainer_gib"], split["step_gib"], split["sampler_weights_gib"],
+                 split["kv_gib"], split["rows"], split["device_gib"])
 
 
 def run_key(config) -> list[int]:

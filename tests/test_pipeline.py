@@ -196,6 +196,32 @@ def test_lag2_resumes_from_the_drained_checkpoint(lag2_run, tmp_path, monkeypatc
   assert all(r["train/policy_lag_max"] <= 2 for r in resumed[1:])
 
 
+def test_the_memory_check_counts_the_step_with_the_first_updates_compile(
+    tmp_path, monkeypatch, caplog):
+  """On a device of known memory, PipelineRL's check adds the update step's
+  temporaries (the step runs while the sampler decodes), read from a compile
+  the first update then runs: the step compiles once."""
+  from isojax.rollout import memory as rollout_memory
+  monkeypatch.setattr(rollout_memory, "device_gib", lambda: 64.0)  # as on a GPU
+  splits, check = [], rollout_memory.check_memory_split
+  monkeypatch.setattr(rollout_memory, "check_memory_split",
+                      lambda *a, **kw: splits.append(check(*a, **kw)) or splits[-1])
+  run_records.stop_before_update(monkeypatch, 2)
+  caplog.set_level("INFO")
+  with jax.log_compiles(True), pytest.raises(KeyboardInterrupt):
+    run.run(tiny_config(POINT, **LAG2), tmp_path)
+  (split,) = splits
+  assert 0 < split["step_gib"] < 0.1 and split["trainer_gib"] > 0
+  assert any(m.startswith("memory per device: trainer state") for m in caplog.messages)
+  compiles = [m for m in caplog.messages if m.startswith("Compiling jit(step)")]
+  assert len(compiles) == 1, compiles
+  # A device that holds all but half the step's share: the error names it.
+  rest = split["trainer_gib"] + split["sampler_weights_gib"] + split["kv_gib"]
+  monkeypatch.setattr(rollout_memory, "device_gib", lambda: rest + split["step_gib"] / 2)
+  with pytest.raises(ValueError, match=r"trainer \(.* GiB\) \+ update step's temporaries"):
+    run.run(tiny_config(POINT, **LAG2), tmp_path / "small")
+
+
 @pytest.mark.parametrize("field, value", [("max_lag", 0), ("max_lag", -1), ("max_lag", 1.5),
                                           ("checkpoint_every", 0), ("first", 0),
                                           ("last", -1)])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -227,8 +227,8 @@ def compiled_sampler_memory(model, s: decode.Static, *, rows: int, cache_len: in
 
 
 def check_memory_split(cfg, *, device_gib: float, trainer_gib: float,
-                       caches: Sequence[CacheLayout], sampler_weights_gib: float = 0.0
-                       ) -> dict:
+                       caches: Sequence[CacheLayout], sampler_weights_gib: float = 0.0,
+                       step_gib: float = 0.0) -> dict:
   """Checks that the trainer's state and the sampler's caches fit on one device.
 
   Args:
@@ -240,32 +240,37 @@ def check_memory_split(cfg, *, device_gib: float, trainer_gib: float,
       (`cache_layout`), each held whole.
     sampler_weights_gib: a copy of the parameters the sampler holds beside the
       trainer's (0: it decodes with the trainer's own).
+    step_gib: the update step's temporaries, where it runs while the sampler
+      decodes (PipelineRL; 0: it runs between generate calls).
 
   Returns:
-    {"rows", "kv_gib", "trainer_gib", "sampler_weights_gib", "device_gib"}: the
-    split per device (rows: of all the calls together, over all devices).
+    {"rows", "kv_gib", "trainer_gib", "step_gib", "sampler_weights_gib",
+    "device_gib"}: the split per device (rows: of all the calls together, over
+    all devices).
   Raises:
     ValueError naming every number when trainer + sampler exceed the device,
     and the kv_budget_gib and max_rows under which the caches, laid out again
     (`relayout`), fit.
   """
   kv_gib = sum(c.bytes_per_device(cfg) for c in caches) / GIB
-  used = trainer_gib + sampler_weights_gib + kv_gib
+  used = trainer_gib + step_gib + sampler_weights_gib + kv_gib
   if used > device_gib:
-    left = max(device_gib - trainer_gib - sampler_weights_gib, 0)
+    left = max(device_gib - trainer_gib - step_gib - sampler_weights_gib, 0)
     concurrent = len(caches)  # each call may fill its own budget at once
     widest = max(caches, key=lambda c: c.cache_len)
     per_row = kv_bytes_per_row(cfg, widest.cache_len, widest.block)
-    copy = (f" + sampler's weight copy ({sampler_weights_gib:.2f} GiB)"
-            if sampler_weights_gib else "")
+    extra = (f" + update step's temporaries ({step_gib:.2f} GiB)" if step_gib else "") + (
+        f" + sampler's weight copy ({sampler_weights_gib:.2f} GiB)"
+        if sampler_weights_gib else "")
     at_once = f", {concurrent} generate calls at once" if concurrent > 1 else ""
     raise ValueError(
-        f"trainer ({trainer_gib:.2f} GiB){copy} + sampler KV cache ({kv_gib:.2f} GiB per "
+        f"trainer ({trainer_gib:.2f} GiB){extra} + sampler KV cache ({kv_gib:.2f} GiB per "
         f"device: {'; '.join(map(str, caches))}; {per_row / 2**20:.2f} MiB per row of "
         f"{widest.cache_len} positions{at_once}) = {used:.2f} GiB > device memory "
         f"{device_gib:.2f} GiB; {_split_advice(cfg, caches, left)}")
   return {"rows": sum(c.rows for c in caches), "kv_gib": kv_gib, "trainer_gib": trainer_gib,
-          "sampler_weights_gib": sampler_weights_gib, "device_gib": device_gib}
+          "step_gib": step_gib, "sampler_weights_gib": sampler_weights_gib,
+          "device_gib": device_gib}
 
 
 def relayout(cfg, layout: CacheLayout, *, max_rows: int | None = None,
@@ -338,20 +343,24 @@ def per_device_gib(tree) -> float:
 
 def check_run_split(config, model_cfg, train_state, *, train_cache: CacheLayout,
                     eval_cache: CacheLayout | None = None, pipelined_params=None,
+                    step_gib: Callable[[], float] | None = None,
                     device_memory_gib: float | None = None) -> dict | None:
   """The check a run makes before its first update, on one accelerator shared by
   the trainer and the in-process sampler.
 
   The trainer's share is its initialised state on this device (parameters,
-  optimizer moments, reference parameters); the update step's activations come
-  on top (`python -m isojax.main --dry_run` reports the compiled step). The
-  sampler's share is the KV cache of its largest generate call, a training
-  batch's (`train_cache`) or an evaluation's (`eval_cache`), as the sampler
-  lays it out (`JaxSampler.cache_layouts`: buckets, the row cap of
+  optimizer moments, reference parameters). The sampler's share is the KV
+  cache of its largest generate call, a training batch's (`train_cache`) or
+  an evaluation's (`eval_cache`), as the sampler lays it out
+  (`JaxSampler.cache_layouts`: buckets, the row cap of
   `config.sampler.kv_budget_gib` / `max_rows`, rows split over the mesh). With
   PipelineRL (`pipelined_params`: the parameters) the sampler holds its own
-  copy of them (the update donates the trainer's while it decodes), and an
-  evaluation decodes while the producer samples: both caches count. Returns
+  copy of them (the update donates the trainer's while it decodes), an
+  evaluation decodes while the producer samples (both caches count), and the
+  update step's temporaries share the device with them: `step_gib()` gives
+  those (GiB per device, from the compiled step), called only then. Without
+  PipelineRL the step runs between generate calls; its activations are the
+  compiler's to fit (`python -m isojax.main --dry_run` reports them). Returns
   the split, or None where it does not apply (another backend, or device
   memory unknown, as on CPU).
   """
@@ -363,7 +372,8 @@ def check_run_split(config, model_cfg, train_state, *, train_cache: CacheLayout,
   caches = [c for c in (train_cache, eval_cache) if c is not None]
   if pipelined_params is None:  # one call at a time: the larger
     caches = [max(caches, key=lambda c: c.bytes_per_device(model_cfg))]
+  pipelined = pipelined_params is not None
   return check_memory_split(
       model_cfg, device_gib=device_memory_gib, trainer_gib=per_device_gib(train_state),
-      caches=caches, sampler_weights_gib=(
-          0.0 if pipelined_params is None else per_device_gib(pipelined_params)))
+      caches=caches, sampler_weights_gib=per_device_gib(pipelined_params) if pipelined else 0.0,
+      step_gib=step_gib() if pipelined and step_gib is not None else 0.0)
