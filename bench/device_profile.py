@@ -54,15 +54,19 @@ class Profile:
     return "\n".join(lines)
 
 
+def _threads(events: list[dict]) -> list[list[dict]]:
+  """Events by thread, each in start order, an enclosing event before those inside."""
+  by_thread = collections.defaultdict(list)
+  for e in events:
+    by_thread[e["pid"], e.get("tid")].append(e)
+  return [sorted(t, key=lambda e: (e["ts"], -e.get("dur", 0))) for t in by_thread.values()]
+
+
 def _leaves(ops: list[dict]) -> list[dict]:
   """The ops that enclose no other op of their thread: XLA:CPU traces a while or
   cond op around the ops of its body, which would count them twice."""
-  by_thread = collections.defaultdict(list)
-  for e in ops:
-    by_thread[e["pid"], e.get("tid")].append(e)
   leaves = []
-  for thread in by_thread.values():
-    thread.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+  for thread in _threads(ops):
     for e, after in zip(thread, thread[1:] + [None]):
       if after is None or after["ts"] >= e["ts"] + e.get("dur", 0):
         leaves.append(e)
@@ -71,12 +75,8 @@ def _leaves(ops: list[dict]) -> list[dict]:
 
 def _self_times(events: list[dict]) -> list[tuple[dict, float]]:
   """(event, its duration less its direct children's) for nested events of a thread."""
-  by_thread = collections.defaultdict(list)
-  for e in events:
-    by_thread[e["pid"], e.get("tid")].append(e)
   out = []
-  for thread in by_thread.values():
-    thread.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+  for thread in _threads(events):
     stack = []  # [event, self time] of the enclosing events
     for e in thread:
       while stack and e["ts"] >= stack[-1][0]["ts"] + stack[-1][0].get("dur", 0):
