@@ -196,8 +196,24 @@ def _init_state(run_plan, model, critic, mesh):
   return init
 
 
+def check_model_dirs(config, run_plan) -> None:
+  """Refuses a model.path (or, with a critic, critic.path) that is no directory.
+
+  The loader's own error names only the directory; this names the field, since the
+  policy and the critic both load one, and fails before anything is loaded.
+  """
+  fields = {"model.path": model_path(config)}
+  if run_plan.value is not None and config.critic.path:
+    fields["critic.path"] = pathlib.Path(config.critic.path)
+  for field, path in fields.items():
+    if not path.is_dir():
+      raise ValueError(f"config.{field}={str(path)!r} is not a directory (a Hugging Face "
+                       f"model directory: config.json, model.safetensors, tokenizer)")
+
+
 def build_parts(config, run_plan) -> RunParts:
   """Loads model, tokenizer and data; builds sampler, loader and the jitted step."""
+  check_model_dirs(config, run_plan)
   mesh = _mesh(config)
   path = model_path(config)
   model, _ = models.load_pretrained(
