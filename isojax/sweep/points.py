@@ -315,10 +315,18 @@ def _min_n(estimator: str) -> int:
 
 
 def max_tokens(config) -> int | None:
-  """The response-length cap of a config (sampler.max_tokens), or None."""
+  """The response-length cap a run of `config` samples to, or None without one.
+
+  sampler.max_tokens = 0 is resolved as the run resolves it (the study's length,
+  `isojax.budget.study_max_tokens`): every study file leaves it at 0, and reading
+  0 as "no cap" left their dry-run tables without a token estimate.
+  """
   sampler = config.get("sampler") or {}
   value = sampler.get("max_tokens")
-  return int(value) if value else None
+  if value is None:
+    return None
+  model_path = (config.get("model") or {}).get("path", "")
+  return budget_lib.study_max_tokens(int(value), model_path)
 
 
 def format_points(points: Sequence[SweepPoint], max_tokens: int | None) -> str:

@@ -21,3 +21,20 @@ def test_the_launchers_b_max_reaches_every_run(monkeypatch):
                      "launcher's --b_max=512 sets"):
     sweep.plan_sweep(TINY, "runs/t", bp=[8], n=[4], budgets=[1024], b_max=512,
                      extra_args=["--config.b_max=128"])
+
+
+def test_a_study_files_token_estimate_uses_the_length_its_runs_sample(monkeypatch):
+  monkeypatch.chdir(REPO)
+  # Study files leave sampler.max_tokens at 0, the study's length: 8 tokens on the
+  # committed tiny model, 8,192 once model.path names a real model.
+  study = "experiments/easy_n_vs_m.py:smoke"
+  plan, config = sweep.plan_sweep(study, "runs/t", n=[4], budgets=[2048])
+  assert config.sampler.max_tokens == 0 and sweep.max_tokens(config) == 8
+  assert sweep.format_points(plan.points, sweep.max_tokens(config)).splitlines()[1] \
+      .split()[-1] == str(2048 * 8)
+  _, config = sweep.plan_sweep(study, "runs/t", n=[4], budgets=[2048],
+                               extra_args=["--config.model.path=/ckpt/any"])
+  assert sweep.max_tokens(config) == 8192
+  _, config = sweep.plan_sweep(study, "runs/t", n=[4], budgets=[2048],
+                               extra_args=["--config.sampler.max_tokens=16"])
+  assert sweep.max_tokens(config) == 16
