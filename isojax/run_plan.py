@@ -17,7 +17,7 @@ from isojax import budget as budget_lib
 from isojax.data.loader import check_retire_threshold
 from isojax.data.problem_sets import check_data_config
 from isojax.models.attention import check_implementation
-from isojax.models.config import as_dtype
+from isojax.models.config import REMAT_POLICIES, as_dtype, as_remat
 from isojax.models.tokenizer import Tokenizer
 from isojax.rl import LossConfig, OptimConfig, learning_rate
 from isojax.rl.advantages import ESTIMATORS, min_group_size
@@ -182,6 +182,11 @@ def _check_model_and_sampler_fields(config) -> None:
     raise ValueError(f"config.model.param_dtype={config.model.param_dtype!r}: the trained "
                      f"(master) weights must be float32, or AdamW's small steps round "
                      f"away; model.dtype sets the compute dtype (bfloat16 is fine there)")
+  try:  # else the model's load refuses it, naming the model's config.json as the culprit
+    as_remat(config.model.remat)
+  except ValueError:
+    raise ValueError(f"config.model.remat={config.model.remat!r}: expected one of "
+                     f"{REMAT_POLICIES} (or True/False for full/none)") from None
   try:  # "cudnn" needs a GPU and 16-bit compute; the first update would say so
     if config.model.attention != "auto":  # "auto" always runs (and needs no backend)
       check_implementation(config.model.attention, as_dtype(config.model.dtype))

@@ -391,6 +391,7 @@ def test_main_config_typos_are_one_line(tmp_path, args, expect):
     ("eval_every", -1, r"config.eval_every=-1 must be an integer >= 0"),
     ("evals_per_doubling", -2, r"config.evals_per_doubling=-2 must be an integer >= 0"),
     ("model.attention", "cudnn", r"config.model.attention: .*'cudnn' needs a GPU and 16-bit"),
+    ("model.remat", "sometimes", r"^config.model.remat='sometimes': expected one of "),
     ("seed", -1, r"config.seed=-1 must be an integer >= 0"),
     ("model.param_dtype", "bfloat16", r"config.model.param_dtype='bfloat16': the trained "
      r"\(master\) weights must be float32"),
