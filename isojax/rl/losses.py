@@ -160,7 +160,13 @@ class LossConfig:
     if missing:
       raise ValueError(f"{name or type(source).__name__} has no LossConfig field "
                        f"{', '.join(missing)}; every LossConfig field must be set")
-    return cls(**values)
+    try:
+      return cls(**values)
+    except ValueError as e:
+      if name is None:
+        raise
+      # __post_init__ names the dataclass; the one who set the value knows `name`.
+      raise ValueError(str(e).replace("LossConfig.", f"{name}.")) from None
 
   def check_on_policy(self, *, name: str = "LossConfig") -> None:
     """Raises ValueError naming a clip setting that differs from its default.

@@ -407,6 +407,11 @@ def test_loss_config_from_config_reads_its_own_fields():
     LossConfig.from_config(given, name="config.rl")
   with pytest.raises(ValueError, match="LossConfig.tis_cap=0"):
     LossConfig.from_config({**fields, "tis_cap": 0.0})
+  # A bad value is named as the source's field, which is what the user set.
+  with pytest.raises(ValueError, match=r"^config\.rl\.tis_cap=0\.0 must be >= 1"):
+    LossConfig.from_config({**fields, "tis_cap": 0.0}, name="config.rl")
+  with pytest.raises(ValueError, match=r"^config\.rl\.kind='bogus'; choose from"):
+    LossConfig.from_config({**fields, "kind": "bogus"}, name="config.rl")
 
 
 def test_clip_settings_away_from_the_defaults_are_refused_on_policy():
