@@ -139,10 +139,13 @@ def plan_run(config) -> RunPlan:
                      f"batches per run, and critic-free")
   if off_policy_k == 1 and not max_lag:
     loss.check_on_policy(name="config.rl")  # clip settings would be silent no-ops
-  optim = OptimConfig(
-      lr_base=rl.lr_base, batch_base=rl.batch_base, lr_rule=rl.lr_rule,
-      warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
-      max_grad_norm=rl.max_grad_norm)
+  try:
+    optim = OptimConfig(
+        lr_base=rl.lr_base, batch_base=rl.batch_base, lr_rule=rl.lr_rule,
+        warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
+        max_grad_norm=rl.max_grad_norm)
+  except ValueError as e:  # OptimConfig names itself; the flag is config.rl's
+    raise ValueError(str(e).replace("OptimConfig.", "config.rl.")) from None
   micro = rl.micro_batch or point.batch
   if rl.logits_chunk is not None and rl.logits_chunk < 1:
     raise ValueError(f"config.rl.logits_chunk={rl.logits_chunk} must be >= 1 (sequence "
@@ -299,6 +302,9 @@ def _critic_plan(config, optim, m: int):
 
 def check_min_n(n: int, estimator: str) -> None:
   """Raises ValueError when n rollouts per problem are too few for the estimator."""
+  if estimator not in ESTIMATORS and estimator not in VALUE_ESTIMATORS:
+    raise ValueError(f"config.rl.adv_estimator={estimator!r}; choose from "
+                     f"{sorted([*ESTIMATORS, *VALUE_ESTIMATORS])}")
   need = min_group_size(estimator)
   if n < need:
     fits = sorted(k for k in [*ESTIMATORS, *VALUE_ESTIMATORS] if min_group_size(k) <= n)

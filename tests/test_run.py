@@ -87,7 +87,7 @@ def test_plan_loss_config_comes_from_config_rl():
   assert run.plan_run(tiny_config(**{"rl.tis_cap": 3})).loss.tis_cap == 3.0
   loss = run.plan_run(tiny_config(**{"rl.tis_cap": None, "rl.kl_coef": 0.5})).loss
   assert (loss.tis_cap, loss.kl_coef, loss.clip_dual) == (None, 0.5, None)
-  with pytest.raises(ValueError, match=r"LossConfig\.tis_cap=0\.0 must be >= 1 or None"):
+  with pytest.raises(ValueError, match=r"^config\.rl\.tis_cap=0\.0 must be >= 1 or None"):
     run.plan_run(tiny_config(**{"rl.tis_cap": 0}))
   assert run.plan_run(tiny_config(**{"rl.kind": "cispo"})).loss.kind == "cispo"
   with pytest.raises(ValueError, match=r"config\.rl\.clip_high=0\.28 .* cannot affect"):
@@ -98,7 +98,7 @@ def test_plan_loss_config_comes_from_config_rl():
   assert run.plan_run(tiny_config(**{"rl.max_grad_norm": None})).optim.max_grad_norm is None
   assert run.plan_run(tiny_config(**{"rl.max_grad_norm": float("inf")})
                       ).optim.max_grad_norm == float("inf")
-  with pytest.raises(ValueError, match=r"OptimConfig\.max_grad_norm=0\.0 must be > 0"):
+  with pytest.raises(ValueError, match=r"^config\.rl\.max_grad_norm=0\.0 must be > 0"):
     run.plan_run(tiny_config(**{"rl.max_grad_norm": 0}))
   c = tiny_config()
   del c.rl["kl_estimator"]

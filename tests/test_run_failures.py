@@ -392,6 +392,9 @@ def test_main_config_typos_are_one_line(tmp_path, args, expect):
     ("evals_per_doubling", -2, r"config.evals_per_doubling=-2 must be an integer >= 0"),
     ("model.attention", "cudnn", r"config.model.attention: .*'cudnn' needs a GPU and 16-bit"),
     ("model.remat", "sometimes", r"^config.model.remat='sometimes': expected one of "),
+    ("rl.adv_estimator", "bogus", r"^config.rl.adv_estimator='bogus'; choose from \['batch'"),
+    ("rl.lr_rule", "cubic", r"^config.rl.lr_rule='cubic'; choose from"),
+    ("rl.agg", "bogus", r"^config.rl.agg='bogus'; choose from"),
     ("seed", -1, r"config.seed=-1 must be an integer >= 0"),
     ("model.param_dtype", "bfloat16", r"config.model.param_dtype='bfloat16': the trained "
      r"\(master\) weights must be float32"),
