@@ -311,7 +311,10 @@ def _min_n(estimator: str) -> int:
   if not estimator:
     return 1
   from isojax.rl.advantages import min_group_size  # lazy: imports JAX
-  return min_group_size(estimator)
+  try:
+    return min_group_size(estimator)
+  except ValueError as e:  # its message names the estimator, not the field that set it
+    raise ValueError(f"config.rl.adv_estimator: {e}") from None
 
 
 def max_tokens(config) -> int | None:

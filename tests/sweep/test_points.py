@@ -38,3 +38,11 @@ def test_a_study_files_token_estimate_uses_the_length_its_runs_sample(monkeypatc
   _, config = sweep.plan_sweep(study, "runs/t", n=[4], budgets=[2048],
                                extra_args=["--config.sampler.max_tokens=16"])
   assert sweep.max_tokens(config) == 16
+
+
+def test_an_unknown_advantage_estimator_is_named_by_its_field(monkeypatch):
+  monkeypatch.chdir(REPO)
+  with pytest.raises(ValueError, match=r"^config\.rl\.adv_estimator: unknown advantage "
+                     r"estimator 'bogus'"):
+    sweep.plan_sweep(TINY, "runs/t", bp=[8], n=[2], budgets=[1024],
+                     extra_args=["--config.rl.adv_estimator=bogus"])
