@@ -103,9 +103,9 @@ def min_group_size(estimator: str) -> int:
   jitted step."""
   if estimator in VALUE_ESTIMATORS:
     return 1
-  if estimator not in ESTIMATORS:
+  if estimator not in ESTIMATORS:  # a critic's estimator is a valid choice here too
     raise ValueError(f"unknown advantage estimator {estimator!r}; "
-                     f"choose from {sorted(ESTIMATORS)}")
+                     f"choose from {sorted([*ESTIMATORS, *VALUE_ESTIMATORS])}")
   return ESTIMATORS[estimator][1]
 
 

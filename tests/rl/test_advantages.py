@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from isojax.rl.advantages import compute_advantages, zero_variance_groups
+from isojax.rl.advantages import compute_advantages, min_group_size, zero_variance_groups
 from isojax.rl.losses import LossConfig
 
 EPS = 1e-6
@@ -187,3 +187,11 @@ def test_dropped_groups_follow_the_filter():
 def test_bad_input(kw, match):
   with pytest.raises(ValueError, match=match):
     compute_advantages(np.zeros(4, np.float32), **kw)
+
+
+def test_an_unknown_estimator_lists_the_critics_among_the_choices():
+  # min_group_size answers for "gae" too (1), so its error offers it.
+  assert min_group_size("gae") == 1
+  with pytest.raises(ValueError, match=r"choose from \['batch', 'drgrpo', 'gae', 'grpo', "
+                     r"'rloo'\]"):
+    min_group_size("nope")
