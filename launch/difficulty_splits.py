@@ -67,6 +67,10 @@ def main(argv=None) -> None:
   if args.extreme_samples and args.extreme_samples <= args.samples:
     ap.error(f"--extreme_samples={args.extreme_samples} must exceed "
              f"--samples={args.samples}")
+  # split_indices refuses fewer, but only after every problem has been sampled.
+  if args.extreme_samples and args.extreme_samples < EXTREME_SAMPLES:
+    ap.error(f"--extreme_samples={args.extreme_samples} must be 0 (off) or >= "
+             f"{EXTREME_SAMPLES}: extremely_hard means pass@{EXTREME_SAMPLES} = 0")
 
   problems = (synthetic_problems(args.num, seed=args.seed) if args.source == "synthetic"
               else load_problems(args.source))

@@ -122,6 +122,14 @@ def test_mix_spec_and_size():
   assert mixture_size(splits, {"hard": 0.25, "easy": 0.75}) == 120
 
 
+def test_driver_refuses_too_few_extreme_samples_before_sampling(tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    main(["--num", "12", "--samples", "4", "--extreme_samples", "8",
+          "--model", str(tmp_path / "never-loaded"), "--out", str(tmp_path / "out")])
+  assert "--extreme_samples=8 must be 0 (off) or >= 128" in capsys.readouterr().err
+  assert not (tmp_path / "out").exists()
+
+
 def test_driver_on_the_base_model(tmp_path):
   """The CLI end to end: JaxSampler on the committed base model, a tiny pool."""
   main(["--num", "12", "--seed", "5", "--samples", "16", "--extreme_samples", "128",
