@@ -159,6 +159,24 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
+def put_host_array(x, target: NamedSharding) -> jax.Array:
+  """A host array placed under `target`, in every process of a multi-host run.
+
+  `jax.device_put` takes only shardings of this process's devices; on a mesh that
+  spans several processes each one places its own shards from its host copy,
+  which must be the same in every process (the run loop computes it from the
+  same seed and data everywhere).
+  """
+  if target.is_fully_addressable:
+    return jax.device_put(x, target)
+  if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+    # A typed key has no numpy form: its key data travels instead.
+    data = put_host_array(jax.random.key_data(x), target)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, target, lambda index: x[index])
+
+
 def constrain_batch(x: jax.Array) -> jax.Array:
   """Pin the leading (batch) axis of an activation to data x fsdp, inside a traced step.
 

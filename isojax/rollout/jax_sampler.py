@@ -394,7 +394,8 @@ class JaxSampler:
     if self._mesh is None:
       return tuple(jax.device_put(a) for a in arrays)
     split = prompts and arrays[0].shape[0] % self._row_multiple == 0
-    return tuple(jax.device_put(a, self._rows if split else self._rep) for a in arrays)
+    return tuple(sharding.put_host_array(a, self._rows if split else self._rep)
+                 for a in arrays)
 
 
 def _to_host(arrays) -> tuple[Any, ...]:
