@@ -97,6 +97,10 @@ class TrainStep:
     validate_batch(batch, group_size=self.group_size, batch_size=self.batch_size,
                    micro_batch_size=self.micro_batch_size, batch_shards=self.batch_shards,
                    vocab_size=self.vocab_size)
+    if not self.batch_sharding.is_fully_addressable:
+      # jit places host arrays only on this process's devices; on a mesh over
+      # several processes each places its own rows of the (same) host batch.
+      batch = jax.tree.map(lambda x: shd.put_host_array(x, self.batch_sharding), batch)
     return self.jitted(state, batch)
 
   def lower(self, state: TrainState, batch: Batch):
