@@ -95,7 +95,11 @@ def state_checksums(tree: Any) -> dict[str, list]:
       continue
     paths.append(path)
     leaves.append(leaf)
-  sums = jax.device_get([_leaf_checksum_jit(x) for x in leaves])
+  # One leaf at a time: with many sharded reductions in flight, XLA's CPU runtime
+  # can deadlock when a process has several devices (each reduction's rendezvous
+  # waits for threads that queued ones hold; seen with 4 devices on 2 cores, in
+  # one process and across two). A round trip per leaf is nothing beside the write.
+  sums = [jax.device_get(_leaf_checksum_jit(x)) for x in leaves]
   return {jax.tree_util.keystr(p): [str(np.dtype(x.dtype)), list(x.shape), int(s)]
           for p, x, s in zip(paths, leaves, sums)}
 
