@@ -214,9 +214,37 @@ def initialize_distributed(coordinator_address: str | None = None,
   # variables are then not read (nor checked).
   if not explicit and not (_slurm_tasks() > 1 or "OMPI_COMM_WORLD_SIZE" in os.environ):
     return False
+  devices = None if explicit else _node_devices_of_a_lone_task()
   jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes, process_id=process_id)
+                             num_processes=num_processes, process_id=process_id,
+                             **({"local_device_ids": devices} if devices else {}))
   return True
+
+
+def _node_devices_of_a_lone_task() -> list[int] | None:
+  """Every GPU of this node when this task is the node's only one, else None.
+
+  JAX's cluster detection gives each task the one GPU of its local rank (a task
+  per GPU); a sweep starts one task per node (`srun --ntasks-per-node=1`), which
+  would then train on each node's GPU 0 alone. The count is what SLURM or the
+  user hands the task (CUDA_VISIBLE_DEVICES, else SLURM_GPUS_ON_NODE); None where
+  it is unknown, several tasks share the node, or JAX_LOCAL_DEVICE_IDS says
+  (JAX reads that itself).
+  """
+  env = os.environ
+  if env.get("JAX_LOCAL_DEVICE_IDS"):
+    return None
+  if "SLURM_JOB_ID" in env:
+    lone = env.get("SLURM_STEP_NUM_TASKS") is not None and (
+        env.get("SLURM_STEP_NUM_TASKS") == env.get("SLURM_STEP_NUM_NODES"))
+  else:
+    lone = env.get("OMPI_COMM_WORLD_LOCAL_SIZE") == "1"
+  visible = env.get("CUDA_VISIBLE_DEVICES", "")
+  if visible and visible != "NoDevFiles":  # SLURM's value for a task without GPUs
+    count = len(visible.split(","))
+  else:
+    count = int(env["SLURM_GPUS_ON_NODE"]) if env.get("SLURM_GPUS_ON_NODE", "").isdigit() else 0
+  return list(range(count)) if lone and count > 1 else None
 
 
 # What jax.distributed reads to join a SLURM job: `srun` sets them for each task.

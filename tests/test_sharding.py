@@ -146,3 +146,34 @@ def test_distributed_names_a_slurm_job_not_started_by_srun(monkeypatch):
   assert sharding.initialize_distributed("10.0.0.1:1234", 4, 0) is True
   assert joined == [dict(coordinator_address="10.0.0.1:1234", num_processes=4,
                          process_id=0)]
+
+
+_LONE_TASKS = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2"}  # one per node
+
+
+@pytest.mark.parametrize("env, devices", [
+    ({**_LONE_TASKS, "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, [0, 1, 2, 3]),
+    ({**_LONE_TASKS, "SLURM_GPUS_ON_NODE": "8"}, list(range(8))),
+    ({**_LONE_TASKS, "CUDA_VISIBLE_DEVICES": "NoDevFiles"}, None),  # no GPU: JAX's choice
+    ({**_LONE_TASKS}, None),  # a count nobody gave: JAX's choice
+    ({**_LONE_TASKS, "CUDA_VISIBLE_DEVICES": "0,1", "JAX_LOCAL_DEVICE_IDS": "1"}, None),
+    # A task per GPU (8 per node): JAX's own pick, the GPU of the local rank.
+    ({"SLURM_STEP_NUM_TASKS": "16", "SLURM_STEP_NUM_NODES": "2",
+      "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, None),
+])
+def test_a_lone_task_on_its_node_joins_with_every_gpu_of_the_node(monkeypatch, env, devices):
+  # JAX's SLURM detection gives a task the GPU of its local rank: with one task
+  # per node, as the sweep's srun starts them, each node would train on GPU 0.
+  for var in ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE", "JAX_LOCAL_DEVICE_IDS",
+              "OMPI_COMM_WORLD_SIZE"):
+    monkeypatch.delenv(var, raising=False)
+  srun = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": env["SLURM_STEP_NUM_TASKS"],
+          "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+  for var, value in {**srun, **env}.items():
+    monkeypatch.setenv(var, value)
+  joined = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw))
+  assert sharding.initialize_distributed() is True
+  given = {"local_device_ids": devices} if devices else {}
+  assert joined == [dict(coordinator_address=None, num_processes=None, process_id=None,
+                         **given)]
