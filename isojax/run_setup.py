@@ -89,8 +89,24 @@ def _mesh(config, devices=None):
   sizes = (m.data, m.fsdp, m.tensor)
   devices = list(jax.devices() if devices is None else devices)
   if -1 not in sizes:  # an explicit mesh may use fewer devices than the host has
+    check_every_process_in(devices[:int(np.prod(sizes))], devices, config)
     devices = devices[:int(np.prod(sizes))]
   return sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
+
+
+def check_every_process_in(mesh_devices, devices, config) -> None:
+  """Refuses a mesh that leaves out every device of some process: that process
+  could place none of the step's arrays, and would fail on its first one."""
+  left_out = sorted({d.process_index for d in devices}
+                    - {d.process_index for d in mesh_devices})
+  if left_out:
+    m = config.mesh
+    raise ValueError(
+        f"config.mesh data={m.data} x fsdp={m.fsdp} x tensor={m.tensor} takes "
+        f"{len(mesh_devices)} of the {len(devices)} devices of this "
+        f"{len({d.process_index for d in devices})}-process run and none of process "
+        f"{', '.join(map(str, left_out))}: every process must hold part of the mesh "
+        f"(--config.mesh.fsdp=-1 takes every device)")
 
 
 def _sampler(config, model, mesh, *, in_flight: bool = False):
