@@ -195,3 +195,16 @@ def test_an_unknown_estimator_lists_the_critics_among_the_choices():
   with pytest.raises(ValueError, match=r"choose from \['batch', 'drgrpo', 'gae', 'grpo', "
                      r"'rloo'\]"):
     min_group_size("nope")
+
+
+def test_a_group_whose_rewards_differ_by_little_is_not_zero_variance():
+  """Zero variance means all-equal rewards, not nearly equal: a partial-credit reward
+  that separates two rollouts by 1e-4 still ranks them, and GRPO's std normalises
+  that gap to the same +-sqrt(1/2) as a 0/1 pair (up to std_eps)."""
+  r = np.array([0.5, 0.5001, 0.3, 0.3], np.float32)
+  np.testing.assert_array_equal(zero_variance_groups(r, group_size=2), [False, True])
+  a = adv(r, 2, "grpo")
+  gap = float(r[1]) - float(r[0])
+  want = (gap / 2) / (gap / np.sqrt(2) + EPS) * np.array([-1, 1])  # centred / std
+  np.testing.assert_allclose(a[:2], want, rtol=1e-3)
+  assert np.all(a[2:] == 0.0)
