@@ -443,3 +443,31 @@ def test_bad_inputs():
   with pytest.raises(ValueError, match="zero_var_Bp has shape"):
     policy_loss(x["logp"], x["old"], x["adv"], x["mask"], LossConfig(), group_size=2,
                 zero_var_Bp=np.zeros(3, bool))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_ratio_exactly_on_a_bound_is_not_counted_as_clipped(kind):
+  """clip_frac_* count tokens whose clip changes the loss: a ratio exactly on its bound
+  (r = 1 on-policy, zero clips) does not, nor does a TIS weight exactly at its cap
+  (tis_cap = 1, the smallest allowed, with the sampler equal to pi_old)."""
+  x = make_inputs(14)
+  x["logp"] = np.where(x["mask"] > 0, x["logp"], -1.0)
+  cfg = LossConfig(kind=kind, clip_low=0.0, clip_high=0.0, tis_cap=1.0)
+  _, m = policy_loss(x["logp"], x["logp"], x["adv"], x["mask"], cfg, group_size=2,
+                     sampler_logp_BxT=x["logp"])
+  assert float(m["clip_frac_low"]) == 0.0 and float(m["clip_frac_high"]) == 0.0
+  assert float(m["tis_frac_truncated"]) == 0.0
+  assert float(m["tis_weight_mean"]) == pytest.approx(1.0)
+
+
+def test_tis_weight_max_is_over_trained_tokens_only():
+  """Padding carries no weight: when every trained token's weight pi_old / mu is below 1
+  the reported max is the largest of them, not the 1 = exp(0) of untrained slots."""
+  x = make_inputs(15)
+  rng = np.random.default_rng(15)
+  x["sampler"] = (x["old"] + rng.uniform(0.1, 1.0, x["old"].shape)).astype(np.float32)
+  _, m = run_jax(x, LossConfig(), 2, True)
+  on = x["mask"] > 0
+  want = np.exp(x["old"][on].astype(np.float64) - x["sampler"][on]).max()
+  assert want < 0.95
+  assert m["tis_weight_max"] == pytest.approx(want, rel=1e-5)
