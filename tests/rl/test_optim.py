@@ -102,3 +102,16 @@ def test_bad_config(kw, match):
 def test_bad_batch_size():
   with pytest.raises(ValueError, match="batch_size"):
     learning_rate(OptimConfig(), 0)
+
+
+def test_the_lower_ends_of_the_ranges_are_valid_settings():
+  """No weight decay, no first moment (RMSProp-like), no warmup and no clipping are
+  settings a study may choose; each is accepted and acts as written."""
+  cfg = OptimConfig(weight_decay=0.0, b1=0.0, warmup_steps=0, max_grad_norm=None,
+                    lr_base=0.1, lr_rule="constant")
+  tx = make_optimizer(cfg, batch_size=1)
+  p0, g = np.array([1.0, -2.0], np.float32), np.array([3.0, 0.5], np.float32)
+  params = {"w": jnp.asarray(p0)}
+  upd, _ = tx.update({"w": jnp.asarray(g)}, tx.init(params), params)
+  want = np_adamw(p0.astype(np.float64), [g.astype(np.float64)], [0.1], b1=0.0, wd=0.0)
+  np.testing.assert_allclose(np.asarray(params["w"] + upd["w"]), want, rtol=1e-6)
