@@ -86,6 +86,7 @@ def test_paper_grid_feasible_counts():
   # 7+6+5+4+3+2 = 27 pairs (counted by hand).
   assert budget.PAPER_BP_VALUES == (32, 64, 128, 256, 512, 1024)
   assert budget.PAPER_N_VALUES == (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+  assert budget.PAPER_B_MAX == {"easy": 65_536, "hard": 16_384}  # §4's batch bounds
   huge = 2**40
   easy = sweep_grid(budget.PAPER_BP_VALUES, budget.PAPER_N_VALUES,
                     b_max=budget.PAPER_B_MAX_EASY, budget=huge)
@@ -175,6 +176,8 @@ def test_estimate_tokens_and_table():
   assert lines[1].split() == ["8", "4", "32", "10", "320", "2080"]
   with pytest.raises(ValueError):
     estimate_tokens(p, -1)
+  # Rounded to the nearest token, not truncated: 3 rollouts x 0.9 tokens = 2.7 -> 3.
+  assert estimate_tokens(BudgetPoint(bp=1, n=3, m=1), 0.9) == 3
 
 
 def test_ledger_counts_dropped_rollouts():
@@ -227,8 +230,9 @@ def test_ledger_state_round_trip():
 def test_ledger_state_refuses_missing_or_fractional_counts():
   state = Ledger(rollouts=1000, tokens=12345, dropped_rollouts=10, updates=7).state_dict()
   # A resumed run would otherwise carry on as if nothing had been spent.
-  with pytest.raises(ValueError, match=r"lacks \['rollouts'\]"):
-    Ledger.from_state_dict({k: v for k, v in state.items() if k != "rollouts"})
+  for key in ("rollouts", "tokens", "dropped_rollouts", "updates"):
+    with pytest.raises(ValueError, match=rf"lacks \['{key}'\]"):
+      Ledger.from_state_dict({k: v for k, v in state.items() if k != key})
   for bad in (1000.5, "1000", None):
     with pytest.raises(ValueError, match=r"rollouts=.* is not a whole count"):
       Ledger.from_state_dict(state | {"rollouts": bad})
@@ -277,3 +281,14 @@ def test_study_max_tokens():
   assert budget.study_max_tokens(512, "/ckpt/Qwen2.5-7B-Instruct") == 512
   with pytest.raises(ValueError, match="max_tokens=-1"):
     budget.study_max_tokens(-1, "")
+
+
+def test_a_ledger_never_holds_more_dropped_rollouts_than_rollouts():
+  """Built directly or restored from a checkpoint: more dropped than generated is a
+  corrupt count, and every fraction of compute wasted read from it would exceed 1."""
+  assert Ledger(rollouts=5, dropped_rollouts=5).dropped_rollouts == 5
+  with pytest.raises(ValueError, match="dropped_rollouts=6 exceeds rollouts=5"):
+    Ledger(rollouts=5, dropped_rollouts=6)
+  state = Ledger(rollouts=5, tokens=9, dropped_rollouts=1, updates=1).state_dict()
+  with pytest.raises(ValueError, match="exceeds rollouts"):
+    Ledger.from_state_dict(state | {"dropped_rollouts": 6})
