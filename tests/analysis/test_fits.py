@@ -186,3 +186,53 @@ def test_repeated_compute_values_count_once():
                      "compute values; need at least 4"):
     fit_sigmoid(c, r, r0=0.3)
   fit_sigmoid(np.append(c, 8e3), np.append(r, 0.56), r0=0.3)  # a fourth compute does
+
+
+def test_fit_quality_is_rms_unweighted_and_r2_weighted():
+  """rms is over every point as documented; r2 = 1 - sum w e^2 / sum w (y - ybar_w)^2."""
+  rng = np.random.default_rng(7)
+  w = rng.uniform(0.2, 3.0, C.size)
+  y = sigmoid(C, 0.7, 1.3, 3e4, 0.15) + rng.normal(0, 0.03, C.size)
+  y2 = nstar_log2(C, 5, 2, 4.5, 2) + rng.normal(0, 0.3, C.size)
+  for fit, target, pred in ((fit_sigmoid(C, y, weights=w), y, None),
+                            (fit_n_star(C, np.exp2(y2), weights=w), y2, "log2")):
+    e = (fit.predict_log2(C) if pred else fit.predict(C)) - target
+    ybar = np.sum(w * target) / np.sum(w)
+    assert fit.rms == pytest.approx(np.sqrt(np.mean(e**2)), rel=1e-9)
+    assert fit.r2 == pytest.approx(1 - np.sum(w * e**2) / np.sum(w * (target - ybar)**2),
+                                   rel=1e-9)
+
+
+def test_decreasing_data_is_fit_by_its_weighted_mean():
+  # No rising sigmoid beats a constant on decreasing data; the best constant under
+  # weights is the weighted mean.
+  y, w = np.linspace(0.6, 0.2, C.size), np.linspace(1.0, 3.0, C.size)
+  fit = fit_sigmoid(C, y, weights=w)
+  assert fit.a == pytest.approx(np.sum(w * y) / np.sum(w), rel=1e-9)
+  assert fit.r0 == pytest.approx(fit.a, rel=1e-9)
+
+
+def test_a_given_r0_still_bounds_the_asymptote_from_below():
+  # The curve is monotone: with R0 given, A >= R0 even when the data fall below it.
+  fit = fit_sigmoid(C, np.linspace(0.6, 0.2, C.size), r0=0.5)
+  assert fit.r0 == 0.5 and fit.a >= 0.5
+  assert any("flat" in f for f in fit.flags)
+
+
+def test_every_bound_and_search_edge_has_its_flag():
+  zero = fit_sigmoid(C, np.zeros(C.size))
+  assert "a=0 (lower bound)" in zero.flags
+  shallow = fit_sigmoid(C, sigmoid(C, 0.8, 0.005, 1e4, 0.1))  # B below its range
+  assert any(f.startswith("b at lower search edge") for f in shallow.flags)
+  # A given R0 = 0 is a choice, not a fitted parameter stuck at its bound.
+  assert fit_sigmoid(C, sigmoid(C, 0.5, 1.0, 1e4, 0.0), r0=0.0).flags == ()
+  for x0 in (0.0, 9.0):  # the law's midpoint far below / beyond the data (1e2..1e7)
+    fit = fit_n_star(C, np.exp2(nstar_log2(C, 5, 2, x0, 2)))
+    assert any("x0 at a search edge" in f for f in fit.flags), x0
+
+
+def test_n_star_midpoint_just_beyond_the_data_is_found():
+  # x0 is searched NSTAR_X0_MARGIN_DECADES past the data: half a decade is in range.
+  for x0 in (1.5, 7.5):
+    fit = fit_n_star(C, np.exp2(nstar_log2(C, 5, 2, x0, 2)))
+    assert fit.x0 == pytest.approx(x0, abs=1e-6) and fit.flags == ()
