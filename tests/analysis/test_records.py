@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from isojax.analysis import record_breaking_points, record_points
+from isojax.analysis import pool_points, record_breaking_points, record_points
 from isojax.analysis import analyze, read_runs
 from isojax.analysis.records import coarse_bin_warning
 
@@ -147,3 +147,43 @@ def test_the_analysis_names_a_coarse_bin(tmp_path):
                        curve=curve, base_eval=True)
   (group,) = analyze(list(read_runs(tmp_path).runs), n_boot=0).groups
   assert any(p.startswith("reward bin 0.005 is coarse for these runs") for p in group.problems)
+
+
+def test_a_reward_on_a_bin_edge_is_in_that_bin_despite_float_division():
+  # 0.3 / 0.1 is 2.9999999999999996 in floats: 0.3 still enters bin 3, above 0.29's
+  # bin 2, and a base model at 0.3 sits in bin 3, with 0.35.
+  assert record_breaking_points([1, 2], [0.29, 0.3], bin_width=0.1).tolist() == [0, 1]
+  assert record_breaking_points([1, 2], [0.35, 0.41], bin_width=0.1,
+                                baseline=0.3).tolist() == [1]
+
+
+def test_several_base_evaluations_all_count_as_observed():
+  # Two evaluations at compute 0 (e.g. a resumed run evaluated again before training):
+  # a checkpoint must beat the better of them.
+  run = FakeRun("a", [0, 0, 0, 10, 20], [0.10, 0.15, 0.12, 0.152, 0.20])
+  assert list(zip(*record_points([run], "val/avg@4"))) == [(20, 0.20)]
+
+
+def test_max_compute_keeps_the_point_at_it_and_the_union_is_best_first():
+  runs = [FakeRun("a", [10, 20, 30], [0.1, 0.2, 0.3]), FakeRun("b", [10, 20], [0.15, 0.18])]
+  c, r = pool_points(runs, "val/avg@4", max_compute=20)
+  assert list(zip(c, r)) == [(10, 0.15), (10, 0.1), (20, 0.2), (20, 0.18)]
+  c, r = record_points(runs, "val/avg@4", max_compute=20)
+  assert list(zip(c, r)) == [(10, 0.15), (10, 0.1), (20, 0.2), (20, 0.18)]
+
+
+def test_one_lucky_last_evaluation_is_not_a_rise():
+  # A flat, noisy run whose final evaluation jumps 0.03: the last third of its
+  # evaluations decides whether it learned, not one point.
+  rng = np.random.default_rng(1)
+  runs = [FakeRun(f"n{i}", list(range(31)),
+                  np.append(0.3 + rng.normal(0, 0.005, 30), 0.33)) for i in range(5)]
+  assert coarse_bin_warning(runs, "val/avg@4", 0.005) == []
+
+
+def test_a_rise_of_exactly_min_bins_is_fine_enough():
+  # Rise 0.078125 = 10 bins of 2^-7 (exact in floats): fewer than 10 would be coarse.
+  bw = 2.0**-7
+  runs = [FakeRun("r", [0, 10, 20, 30, 40, 50], [0.25, 0.26, 0.29, 0.31, 0.32, 0.328125])]
+  assert coarse_bin_warning(runs, "val/avg@4", bw) == []
+  assert coarse_bin_warning(runs, "val/avg@4", bw * 1.01) != []
