@@ -10,6 +10,7 @@ import pytest
 from isojax.analysis import (fit_frontier, extrapolation_check, fit_curves, fit_n_star,
                              fit_sigmoid, frontier, log_grid, pool_points, read_runs,
                              record_breaking_points)
+from isojax.analysis.frontier import END_TOLERANCE
 
 from . import fake_runs
 
@@ -335,3 +336,75 @@ def test_runs_of_another_bp_or_difficulty_are_not_pooled_as_seeds():
     fit_curves([at8, hard], metric=METRIC, key="bp_n")
   # A key function of the caller's pools what it names (recipes pool a recipe's runs).
   assert list(fit_curves([at8, at16], metric=METRIC, key=lambda r: "all").fits) == ["all"]
+
+
+def test_r0_from_the_base_model_is_the_seeds_mean_below_five_records():
+  curve = lambda c: fake_runs.sigmoid(c, a=0.7, b=1.2, c_mid=2000, r0=0.3)  # noqa: E731
+  seeds = [fake_runs.memory_run(8, 16, s, [4, 16, 64, 256], curve, base=base)
+           for s, base in ((0, 0.30), (1, 0.32))]
+  (fit,) = fit_curves(seeds, metric=METRIC).fits.values()
+  assert fit.r0_fixed and fit.r0 == pytest.approx(0.31)
+  # Records at five distinct compute values are enough to fit R0.
+  five = fake_runs.memory_run(8, 16, 0, [4, 16, 64, 256, 1024], curve, base=0.3)
+  (fit,) = fit_curves([five], metric=METRIC).fits.values()
+  assert not fit.r0_fixed and not any("base model" in f for f in fit.flags)
+
+
+def test_a_curve_is_supported_up_to_its_last_evaluation_not_its_last_record():
+  # The reward stops rising at 8192 rollouts; the run is evaluated on to 65536. The
+  # evaluations after the last record show the plateau, so the curve is not held
+  # (nor censoring) from 8192 on.
+  curve = lambda c: fake_runs.sigmoid(min(c, 8192), a=0.7, b=1.2, c_mid=2000, r0=0.3)  # noqa: E731
+  run = fake_runs.memory_run(8, 16, 0, [2 ** e for e in range(10)], curve)
+  curves = fit_curves([run], metric=METRIC)
+  assert curves.records[16][0].max() <= 8192
+  assert curves.fits[16].compute_range == (128.0, 65536.0)
+
+
+def _exact_fit(c_lo, c_hi, **params):
+  c = np.geomspace(c_lo, c_hi, 12)
+  return fit_sigmoid(c, fake_runs.sigmoid(c, **params))
+
+
+def test_a_curve_ending_within_the_end_tolerance_censors_nothing():
+  # n=4 ends at 9e3, 10 % before n=64's 2e4 (the spread of one budget's runs);
+  # carried on, it stays above n=64, which overtakes its held value near 9.5e3.
+  fits = {4: _exact_fit(10, 9e3, a=0.9, b=1, c_mid=1e4, r0=0.1),
+          64: _exact_fit(10, 2e4, a=0.9, b=1, c_mid=1.02e4, r0=0.1)}
+  grid = np.geomspace(1e3, 2e4, 60)
+  fr = frontier(fits, grid)
+  assert np.any((fr.n_star == 64) & (grid <= 9e3 * END_TOLERANCE))
+  assert not fr.censored[grid <= 9e3 * END_TOLERANCE].any()
+  assert END_TOLERANCE >= 1.1 and not fr.censored[grid <= 9.9e3].any()
+  # Beyond END_TOLERANCE x its end, the data no longer decide n*.
+  assert fr.censored[grid > 9e3 * END_TOLERANCE].all()
+
+
+def test_a_curve_ended_early_that_would_tie_the_winner_censors():
+  # n=64's curve is n=4's, but its runs stopped at 1e3: carried on it ties n=4 (which
+  # wins ties, the smaller n), so it might have won: censored past END_TOLERANCE.
+  fits = {4: _exact_fit(10, 1e5, a=0.9, b=1, c_mid=1e3, r0=0.1)}
+  fits[64] = dataclasses.replace(fits[4], compute_range=(10.0, 1e3))
+  grid = np.geomspace(100, 1e5, 30)
+  fr = frontier(fits, grid)
+  assert np.all(fr.n_star == 4)
+  np.testing.assert_array_equal(fr.censored, grid > 1e3 * END_TOLERANCE)
+  # A curve that ended early 0.003 below the winner censors only within tie_tol.
+  low = dataclasses.replace(fits[4], a=fits[4].a - 0.003, compute_range=(10.0, 1e3))
+  assert not frontier({4: fits[4], 64: low}, grid).censored.any()
+  tied = frontier({4: fits[4], 64: low}, grid, tie_tol=0.005)
+  assert tied.censored[grid > 1e4].all()
+  # A configuration stopped at half the budget (the next rung of a budget ladder)
+  # ends outside the tolerance: it censors the budget's end.
+  half = dataclasses.replace(fits[4], compute_range=(10.0, grid[-1] / 2))
+  assert frontier({4: fits[4], 64: half}, grid).censored[-1]
+
+
+def test_grid_lookups_at_and_just_below_the_data():
+  fits = {4: _exact_fit(10, 1e5, a=0.9, b=1, c_mid=1e3, r0=0.1)}
+  grid = np.geomspace(10, 1e5, 9)
+  fr = frontier(fits, grid)
+  assert [fr.index_at(c) for c in (grid[3], grid[3] * 0.999, grid[3] * 1.001)] == [3, 2, 3]
+  # A grid computed to within float error of the first data point (1 ulp low) is on it.
+  below = frontier(fits, [np.nextafter(10.0, 0.0)])
+  assert below.defined[0] and below.n_star[0] == 4
