@@ -1,6 +1,7 @@
 """The points the n*(C) law is fitted to (Fig. 7 running average, Fig. 15 bins), and the
 law they give on runs drawn from a known law."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -142,3 +143,21 @@ def test_a_frontier_whose_n_star_is_no_sigmoid_is_said_so(tmp_path):
   assert len(said) == 1 and "4 (from C=" in said[0] and "-> 16 (from C=" in said[0]
   assert sweep.law.r2 < 0.8
   assert any("fewer than 3 values" in p for p in sweep.problems)
+
+
+@pytest.mark.parametrize("method", ["running_average", "bins"])
+def test_censored_grid_points_give_no_law_points(method):
+  # The last 6 of 21 grid points are censored (a configuration stopped early might
+  # win there): their n* is where that run stopped, not the data's answer.
+  c = np.geomspace(1e3, 1e5, 21)
+  n = np.exp2(np.round(np.linspace(2, 6, c.size))).astype(int)
+  fr = frontier_of(c, n)
+  censors = fr.censors.copy()
+  censors[0, 15:] = True
+  fr = dataclasses.replace(fr, censors=censors)
+  pts = law_points.law_points(fr, method, bin_width=0.005)
+  assert pts.compute.size == pts.n_star.size == pts.reward.size > 0
+  assert pts.compute.max() <= c[14]
+  np.testing.assert_array_equal(pts.reward, fr.reward[np.isin(c, pts.compute)])
+  if method == "running_average":  # the window never reaches past the decided points
+    assert pts.n_star[-1] == n[14]
