@@ -15,8 +15,8 @@ from isojax.analysis import (LawChoice, NStarFit, analyze, choose_law, fits_dict
 from isojax.analysis import pipeline
 from isojax.analysis.bootstrap import BootstrapResult, Interval
 from isojax.analysis.frontier import Frontier
-from isojax.analysis.prescriptions import (_unfitted_n, is_joint_study, n_grid_censored,
-                                           n_star_interval, n_star_key)
+from isojax.analysis.prescriptions import (_unfitted_n, default_budgets, is_joint_study,
+                                           n_grid_censored, n_star_interval, n_star_key)
 from isojax.analysis.stability import collapsed
 from isojax.budget import BudgetPoint
 
@@ -362,3 +362,35 @@ def test_budgets_that_differ_anywhere_get_their_own_n_star():
                           n_star_key(b): Interval(40.0, 35.0, 45.0, 100)},
                          n_boot=100, n_failed=0, level=0.9, stratified=True)
   assert (n_star_interval(boot, a), n_star_interval(boot, b)) == ((30.0, 50.0), (35.0, 45.0))
+
+
+def test_an_interval_spanning_exactly_max_spread_is_prescribed():
+  # "Spans more than a factor of 8" refuses: exactly 8 does not.
+  choice = LawChoice("joint", law(), bp=32, joint=True, reason="test")
+  exact, over = prescribe(choice, [1e5, 2e5], intervals={1e5: (5.0, 40.0),
+                                                         2e5: (5.0, 40.5)})
+  assert not exact.refused and exact.point is not None
+  assert over.refused and "factor of 8" in over.note
+
+
+def test_the_smallest_n_is_noted_only_where_n_star_rounds_below_it():
+  # n* = 2**(0.19 + b) at C = 1e3: with b = 0.49 it is 1.6, which rounds (in log2) to
+  # 2, the smallest n allowed: nothing to note. With b = 0 it is 1.14, which rounds to 1.
+  near = LawChoice("bp=32", law(b=0.49), bp=32, joint=False, reason="test")
+  (pr,) = prescribe(near, [1e3])
+  assert pr.n_star == pytest.approx(1.6, abs=0.01) and pr.point.n == 2 and pr.note == ""
+  (pr,) = prescribe(dataclasses.replace(near, law=law(b=0.0)), [1e3])
+  assert pr.point.n == 2 and "below the smallest n" in pr.note
+
+
+def test_an_unfitted_n_equal_to_the_prescribed_one_is_not_named():
+  choice = LawChoice("bp=32", law(), bp=32, joint=False, reason="test", unfitted_n=(64,))
+  (pr,) = prescribe(choice, [1e6])
+  assert pr.point.n == 64 and pr.note == ""
+
+
+def test_default_budgets_two_inside_the_data_its_end_and_ten_times_beyond():
+  # (2e3, 5e5): 2e3 * 250**(1/3) = 12,599 and 2e3 * 250**(2/3) = 79,370, each cut to
+  # two significant digits downwards (never past the data).
+  assert default_budgets(law(compute_range=(2e3, 5e5))) == [12_000.0, 79_000.0,
+                                                            500_000.0, 5_000_000.0]
