@@ -183,8 +183,11 @@ def default_budgets(law: fits_lib.NStarFit) -> list[float]:
   lo, hi = law.compute_range
 
   def round_down(c):  # two significant digits, never past the data
-    scale = 10 ** (math.floor(math.log10(c)) - 1)
-    return float(math.floor(c / scale) * scale)
+    # A hair up first: over an exact span of decades, lo * (hi / lo) ** (1 / 3)
+    # comes out 9999.999999999998, which would be cut to 9,000.
+    up = c * (1 + 1e-9)
+    scale = 10 ** (math.floor(math.log10(up)) - 1)
+    return min(float(math.floor(up / scale) * scale), max(c, hi))
 
   return [round_down(c) for c in (lo * (hi / lo) ** (1 / 3), lo * (hi / lo) ** (2 / 3),
                                   hi, 10 * hi)]

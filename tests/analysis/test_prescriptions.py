@@ -394,3 +394,9 @@ def test_default_budgets_two_inside_the_data_its_end_and_ten_times_beyond():
   # two significant digits downwards (never past the data).
   assert default_budgets(law(compute_range=(2e3, 5e5))) == [12_000.0, 79_000.0,
                                                             500_000.0, 5_000_000.0]
+  # Over exact decades the inside budgets are decades too (the cube root of 1e3
+  # is a hair under 10 in floats: they were cut to 9,000 and 90,000).
+  assert default_budgets(law(compute_range=(1e3, 1e6))) == [1e4, 1e5, 1e6, 1e7]
+  # The data's end stays the data's end, a hair under a round number or not.
+  end = 2e6 * (1 - 1e-12)
+  assert default_budgets(law(compute_range=(2e3, end)))[2] == end
