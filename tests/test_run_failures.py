@@ -246,9 +246,10 @@ def test_trainer_and_sampler_over_the_device_fail_before_the_first_update(
   cache is the largest generate call's, laid out as the sampler will (each
   prompt held once beside its rows): the evaluation's 8 problems x k=4 rows
   beside a batch of 8; with PipelineRL both decode at once, beside the
-  sampler's own copy of the weights."""
+  sampler's own copy of the weights and the update step's temporaries."""
   monkeypatch.setattr(memory, "device_gib", lambda: 1e-5)
-  copy = r" \+ sampler's weight copy \(\d\.\d\d GiB\)" if max_lag else ""
+  copy = (r" \+ update step's temporaries \(\d\.\d\d GiB\) \+ sampler's weight copy "
+          r"\(\d\.\d\d GiB\)" if max_lag else "")
   with pytest.raises(ValueError, match=rf"trainer \(\d\.\d\d GiB\){copy} \+ sampler KV "
                      rf"cache \(\d\.\d\d GiB per device: {caches}; \d\.\d\d MiB per row of "
                      rf"24 positions{concurrency}\) = .* > device memory 0\.00 GiB; not one "
