@@ -88,9 +88,11 @@ def _mesh(config, devices=None):
   m = config.mesh
   sizes = (m.data, m.fsdp, m.tensor)
   devices = list(jax.devices() if devices is None else devices)
-  if -1 not in sizes:  # an explicit mesh may use fewer devices than the host has
-    check_every_process_in(devices[:int(np.prod(sizes))], devices, config)
-    devices = devices[:int(np.prod(sizes))]
+  if -1 not in sizes:  # an explicit mesh may use fewer devices than there are
+    size = int(np.prod(sizes))
+    if 0 < size <= len(devices):  # else make_mesh names the sizes
+      check_every_process_in(devices[:size], devices, config)
+    devices = devices[:size]
   return sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
 
 
