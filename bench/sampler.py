@@ -281,8 +281,9 @@ def bench_gpu(args):
     prompts = [rng.integers(0, cfg.vocab_size, 128).tolist() for _ in range(prompts_n)]
     sampler = JaxSampler(model, kv_budget_gib=budget)
     rows = sampler.num_rows(prompts_n * n, 128 + max_tokens, n=n, prompt_len=128)
-    run = lambda seed: sampler.generate(prompts, n=n, max_tokens=max_tokens, temperature=1.0,
-                                        seed=seed).num_generated_tokens
+    request = lambda s, seed: s.generate(prompts, n=n, max_tokens=max_tokens, temperature=1.0,
+                                         seed=seed).num_generated_tokens
+    run = lambda seed: request(sampler, seed)
     # A long request runs once, compilation included: its time is an upper bound,
     # and the compile time is reported beside it.
     long = max_tokens > 1024
@@ -302,21 +303,19 @@ def bench_gpu(args):
     samplers = [(f"{sampler.steps_per_sync} steps per loop check", sampler)]
     if not long and sampler.steps_per_sync > 1:  # the default beside one step per check
       single = JaxSampler(model, kv_budget_gib=budget, steps_per_sync=1)
-      best_1, _, tok_1 = time_runs(
-          lambda seed: single.generate(prompts, n=n, max_tokens=max_tokens, temperature=1.0,
-                                       seed=seed).num_generated_tokens, args.repeats)
+      best_1, _, tok_1 = time_runs(lambda seed: request(single, seed), args.repeats)
       print(f"{'  1 step per loop check':<28}{best_1:>9.2f}s {tok_1 / best_1:>10.0f} tok/s; "
             f"{sampler.steps_per_sync} steps per check (above): {best_1 / best:.2f}x as fast")
       samplers.append(("1 step per loop check", single))
+      del single  # held by `samplers` until the profiles are done
     if args.profile and not long:
       import device_profile  # pylint: disable=g-import-not-at-top  (bench/, beside this file)
-      for label, s in samplers:
+      for label, profiled in samplers:
         with tempfile.TemporaryDirectory() as tmp:
-          profile = device_profile.profile_call(
-              lambda: s.generate(prompts, n=n, max_tokens=max_tokens, temperature=1.0,
-                                 seed=0).num_generated_tokens, tmp)
+          profile = device_profile.profile_call(lambda: request(profiled, 0), tmp)
         print(f"  profile, {label}:\n{profile.table(args.profile)}")
-    del samplers
+      del profiled
+    del samplers  # the transformers control below wants the device's memory
     if size == "0.5b" and not args.skip_transformers:
       # transformers prefills every rollout's copy of its prompt; so does this control.
       copies = [p for p in prompts for _ in range(n)]
