@@ -12,6 +12,7 @@ encoding time, by the tokenizer (`encode_prompts(..., chat_template=True)`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import decimal
 import hashlib
@@ -316,11 +317,16 @@ def write_jsonl(problems: Iterable[Problem], path: str | os.PathLike,
     raise ValueError(f"extra has {len(extra)} rows for {len(problems)} problems")
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    for i, p in enumerate(problems):
-      record = p.to_dict() | (dict(extra[i]) if extra is not None else {})
-      f.write(json.dumps(record) + "\n")
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      for i, p in enumerate(problems):
+        record = p.to_dict() | (dict(extra[i]) if extra is not None else {})
+        f.write(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+  except BaseException:  # a full disk, or a record json cannot write: no stray tmp
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
 
 
 def _check_ids(problems: list[Problem], where: str) -> list[Problem]:

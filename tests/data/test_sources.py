@@ -114,6 +114,11 @@ def test_write_jsonl_round_trip(tmp_path):
   write_jsonl(probs, path, extra=[{"avg@16": 0.5}, {"avg@16": 0.0}])
   assert load_problems(path, id_field="id") == probs
   assert json.loads(path.read_text().splitlines()[0])["avg@16"] == 0.5
+  # A failed write leaves the file as it was and no temporary beside it.
+  with pytest.raises(TypeError, match="not JSON serializable"):
+    write_jsonl(probs, path, extra=[{"x": object()}, {}])
+  assert load_problems(path, id_field="id") == probs
+  assert sorted(p.name for p in path.parent.iterdir()) == ["out.jsonl"]
 
 
 class _Tok:
