@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import math
 import os
 
 from isojax.files import lock_holder, read_tail, try_flock
@@ -97,12 +98,13 @@ def lock_run_dir(run_dir: str | os.PathLike) -> int | None:
 
 def parse_record(line: str | bytes) -> dict | None:
   """One metrics.jsonl line as a dict, or None unless it is a JSON object with a
-  numeric "step"."""
+  finite numeric "step" (`true` is not a step: JSON's booleans load as ints)."""
   try:
     record = json.loads(line)
   except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
     return None
-  if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
+  step = record.get("step") if isinstance(record, dict) else None
+  if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
     return None
   return record
 

@@ -17,9 +17,10 @@ def test_strict_read_skips_a_torn_last_line_and_names_a_corrupt_one(tmp_path):
   _write(tmp_path, '{"step": 0}\nnot json\n{"step": 2}\n')
   with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
     rundir.read_metrics(path)
-  _write(tmp_path, '{"step": 0}\n{"no_step": 1}\n')
-  with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
-    rundir.read_metrics(path)
+  for bad in ('{"no_step": 1}', '{"step": true}', '{"step": NaN}', '{"step": "3"}'):
+    _write(tmp_path, '{"step": 0}\n' + bad + '\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+      rundir.read_metrics(path)
 
 
 def test_tolerant_read_reports_what_it_skips(tmp_path):
