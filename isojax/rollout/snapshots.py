@@ -13,6 +13,11 @@ time. `remove_stale` deletes a snapshot only when all of these hold:
 - no live process here names the snapshot in its command line (a `vllm serve`
   started from it) and it is not one the caller keeps (the served model's directory).
 
+With such a snapshot go the writer's own leftovers beside it: the
+`.weights_NNNNNN.tmp-*` directory `save_pretrained` was writing when the writer
+was killed (a whole model's size) and a `.weights_NNNNNN.old-*` it had not yet
+deleted, if they are this user's directories.
+
 Anything else is left alone and counted in one log line: a writer on another host,
 in another container or from before a reboot cannot be proven gone.
 """
@@ -25,6 +30,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 from collections.abc import Iterable
 
 from absl import logging
@@ -106,6 +112,19 @@ def _live_command_lines() -> list[str]:
   return lines
 
 
+def _leftovers(root: str, name: str) -> list[str]:
+  """The save_pretrained temporaries of snapshot `name` in `root` (see the module doc)."""
+  found = []
+  for entry in os.listdir(root):
+    if entry.startswith((f".{name}.tmp-", f".{name}.old-")):
+      path = os.path.join(root, entry)
+      with contextlib.suppress(OSError):
+        info = os.lstat(path)
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+          found.append(path)
+  return found
+
+
 def _bytes(path: str) -> int:
   total = 0
   for parent, _, files in os.walk(path):
@@ -157,6 +176,10 @@ def remove_stale(root: str, *, keep: Iterable[str | None] = ()) -> list[str]:
       left.append(name)
       left_bytes += _bytes(path)
     elif kind == "stale":
+      for leftover in _leftovers(root, name):
+        size = _bytes(leftover)
+        shutil.rmtree(leftover, ignore_errors=True)
+        removed_bytes += 0 if os.path.exists(leftover) else size
       size = _bytes(path)
       shutil.rmtree(path, ignore_errors=True)
       if not os.path.exists(path):

@@ -54,6 +54,12 @@ def test_only_snapshots_of_gone_writers_here_are_removed(tmp_path, gone, caplog)
       "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
       "model.safetensors.index.json"))
   _snapshot(root, "my_model", gone)  # not a snapshot name
+  # A writer killed inside save_pretrained: its temporaries go with its snapshot;
+  # another snapshot's, or a file of that name, stay.
+  _snapshot(root, ".weights_000001.tmp-ab12cd", None, files=("model.safetensors",))
+  _snapshot(root, ".weights_000001.old-0f0f0f0f", None)
+  _snapshot(root, ".weights_000002.tmp-ef34gh", None)
+  (root / ".weights_000008.tmp-file").write_text("not a directory")
   serving = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
                               "--model", str(root / "weights_000006")])
   try:
@@ -68,8 +74,9 @@ def test_only_snapshots_of_gone_writers_here_are_removed(tmp_path, gone, caplog)
     serving.wait()
   assert removed == [str(root / "weights_000001"), str(root / "weights_000008")]
   assert sorted(p.name for p in root.iterdir()) == [
-      "my_model", "weights_000002", "weights_000003", "weights_000004",
-      "weights_000005", "weights_000006", "weights_000007"]
+      ".weights_000002.tmp-ef34gh", ".weights_000008.tmp-file", "my_model",
+      "weights_000002", "weights_000003", "weights_000004", "weights_000005",
+      "weights_000006", "weights_000007"]
   assert "removed 2 weight snapshots (0.0 MiB)" in caplog.text
   assert ("holds 5 weight snapshots (0.0 MiB) not written by a live process here"
           in caplog.text)
