@@ -38,7 +38,8 @@ TRAIN = [
 VLLM = ["requests>=2.31"]
 # torch is only the reference implementation in tests. It is pinned so that pip
 # takes the CPU wheel and never resolves a CUDA build.
-TEST = ["pytest>=8", "torch==2.13.0", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"]
+TEST = ["pytest>=8", "pytest-xdist>=3.5", "torch==2.13.0", "nbclient>=0.10", "nbformat>=5.10",
+        "ipykernel>=6.29"]
 
 setuptools.setup(
     name="isojax",
