@@ -225,13 +225,21 @@ def fit_sigmoid(compute, reward, *, r0=None, weights=None) -> SigmoidFit:
     weights: optional non-negative weight per point.
 
   Raises:
-    ValueError: on bad inputs, or fewer points than free parameters + 1 (5 with R0
-      fitted, 4 with R0 given).
+    ValueError: on bad inputs (a reward outside [0, 1] among them), or fewer points
+      than free parameters + 1 (5 with R0 fitted, 4 with R0 given).
   """
   if r0 is not None and not (math.isfinite(r0) and 0.0 <= r0 <= 1.0):
     raise ValueError(f"fit_sigmoid: r0 must be in [0, 1], got {r0!r}")
   c, y, w = _validate(compute, reward, weights, "fit_sigmoid",
                       min_points=SIGMOID_MIN_POINTS - (r0 is not None))
+  # A and R0 are bounded to [0, 1]: a reward on another scale would be fitted by a
+  # curve pinned at those bounds, and its n* read off that wrong curve.
+  if y.min() < 0.0 or y.max() > 1.0:
+    i = int(np.argmin(y) if y.min() < 0.0 else np.argmax(y))
+    raise ValueError(f"fit_sigmoid: reward must be in [0, 1] (a success rate), got "
+                     f"{y[i]:g} at compute {c[i]:g} (range {y.min():g} to {y.max():g}); "
+                     f"rescale it first, e.g. (r + 1) / 2 for a reward in [-1, 1] or "
+                     f"r / 100 for a percentage")
   logc = np.log(c)
   margin = SIGMOID_CMID_MARGIN_DECADES * math.log(10.0)
   slopes = np.geomspace(*SIGMOID_B_RANGE, _GRID[0])

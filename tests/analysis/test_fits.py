@@ -127,6 +127,18 @@ def test_bad_inputs_are_errors():
     fit_sigmoid(C, sigmoid(C, 0.7, 1.0, 1e3, 0.1), r0=1.5)
 
 
+@pytest.mark.parametrize("scale, offset", [(2.0, -1.0), (100.0, 0.0)])
+def test_a_reward_outside_zero_one_is_an_error_not_a_curve_at_the_bounds(scale, offset):
+  # A reward in [-1, 1] or in percent would be fitted by a curve pinned at A, R0 in
+  # [0, 1] (flagged only "r0=0" or "flat"), and a wrong n* read off it.
+  y = scale * sigmoid(C, 0.7, 1.3, 3e4, 0.15) + offset
+  with pytest.raises(ValueError, match=r"reward must be in \[0, 1\].*rescale"):
+    fit_sigmoid(C, y)
+  with pytest.raises(ValueError, match=r"reward must be in \[0, 1\]"):
+    fit_sigmoid(C, y, r0=0.0)
+  fit_sigmoid(C, np.clip(y, 0.0, 1.0))  # the bounds themselves are rewards
+
+
 @pytest.mark.parametrize("truth", [dict(L=5, k=2, x0=4.5, b=2), dict(L=-3, k=1.2, x0=3, b=7)])
 def test_n_star_zero_noise_is_near_exact(truth):
   fit = fit_n_star(C, np.exp2(nstar_log2(C, **truth)))
