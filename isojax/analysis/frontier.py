@@ -313,7 +313,8 @@ def frontier(fits: Mapping[Hashable, fits_lib.SigmoidFit], compute_grid=None, *,
 
   Args:
     fits: curve key (n, or (bp, n)) -> SigmoidFit.
-    compute_grid: compute values (> 0); default a 200-point log grid over the data.
+    compute_grid: compute values (> 0, any order; sorted and repeats dropped);
+      default a 200-point log grid over the data.
     extrapolate: a curve is evaluated up to `extrapolate` x its last data point
       (1.0: never beyond its data; math.inf: anywhere above its first point) and
       held at that value further on. Grid points whose winner relies on an
@@ -341,6 +342,9 @@ def frontier(fits: Mapping[Hashable, fits_lib.SigmoidFit], compute_grid=None, *,
       compute_grid, dtype=np.float64).ravel()
   if grid.size == 0 or not np.all(np.isfinite(grid)) or np.any(grid <= 0):
     raise ValueError("frontier: compute grid must be non-empty, finite and > 0")
+  # Lookups (index_at) and the law's running average read the grid as increasing;
+  # a repeated point would count twice in that average.
+  grid = np.unique(grid)
   curves = np.full((len(keys), grid.size), np.nan)
   beyond = np.zeros((len(keys), grid.size), dtype=bool)
   rel = 1e-9  # grid end points computed by geomspace may miss the data range by ulps

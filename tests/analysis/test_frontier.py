@@ -7,9 +7,9 @@ import random
 import numpy as np
 import pytest
 
-from isojax.analysis import (fit_frontier, extrapolation_check, fit_curves, fit_n_star,
-                             fit_sigmoid, frontier, log_grid, pool_points, read_runs,
-                             record_breaking_points)
+from isojax.analysis import (fit_frontier, extrapolation_check, fit_curves, fit_law,
+                             fit_n_star, fit_sigmoid, frontier, log_grid, pool_points,
+                             read_runs, record_breaking_points)
 from isojax.analysis.frontier import END_TOLERANCE
 
 from . import fake_runs
@@ -408,3 +408,17 @@ def test_grid_lookups_at_and_just_below_the_data():
   # A grid computed to within float error of the first data point (1 ulp low) is on it.
   below = frontier(fits, [np.nextafter(10.0, 0.0)])
   assert below.defined[0] and below.n_star[0] == 4
+
+
+def test_a_grid_given_in_any_order_is_sorted_and_deduplicated():
+  # A researcher's own budgets, unsorted and repeated: index_at and the law's running
+  # average read the grid as increasing (unsorted, fit_law failed on NaN law points).
+  fits = {4: _exact_fit(10, 1e5, a=0.6, b=1, c_mid=1e2, r0=0.1),
+          64: _exact_fit(10, 1e5, a=0.9, b=1, c_mid=1e4, r0=0.1)}
+  grid = np.geomspace(10, 1e5, 50)
+  shuffled = np.concatenate([grid, grid[:10]])[np.random.default_rng(0).permutation(60)]
+  fr, ref = frontier(fits, shuffled), frontier(fits, grid)
+  np.testing.assert_array_equal(fr.compute, ref.compute)
+  np.testing.assert_array_equal(fr.n_star, ref.n_star)
+  assert fr.index_at(1e3) == ref.index_at(1e3)
+  assert fit_law(fr)[1] == fit_law(ref)[1]
