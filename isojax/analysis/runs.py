@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import warnings
 from collections.abc import Mapping
@@ -90,7 +91,7 @@ class Run:
     out = np.full(len(self.rows), np.nan)
     for i, row in enumerate(self.rows):
       v = row.get(key)
-      if isinstance(v, (int, float)) and not isinstance(v, bool):
+      if _is_value(v):
         out[i] = v
     return out
 
@@ -143,6 +144,12 @@ class LoadResult:
 
   runs: tuple[Run, ...]
   problems: tuple[LoadProblem, ...]
+
+
+def _is_value(v) -> bool:
+  """A metric value: a real number, NumPy's too (rows built in a notebook from
+  arrays hold float32 / int64 scalars, which are no Python float or int)."""
+  return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 
 
 def _find(config: Mapping, key: str):
@@ -396,4 +403,4 @@ def evaluation_gaps(runs, metric: str, unit: str = "rollouts") -> list[str]:
 def eval_metrics(runs) -> list[str]:
   """The validation metrics ("val/avg@4", ...) logged by any of `runs`, sorted."""
   return sorted({k for r in runs for row in r.rows for k in row
-                 if k.startswith("val/") and isinstance(row[k], (int, float))})
+                 if k.startswith("val/") and _is_value(row[k])})

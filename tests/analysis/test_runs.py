@@ -11,7 +11,7 @@ import pytest
 
 from isojax.analysis import (RunLoadWarning, analyze, fit_curves, frontier, load_runs,
                              read_runs)
-from isojax.analysis.runs import evaluation_gaps, pass1_histogram
+from isojax.analysis.runs import Run, eval_metrics, evaluation_gaps, pass1_histogram
 
 from . import fake_runs
 
@@ -245,3 +245,21 @@ def test_evaluation_gaps_name_runs_with_nothing_to_fit(tmp_path):
   assert evaluation_gaps(runs, "val/best@4", "tokens") == [
       f"run {name} (Bp=8, n={n}): 'val/best@4' never logged as a finite number; left "
       f"out of the fits" for name, n in (("diverged", 16), ("done", 4), ("started", 8))]
+
+
+def test_rows_holding_numpy_scalars_are_read():
+  # A Run built in a notebook from arrays holds np.int64 / np.float32 values, which
+  # are no Python int or float: they read as missing, and fit_curves said the run
+  # had no points.
+  steps = np.arange(1, 11)
+  reward = np.linspace(0.1, 0.6, 10, dtype=np.float32)
+  rows = tuple({"step": s, "rollouts": s * 32, "val/avg@4": r, "flag": np.bool_(True)}
+               for s, r in zip(steps, reward))
+  run = Run(name="nb", path="/nb", bp=8, n=4, m=None, difficulty=None, seed=0,
+            config={}, rows=rows)
+  compute, value = run.points("val/avg@4")
+  np.testing.assert_array_equal(compute, steps * 32.0)
+  np.testing.assert_array_equal(value, reward.astype(np.float64))
+  assert np.isnan(run.column("flag")).all()  # a boolean is no metric value
+  assert 4 in fit_curves([run], metric="val/avg@4").fits
+  assert eval_metrics([run]) == ["val/avg@4"]
