@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Callable, Hashable, Mapping
 
 import numpy as np
@@ -307,6 +308,18 @@ def log_grid(fits: Mapping, num: int = 200) -> np.ndarray:
   return np.geomspace(lo, hi, num) if hi > lo else np.array([lo])
 
 
+def _check_keys(keys) -> None:
+  """Raises naming a curve key that gives no n: the frontier reads n* off its keys."""
+  if len({isinstance(k, tuple) for k in keys}) > 1:
+    raise ValueError(f"frontier: curve keys mix n and (bp, n): {sorted(map(repr, keys))}")
+  for k in keys:
+    n = k[-1] if isinstance(k, tuple) and k else k
+    if (isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Real)
+            or not (n >= 1 and float(n).is_integer())):
+      raise ValueError(f"frontier: curve key {k!r} names no n: a key is n (a positive "
+                       f"integer), or (bp, n) for a joint frontier")
+
+
 def frontier(fits: Mapping[Hashable, fits_lib.SigmoidFit], compute_grid=None, *,
              extrapolate: float = 1.0, tie_tol: float = 0.0) -> Frontier:
   """Upper envelope of fitted curves and the n attaining it at each compute.
@@ -337,6 +350,7 @@ def frontier(fits: Mapping[Hashable, fits_lib.SigmoidFit], compute_grid=None, *,
     raise ValueError(f"frontier: extrapolate must be >= 1, got {extrapolate}")
   if not tie_tol >= 0:
     raise ValueError(f"frontier: tie_tol must be >= 0, got {tie_tol}")
+  _check_keys(fits)
   keys = tuple(sorted(fits))
   grid = log_grid(fits) if compute_grid is None else np.asarray(
       compute_grid, dtype=np.float64).ravel()

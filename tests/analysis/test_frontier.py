@@ -422,3 +422,16 @@ def test_a_grid_given_in_any_order_is_sorted_and_deduplicated():
   np.testing.assert_array_equal(fr.n_star, ref.n_star)
   assert fr.index_at(1e3) == ref.index_at(1e3)
   assert fit_law(fr)[1] == fit_law(ref)[1]
+
+
+def test_a_curve_key_that_names_no_n_is_an_error_naming_it():
+  # n* is read off the keys: a label such as "n=16" failed inside int(), 2.5 gave
+  # n* = 2 and 0 gave n* = 0 without a word, mixed keys failed inside sorted().
+  fit = _exact_fit(10, 1e5, a=0.6, b=1, c_mid=1e2, r0=0.1)
+  for bad in ("n=16", 2.5, 0, True):
+    with pytest.raises(ValueError, match=f"curve key {bad!r} names no n"):
+      frontier({bad: fit, 8: fit})
+  with pytest.raises(ValueError, match="keys mix n and"):
+    frontier({4: fit, (8, 8): fit})
+  assert frontier({np.int64(4): fit, 8.0: fit}).n_star[0] == 4
+  assert frontier({(8, 4): fit, (16, 4): fit}).n_star[0] == 4
