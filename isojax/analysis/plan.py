@@ -43,6 +43,12 @@ def nearest_n(n: float, n_values: Iterable[int] | None = None, *,
     top = max(MIN_N, round_pow2(n), at_most or 0)
     candidates = [2 ** i for i in range(MIN_N.bit_length() - 1, top.bit_length())]
   else:
+    n_values = list(n_values)
+    bad = [v for v in n_values if isinstance(v, bool) or not isinstance(v, numbers.Real)
+           or not (v >= 1 and float(v).is_integer())]
+    if bad:
+      raise ValueError(f"nearest_n: n_values must be the n the study tried (positive "
+                       f"integers), got {bad[0]!r} in {n_values!r}")
     candidates = sorted({int(v) for v in n_values})
     if not candidates:
       raise ValueError("nearest_n: n_values is empty; give the n the study tried, or "
@@ -60,6 +66,10 @@ def nearest_n(n: float, n_values: Iterable[int] | None = None, *,
 def plan(budget, nstar_fit: NStarFit, *, bp: int, b_max: int | None = None,
          n_values: Iterable[int] | None = None) -> BudgetPoint:
   """The budget point for `budget` rollouts: n = `nearest_n`(n*(C)), M = floor(C/(Bp n)).
+
+  The law's point estimate, wherever `budget` lies: beyond `nstar_fit.compute_range`
+  it is an extrapolation, which `prescribe` checks against the law's bootstrap
+  interval (and refuses when that is too wide) and this function does not.
 
   Args:
     budget: total rollouts C.

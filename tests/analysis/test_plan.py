@@ -76,6 +76,11 @@ def test_nearest_n_snaps_to_the_study_s_n_and_never_below_two():
     nearest_n(5, [4, 8], at_most=2)
   with pytest.raises(ValueError, match="n_values is empty"):
     nearest_n(5, [])
+  # Not an n a study runs: 0 failed inside math.log2, 8.5 was truncated to 8.
+  for bad in (0, 8.5, True, "8"):
+    with pytest.raises(ValueError, match=rf"n_values must be .* got {bad!r} in"):
+      nearest_n(5, [4, bad])
+  assert nearest_n(7, (np.int64(4), 8.0)) == 8
 
 
 def test_plan_uses_the_study_s_n():
