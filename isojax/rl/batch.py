@@ -51,9 +51,9 @@ def validate_batch(batch: Batch, *, group_size: int, batch_size: int | None = No
 
   Checks shapes against each other and the static sizes, that group_size
   divides B, that token ids lie in [0, vocab_size) (given it), that the masks
-  are 0/1 with the loss mask inside the attention mask and off column 0 and
-  each row's first real token, and that rewards and sampler log-probs are
-  finite.
+  are 0/1 with the loss mask inside the attention mask and off column 0,
+  each row's first real token and any token right after a pad, and that
+  rewards and sampler log-probs are finite.
   """
   if not isinstance(batch, Batch):
     raise ValueError(f"batch must be an isojax.rl.Batch, got {type(batch).__name__}")
@@ -105,6 +105,15 @@ def validate_batch(batch: Batch, *, group_size: int, batch_size: int | None = No
   if rows_B.any():
     raise ValueError(f"Batch.loss_mask_BxT is 1 on the first real token of row "
                      f"{int(np.argmax(rows_B))} (no token before it to predict it from)")
+  # A trained token's log-prob comes from the logits one column back; after a pad
+  # (a right-padded prompt ++ completion) that is a pad position's output.
+  after_pad = (loss_mask[:, 1:] > 0) & ~real[:, :-1]
+  if after_pad.any():
+    r, t = (int(i) for i in np.argwhere(after_pad)[0])
+    raise ValueError(f"Batch.loss_mask_BxT is 1 at row {r}, column {t + 1}, after a pad "
+                     f"(attention_mask_BxT is 0 at column {t}): its log-prob would come "
+                     f"from the pad's logits; lay rows out as left-padded prompt ++ "
+                     f"right-padded completion, with no pads between")
   checks = [("rewards_B", batch.rewards_B), ("sampler_logp_BxT", batch.sampler_logp_BxT)]
   if batch.baseline_rewards_B is not None:
     checks.append(("baseline_rewards_B", batch.baseline_rewards_B))

@@ -265,6 +265,9 @@ def _bad(batch, **changes):
     # Row 2 without its prompt: its first real token, at PROMPT, is trained.
     (lambda b: _bad(b, attention_mask_BxT=b.attention_mask_BxT.at[2, :PROMPT].set(0)),
      "1 on the first real token of row 2"),
+    # Row 1's prompt right-padded: its first completion token follows a pad.
+    (lambda b: _bad(b, attention_mask_BxT=b.attention_mask_BxT.at[1, PROMPT - 1].set(0)),
+     "1 at row 1, column 5, after a pad \\(attention_mask_BxT is 0 at column 4\\)"),
     (lambda b: _bad(b, attention_mask_BxT=b.attention_mask_BxT.at[0, 6].set(0)),
      "loss_mask_BxT is 1 where attention_mask_BxT is 0"),
     (lambda b: _bad(b, input_ids_BxT=b.input_ids_BxT.astype(jnp.float32)), "integer"),
