@@ -302,7 +302,7 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
                   rows_per_micro=rows_per_micro, mesh=mesh, temperature=temperature,
                   length_buckets=length_buckets, old_logp="current")
   n_micro = batch_size // rows_per_micro
-  _, state_sh, (tx, critic_tx, _) = ppo_state_shardings(
+  state_shapes, state_sh, (tx, critic_tx, _) = ppo_state_shardings(
       policy, critic, loss_cfg, optim_cfg, critic_optim, batch_size, mesh, rules)
   schedule = lr_schedule(optim_cfg, batch_size)
   critic_schedule = lr_schedule(critic_optim, batch_size)
@@ -334,9 +334,9 @@ def make_ppo_train_step(policy: nnx.Module, critic: Critic, loss_cfg: LossConfig
                      skipped=1.0 - ok.astype(jnp.float32))
       return new_state, metrics
 
-  return jit_step(step, state_sh, mesh, batch_size=batch_size, group_size=group_size,
-                  micro_batch_size=rows_per_micro, vocab_size=policy.cfg.vocab_size,
-                  donate=donate)
+  return jit_step(step, state_shapes, state_sh, mesh, batch_size=batch_size,
+                  group_size=group_size, micro_batch_size=rows_per_micro,
+                  vocab_size=policy.cfg.vocab_size, donate=donate)
 
 
 def critic_update_flops(cfg, attention_mask_BxT) -> int:

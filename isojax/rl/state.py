@@ -10,6 +10,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -17,8 +18,8 @@ from isojax import sharding as shd
 from isojax.rl.losses import LossConfig
 from isojax.rl.optim import OptimConfig, make_optimizer
 
-__all__ = ["TrainState", "abstract_train_state", "default_mesh", "init_train_state",
-           "train_state_shardings"]
+__all__ = ["TrainState", "abstract_train_state", "check_state", "default_mesh",
+           "init_train_state", "train_state_shardings"]
 
 
 @flax.struct.dataclass
@@ -38,11 +39,60 @@ def _opt_and_ref(params, tx, with_ref):
 
 
 def train_state_shardings(model, tx, mesh, rules, *, with_ref):
-  """Shardings of the ``TrainState`` tree for ``model`` and optimiser ``tx`` on ``mesh``
-  (``ref_params`` included when ``with_ref``), from the parameters' logical axes."""
+  """(shapes, shardings) of the ``TrainState`` tree for ``model`` and optimiser ``tx``
+  on ``mesh`` (``ref_params`` included when ``with_ref``), from the parameters'
+  logical axes."""
   params = nnx.state(model, nnx.Param)
   abstract = jax.eval_shape(lambda p: _opt_and_ref(p, tx, with_ref), params)
-  return shd.state_shardings(abstract, mesh, rules)
+  return abstract, shd.state_shardings(abstract, mesh, rules)
+
+
+def _leaf_specs(tree) -> dict:
+  """keystr path -> (shape, dtype) per leaf, as jit sees them: nnx Variables count
+  as their value (in_shardings is a prefix tree), dtypes canonical (int64 is
+  int32 without x64)."""
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  specs = {}
+  for path, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_var):
+    x = x.get_value() if is_var(x) else x
+    if not hasattr(x, "dtype"):  # a Python scalar
+      x = np.asarray(x)
+    specs[jax.tree_util.keystr(path)] = (tuple(x.shape),
+                                         jax.dtypes.canonicalize_dtype(x.dtype))
+  return specs
+
+
+def check_state(state, expected) -> None:
+  """ValueError naming where ``state`` differs from the state a step was built
+  for (``expected``: its shapes): a leaf missing or extra, or a shape or dtype.
+
+  Without it a state from another model, LossConfig or OptimConfig fails inside
+  jit, as a pytree-prefix mismatch or a shape error deep in the model.
+  """
+  got, want = _leaf_specs(state), _leaf_specs(expected)
+  missing = [k for k in want if k not in got]
+  # A step without KL passes a state's ref_params through untouched.
+  expects_ref = any(k.startswith(".ref_params") for k in want)
+  extra = [k for k in got if k not in want
+           and (expects_ref or not k.startswith(".ref_params"))]
+  wrong = [k for k in want if k in got and got[k] != want[k]]
+  if not (missing or extra or wrong):
+    return
+  if missing:
+    what = (f"lacks state{missing[0]} ({len(missing)} of the step's {len(want)} leaves "
+            f"missing)")
+  elif extra:
+    what = f"has state{extra[0]}, which the step does not ({len(extra)} such leaves)"
+  else:
+    (shape, dtype), (want_shape, want_dtype) = got[wrong[0]], want[wrong[0]]
+    what = (f"has state{wrong[0]} of {dtype}{list(shape)} where the step expects "
+            f"{want_dtype}{list(want_shape)}")
+  hint = ""
+  if (missing or extra) and all(k.startswith(".ref_params") for k in missing + extra):
+    hint = "; ref_params exist only when LossConfig.kl_coef > 0"
+  raise ValueError(f"the state ({type(state).__name__}) does not match the step: it {what}."
+                   f" Build both from the same model, LossConfig and OptimConfig "
+                   f"(init_train_state / init_ppo_train_state){hint}")
 
 
 def default_mesh(mesh: Mesh | None) -> Mesh:
@@ -61,7 +111,7 @@ def init_train_state(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCo
   mesh = default_mesh(mesh)
   tx = make_optimizer(optim_cfg, batch_size=batch_size)
   with_ref = loss_cfg.kl_coef > 0
-  shardings = train_state_shardings(model, tx, mesh, rules, with_ref=with_ref)
+  _, shardings = train_state_shardings(model, tx, mesh, rules, with_ref=with_ref)
   params = jax.device_put(nnx.state(model, nnx.Param), shardings.params, may_alias=False)
   return jax.device_put(_opt_and_ref(params, tx, with_ref), shardings, may_alias=False)
 
@@ -77,9 +127,7 @@ def abstract_train_state(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: Opt
   mesh = default_mesh(mesh)
   tx = make_optimizer(optim_cfg, batch_size=batch_size)
   with_ref = loss_cfg.kl_coef > 0
-  shardings = train_state_shardings(model, tx, mesh, rules, with_ref=with_ref)
-  shapes = jax.eval_shape(lambda p: _opt_and_ref(p, tx, with_ref),
-                          nnx.state(model, nnx.Param))
+  shapes, shardings = train_state_shardings(model, tx, mesh, rules, with_ref=with_ref)
   leaves, treedef = jax.tree.flatten(shapes)
   sh_leaves = jax.tree.leaves(shardings)
   if len(sh_leaves) != len(leaves):  # the two trees come from the same state

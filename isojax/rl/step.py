@@ -65,7 +65,7 @@ from isojax.rl.logprobs import token_logp_entropy
 from isojax.rl.losses import MAX_METRICS, RATIO_METRICS, LossConfig, TokenWeights
 from isojax.rl.losses import token_weights, weighted_policy_loss
 from isojax.rl.optim import OptimConfig, lr_schedule, make_optimizer
-from isojax.rl.state import TrainState, default_mesh, train_state_shardings
+from isojax.rl.state import TrainState, check_state, default_mesh, train_state_shardings
 
 __all__ = ["OLD_LOGP", "TrainRows", "TrainStep", "jit_step", "make_train_step"]
 
@@ -77,7 +77,8 @@ OLD_LOGP = ("current", "sampler")
 class TrainStep:
   """The built step. Call it as ``state, metrics = train_step(state, batch)``.
 
-  ``__call__`` runs ``validate_batch`` on the host, then ``jitted`` (the
+  ``__call__`` runs ``validate_batch`` and ``check_state`` (against
+  ``state_shapes``) on the host, then ``jitted`` (the
   ``jax.jit`` object). ``lower`` compiles ahead of time from shapes alone
   (``abstract_train_state`` / ``abstract_batch``): ``lower(...).compile()
   .memory_analysis()`` gives the step's memory before any array exists. The
@@ -85,6 +86,7 @@ class TrainStep:
   """
 
   jitted: Callable
+  state_shapes: Any
   state_shardings: Any
   batch_sharding: NamedSharding
   batch_size: int
@@ -97,6 +99,7 @@ class TrainStep:
     validate_batch(batch, group_size=self.group_size, batch_size=self.batch_size,
                    micro_batch_size=self.micro_batch_size, batch_shards=self.batch_shards,
                    vocab_size=self.vocab_size)
+    check_state(state, self.state_shapes)
     if not self.batch_sharding.is_fully_addressable:
       # jit places host arrays only on this process's devices; on a mesh over
       # several processes each places its own rows of the (same) host batch.
@@ -350,7 +353,8 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
   micro_loss = micro_loss_fn(graphdef, rest, loss_cfg, logits_chunk=logits_chunk,
                              temperature=temperature, old_logp=old_logp)
-  state_sh = train_state_shardings(model, tx, mesh, rules, with_ref=loss_cfg.kl_coef > 0)
+  state_shapes, state_sh = train_state_shardings(model, tx, mesh, rules,
+                                                 with_ref=loss_cfg.kl_coef > 0)
   micro_sh = NamedSharding(mesh, PartitionSpec(None, shd.BATCH_AXES))
 
   def step(state: TrainState, batch: Batch):
@@ -371,22 +375,23 @@ def make_train_step(model: nnx.Module, loss_cfg: LossConfig, optim_cfg: OptimCon
                      skipped=1.0 - ok.astype(jnp.float32))
       return new_state, metrics
 
-  return jit_step(step, state_sh, mesh, batch_size=batch_size, group_size=group_size,
-                  micro_batch_size=rows_per_micro, vocab_size=model.cfg.vocab_size,
-                  donate=donate)
+  return jit_step(step, state_shapes, state_sh, mesh, batch_size=batch_size,
+                  group_size=group_size, micro_batch_size=rows_per_micro,
+                  vocab_size=model.cfg.vocab_size, donate=donate)
 
 
-def jit_step(step: Callable, state_sharding, mesh: Mesh, *, batch_size: int,
+def jit_step(step: Callable, state_shapes, state_sharding, mesh: Mesh, *, batch_size: int,
              group_size: int, micro_batch_size: int, vocab_size: int,
              donate: bool) -> TrainStep:
   """``step(state, batch) -> (state, metrics)`` jitted with shardings: the state
-  on ``state_sharding`` (donated), the batch split over data x fsdp, the
+  (shaped like ``state_shapes``) on ``state_sharding`` (donated), the batch split over data x fsdp, the
   metrics replicated."""
   batch_sh = shd.batch_sharding(mesh)
   jitted = jax.jit(step, in_shardings=(state_sharding, batch_sh),
                    out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())),
                    donate_argnums=(0,) if donate else ())
-  return TrainStep(jitted=jitted, state_shardings=state_sharding, batch_sharding=batch_sh,
+  return TrainStep(jitted=jitted, state_shapes=state_shapes, state_shardings=state_sharding,
+                   batch_sharding=batch_sh,
                    batch_size=batch_size, group_size=group_size,
                    micro_batch_size=micro_batch_size,
                    batch_shards=shd.batch_shards(mesh), vocab_size=vocab_size)

@@ -303,6 +303,25 @@ def test_bad_sizes():
     step(None, make_batch())
 
 
+def test_state_built_for_another_step_is_named(model):
+  step = make_train_step(model, LOSS, SGD_LIKE, batch_size=B, group_size=N)
+  batch = make_batch()
+  no_ref = init_train_state(model, dataclasses.replace(LOSS, kl_coef=0.0), SGD_LIKE,
+                            batch_size=B)
+  with pytest.raises(ValueError, match=r"lacks state\.ref_params\['embed'\] .*"
+                                       r"only when LossConfig\.kl_coef > 0"):
+    step(no_ref, batch)
+  clipped = init_train_state(model, LOSS, OptimConfig(), batch_size=B)  # one more transform
+  with pytest.raises(ValueError, match=r"does not match the step: it lacks state\.opt_state"):
+    step(clipped, batch)
+  narrow = Decoder(tiny_config(hidden_size=16, intermediate_size=32), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"state\.params\['embed'\] of float32\[64, 16\] "
+                                       r"where the step expects float32\[64, 32\]"):
+    step(init_train_state(narrow, LOSS, SGD_LIKE, batch_size=B), batch)
+  with pytest.raises(ValueError, match=r"the state \(NoneType\) does not match"):
+    step(None, batch)
+
+
 def test_update_to_non_finite_weights_is_skipped(model):
   # Finite loss and gradient, but a learning rate that overflows float32: the
   # update would write inf/NaN into the weights. It must count as skipped.
