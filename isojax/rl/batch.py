@@ -5,6 +5,8 @@ step (``isojax.rl.step``) consumes; ``validate_batch`` runs on the host before
 every update, ``abstract_batch`` gives its shapes for ahead-of-time compiles.
 """
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,7 @@ from jax.sharding import Mesh
 from isojax import sharding as shd
 from isojax.rl.state import default_mesh
 
-__all__ = ["Batch", "abstract_batch", "validate_batch"]
+__all__ = ["Batch", "abstract_batch", "as_arrays", "validate_batch"]
 
 
 @flax.struct.dataclass
@@ -39,6 +41,22 @@ class Batch:
   sampler_logp_BxT: jax.Array
   rewards_B: jax.Array
   baseline_rewards_B: jax.Array | None = None
+
+
+def as_arrays(batch):
+  """``batch`` with fields given as Python lists or tuples made NumPy arrays (jit
+  would take a list for a pytree of scalars); anything else unchanged."""
+  if not isinstance(batch, Batch):
+    return batch
+  arrays = {}
+  for f in dataclasses.fields(batch):
+    x = getattr(batch, f.name)
+    if isinstance(x, (list, tuple)):
+      try:
+        arrays[f.name] = np.asarray(x)
+      except ValueError as e:  # ragged rows: pad them to one width T
+        raise ValueError(f"Batch.{f.name} is not an array: {e}") from None
+  return batch.replace(**arrays)
 
 
 _BxT_FIELDS = ("input_ids_BxT", "attention_mask_BxT", "loss_mask_BxT", "sampler_logp_BxT")

@@ -60,7 +60,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from isojax import sharding as shd
 from isojax.rl import layout
 from isojax.rl.advantages import ESTIMATORS, compute_advantages, zero_variance_groups
-from isojax.rl.batch import Batch, validate_batch
+from isojax.rl.batch import Batch, as_arrays, validate_batch
 from isojax.rl.logprobs import token_logp_entropy
 from isojax.rl.losses import MAX_METRICS, RATIO_METRICS, LossConfig, TokenWeights
 from isojax.rl.losses import token_weights, weighted_policy_loss
@@ -77,9 +77,9 @@ OLD_LOGP = ("current", "sampler")
 class TrainStep:
   """The built step. Call it as ``state, metrics = train_step(state, batch)``.
 
-  ``__call__`` runs ``validate_batch`` and ``check_state`` (against
-  ``state_shapes``) on the host, then ``jitted`` (the
-  ``jax.jit`` object). ``lower`` compiles ahead of time from shapes alone
+  ``__call__`` takes Batch fields as arrays or (nested) lists, runs
+  ``validate_batch`` and ``check_state`` (against ``state_shapes``) on the
+  host, then ``jitted`` (the ``jax.jit`` object). ``lower`` compiles ahead of time from shapes alone
   (``abstract_train_state`` / ``abstract_batch``): ``lower(...).compile()
   .memory_analysis()`` gives the step's memory before any array exists. The
   state argument is donated: its arrays are invalid afterwards.
@@ -96,6 +96,7 @@ class TrainStep:
   vocab_size: int
 
   def __call__(self, state: TrainState, batch: Batch):
+    batch = as_arrays(batch)
     validate_batch(batch, group_size=self.group_size, batch_size=self.batch_size,
                    micro_batch_size=self.micro_batch_size, batch_shards=self.batch_shards,
                    vocab_size=self.vocab_size)

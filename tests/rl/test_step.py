@@ -303,6 +303,22 @@ def test_bad_sizes():
     step(None, make_batch())
 
 
+def test_batch_of_python_lists_gives_the_array_result(model, step8):
+  """A notebook's batch: fields as (nested) lists, rewards as ints."""
+  batch = make_batch()
+  as_lists = Batch(**{f.name: np.asarray(getattr(batch, f.name)).tolist()
+                      for f in dataclasses.fields(Batch) if f.name != "baseline_rewards_B"})
+  as_lists = as_lists.replace(rewards_B=[int(r) for r in as_lists.rewards_B])
+  _, want = step8(perturbed_state(model), batch)
+  _, got = step8(perturbed_state(model), as_lists)
+  for k in want:
+    np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=1e-6, err_msg=k)
+  ragged = as_lists.replace(loss_mask_BxT=[row[:-1] for row in as_lists.loss_mask_BxT[:2]]
+                            + as_lists.loss_mask_BxT[2:])
+  with pytest.raises(ValueError, match="Batch.loss_mask_BxT is not an array: .*inhomogeneous"):
+    step8(None, ragged)
+
+
 def test_state_built_for_another_step_is_named(model):
   step = make_train_step(model, LOSS, SGD_LIKE, batch_size=B, group_size=N)
   batch = make_batch()
