@@ -105,6 +105,14 @@ class TrainStep:
       # jit places host arrays only on this process's devices; on a mesh over
       # several processes each places its own rows of the (same) host batch.
       batch = jax.tree.map(lambda x: shd.put_host_array(x, self.batch_sharding), batch)
+    else:
+      # jit refuses arrays committed to another placement (one device, another
+      # mesh); the batch is data, so those move. Host arrays stay as they are:
+      # placed here, they would miss an executable compiled from plain shapes.
+      batch = jax.tree.map(
+          lambda x: (jax.device_put(x, self.batch_sharding)
+                     if isinstance(x, jax.Array) and x.sharding != self.batch_sharding
+                     else x), batch)
     return self.jitted(state, batch)
 
   def lower(self, state: TrainState, batch: Batch):

@@ -178,7 +178,9 @@ def test_sharded_8_devices_equals_single_device(model, full_batch_run):
   assert jax.device_count() == 8, "tests/conftest.py should give 8 fake CPU devices"
   mesh = shd.make_mesh(data=2, fsdp=2, tensor=2)
   delta8, m8, _ = full_batch_run
-  delta, m, new = run(model, micro=4, mesh=mesh)
+  # A batch committed to one device (of the mesh) moves to the step's placement.
+  batch = jax.device_put(make_batch(), jax.devices()[5])
+  delta, m, new = run(model, micro=4, mesh=mesh, batch=batch)
   assert_trees_close(delta, delta8, atol=1e-5)
   for k in m8:
     np.testing.assert_allclose(m[k], m8[k], rtol=1e-5, atol=1e-6, err_msg=k)
