@@ -48,6 +48,7 @@ each (B = K R); L the length a micro-batch runs at (a bucket, L <= T).
 """
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import flax.struct
@@ -79,7 +80,8 @@ class TrainStep:
 
   ``__call__`` takes Batch fields as arrays or (nested) lists, runs
   ``validate_batch`` and ``check_state`` (against ``state_shapes``) on the
-  host, then ``jitted`` (the ``jax.jit`` object). ``lower`` compiles ahead of time from shapes alone
+  host, then ``jitted`` (the ``jax.jit`` object). ``lower`` compiles ahead of
+  time from shapes alone
   (``abstract_train_state`` / ``abstract_batch``): ``lower(...).compile()
   .memory_analysis()`` gives the step's memory before any array exists. The
   state argument is donated: its arrays are invalid afterwards.
@@ -100,7 +102,7 @@ class TrainStep:
     validate_batch(batch, group_size=self.group_size, batch_size=self.batch_size,
                    micro_batch_size=self.micro_batch_size, batch_shards=self.batch_shards,
                    vocab_size=self.vocab_size)
-    check_state(state, self.state_shapes)
+    check_state(state, self.state_shapes, expected_flat=self._state_flat)
     if not self.batch_sharding.is_fully_addressable:
       # jit places host arrays only on this process's devices; on a mesh over
       # several processes each places its own rows of the (same) host batch.
@@ -114,6 +116,10 @@ class TrainStep:
                      if isinstance(x, jax.Array) and x.sharding != self.batch_sharding
                      else x), batch)
     return self.jitted(state, batch)
+
+  @functools.cached_property
+  def _state_flat(self):
+    return jax.tree.flatten(self.state_shapes)
 
   def lower(self, state: TrainState, batch: Batch):
     """``jax.jit(...).lower`` of the step; arrays or ``jax.ShapeDtypeStruct`` leaves."""
@@ -393,14 +399,13 @@ def jit_step(step: Callable, state_shapes, state_sharding, mesh: Mesh, *, batch_
              group_size: int, micro_batch_size: int, vocab_size: int,
              donate: bool) -> TrainStep:
   """``step(state, batch) -> (state, metrics)`` jitted with shardings: the state
-  (shaped like ``state_shapes``) on ``state_sharding`` (donated), the batch split over data x fsdp, the
-  metrics replicated."""
+  (shaped like ``state_shapes``) on ``state_sharding`` (donated), the batch
+  split over data x fsdp, the metrics replicated."""
   batch_sh = shd.batch_sharding(mesh)
   jitted = jax.jit(step, in_shardings=(state_sharding, batch_sh),
                    out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())),
                    donate_argnums=(0,) if donate else ())
   return TrainStep(jitted=jitted, state_shapes=state_shapes, state_shardings=state_sharding,
-                   batch_sharding=batch_sh,
-                   batch_size=batch_size, group_size=group_size,
+                   batch_sharding=batch_sh, batch_size=batch_size, group_size=group_size,
                    micro_batch_size=micro_batch_size,
                    batch_shards=shd.batch_shards(mesh), vocab_size=vocab_size)
