@@ -61,6 +61,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 # How long to wait for a SIGKILLed group to vanish before giving up on it.
 _KILL_WAIT_S = 5.0
 
+# vLLM's engine talks over Unix sockets named <VLLM_RPC_BASE_PATH>/<uuid4>, the
+# base being the temp dir unless set. A socket path holds 107 bytes: a longer
+# base fails inside the engine (a ZMQError in its log) after a slow start.
+_SOCKET_PATH_MAX = 107
+_SOCKET_NAME = 37  # "/" and a uuid4
+
+
+def _rpc_dir(env: dict[str, str]) -> str:
+  """Where the server's engine will put its sockets, as vLLM reads `env`."""
+  if env.get("VLLM_RPC_BASE_PATH"):
+    return env["VLLM_RPC_BASE_PATH"]
+  return os.path.abspath(next((env[k] for k in ("TMPDIR", "TEMP", "TMP") if env.get(k)),
+                              "/tmp"))
+
 
 def stop_process_group(pid: int, *, grace_s: float = 20.0) -> None:
   """SIGTERM the process group led by `pid`, then SIGKILL it after `grace_s`.
@@ -225,11 +239,20 @@ class VLLMServer:
     """Starts the server, waits for /health, sends one warm-up request."""
     if self.process is not None:
       raise RuntimeError(f"server at {self.base_url} already started")
+    env = self.environment()
+    rpc_dir = _rpc_dir(env)
+    if len(rpc_dir.encode()) + _SOCKET_NAME > _SOCKET_PATH_MAX:
+      raise ValueError(
+          f"vLLM's engine would put its sockets in {rpc_dir} (the temp dir, or "
+          f"VLLM_RPC_BASE_PATH): {len(rpc_dir.encode())} bytes, and a Unix socket path "
+          f"holds {_SOCKET_PATH_MAX} with the socket's {_SOCKET_NAME}-byte name; set "
+          f"VLLM_RPC_BASE_PATH to a directory of at most "
+          f"{_SOCKET_PATH_MAX - _SOCKET_NAME} bytes, e.g. /tmp")
     t0 = time.monotonic()
     with open(self.log_path, "ab") as log:
       self.process = subprocess.Popen(
           self.command(), stdout=log, stderr=subprocess.STDOUT,
-          stdin=subprocess.DEVNULL, env=self.environment(), cwd=self.workdir,
+          stdin=subprocess.DEVNULL, env=env, cwd=self.workdir,
           start_new_session=True)  # own process group, see stop()
     # From here on a failure (the pid file included) must not leave it running.
     atexit.register(self.stop)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 
 import jax
@@ -167,7 +169,10 @@ def test_readme_commands_serve_a_tiny_run_and_stop(venv, readme, tmp_path):
   setup, start, train, stop = readme.block_of("python launch/vllm_server.py --model")
   port, pid_file, workdir = free_port(), tmp_path / "vllm.pid", tmp_path / "tiny_vllm"
   pipelined = tmp_path / "tiny_vllm_pipelined"
-  env = {**os.environ, "VLLM_VENV": venv, "XLA_FLAGS": "", "TMPDIR": str(tmp_path)}
+  # Its own short temp dir (checked empty of weight snapshots at the end): vLLM's
+  # socket paths must fit in 107 bytes, and a pytest worker's tmp_path is long.
+  tmp = tempfile.mkdtemp(prefix="isojax-vllm-test-", dir="/tmp")
+  env = {**os.environ, "VLLM_VENV": venv, "XLA_FLAGS": "", "TMPDIR": tmp}
   pid_place, port_place = {"/tmp/vllm.pid": str(pid_file)}, {"8000": str(port)}
 
   assert _run(readme.argv(setup, {}), env, 600).stdout.splitlines()[-1] == venv
@@ -207,7 +212,8 @@ def test_readme_commands_serve_a_tiny_run_and_stop(venv, readme, tmp_path):
   for r in train_records:  # ... and the server followed it at every update
     assert r["train/logp_gap_max"] < 1e-3, r
     assert abs(r["train/tis_weight_mean"] - 1.0) < 1e-4, r
-  assert not [p for p in os.listdir(tmp_path) if p.startswith("isojax-vllm-weights-")]
+  assert not [p for p in os.listdir(tmp) if p.startswith("isojax-vllm-weights-")]
+  shutil.rmtree(tmp)
   records = [json.loads(line) for line in (pipelined / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == list(range(steps + 1))
   assert all(0 <= r["train/policy_lag_max"] <= 2 for r in records[1:])
@@ -384,6 +390,24 @@ def test_missing_venv_and_model_are_clear_errors(tmp_path):
   (tmp_path / "config.json").write_text("{}")
   with pytest.raises(FileNotFoundError, match="no vLLM virtualenv at .*launch/setup_vllm_venv.sh"):
     VLLMServer(str(tmp_path), venv=str(tmp_path / "nope"))
+
+
+def test_a_temp_dir_too_long_for_vllm_s_sockets_is_refused_before_start(tmp_path):
+  # vLLM names its engine's sockets <temp dir>/<uuid4>: past 107 bytes the engine
+  # died with a ZMQError in its log.
+  venv = _fake_venv(tmp_path, "exit 0")
+  long_dir = "/tmp/" + "d" * 66  # 71 bytes: one too many
+  for extra_env in ({"TMPDIR": long_dir}, {"VLLM_RPC_BASE_PATH": long_dir}):
+    server = VLLMServer(str(tmp_path / "model"), venv=venv, workdir=str(tmp_path / "w"),
+                        env=extra_env)
+    with pytest.raises(ValueError, match=rf"sockets in {long_dir} .*: 71 bytes.*at most 70"):
+      server.start()
+    assert server.process is None
+  server = VLLMServer(str(tmp_path / "model"), venv=venv, workdir=str(tmp_path / "w"),
+                      env={"TMPDIR": long_dir, "VLLM_RPC_BASE_PATH": "/tmp"},
+                      startup_timeout_s=1.5)
+  with pytest.raises(RuntimeError):  # started: the fake server exits at once
+    server.start()
 
 
 def test_command_binds_loopback_and_matches_the_trainer(tmp_path):
