@@ -147,6 +147,15 @@ def validate_batch(batch: Batch, *, group_size: int, batch_size: int | None = No
       first = tuple(int(i) for i in np.argwhere(bad)[0])
       raise ValueError(f"Batch.{name} has {int(bad.sum())} non-finite values "
                        f"(first at index {first})")
+  # A log-prob is <= 0 (rounding leaves ~1e-7 above): a larger one is a negative
+  # log-likelihood or a probability, whose ratios the loss would clip silently.
+  above = (np.asarray(batch.sampler_logp_BxT, np.float64) > 1e-3) & (loss_mask > 0)
+  if above.any():
+    r, t = (int(i) for i in np.argwhere(above)[0])
+    raise ValueError(f"Batch.sampler_logp_BxT is {float(batch.sampler_logp_BxT[r, t]):.4g} "
+                     f"> 0 at row {r}, column {t} ({int(above.sum())} trained tokens): "
+                     f"log-probs are <= 0; was a negative log-likelihood or a "
+                     f"probability given?")
 
 
 def abstract_batch(batch_size: int, seq_len: int, *, mesh: Mesh | None = None,
