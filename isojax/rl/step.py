@@ -81,10 +81,9 @@ class TrainStep:
   ``__call__`` takes Batch fields as arrays or (nested) lists, runs
   ``validate_batch`` and ``check_state`` (against ``state_shapes``) on the
   host, then ``jitted`` (the ``jax.jit`` object). ``lower`` compiles ahead of
-  time from shapes alone
-  (``abstract_train_state`` / ``abstract_batch``): ``lower(...).compile()
-  .memory_analysis()`` gives the step's memory before any array exists. The
-  state argument is donated: its arrays are invalid afterwards.
+  time from shapes alone (``abstract_train_state`` / ``abstract_batch``):
+  ``lower(...).compile().memory_analysis()`` gives the step's memory before any
+  array exists. The state argument is donated: its arrays are invalid afterwards.
   """
 
   jitted: Callable
