@@ -265,7 +265,7 @@ def _bad(batch, **changes):
     (lambda b: _bad(b, rewards_B=b.rewards_B.at[3].set(jnp.inf)), "rewards_B has 1 non-finite"),
     # A negative log-likelihood given for the log-probs.
     (lambda b: _bad(b, sampler_logp_BxT=-b.sampler_logp_BxT),
-     "sampler_logp_BxT is [0-9.]+ > 0 at row 0, column 5 \(\d+ trained tokens\).*"
+     r"sampler_logp_BxT is [0-9.]+ > 0 at row 0, column 5 \(\d+ trained tokens\).*"
      "negative log-likelihood"),
     (lambda b: _bad(b, loss_mask_BxT=b.loss_mask_BxT.at[0, 0].set(1.0)), "\\[:, 0\\] must be 0"),
     # Row 2 without its prompt: its first real token, at PROMPT, is trained.
