@@ -25,13 +25,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 from collections.abc import Callable, Hashable, Mapping
 
 import numpy as np
 
 from isojax.analysis import fits as fits_lib
 from isojax.analysis import records
+from isojax.analysis.plan import is_n
 
 _KEYS: dict[str, Callable] = {
     "n": lambda run: run.n,
@@ -313,9 +313,7 @@ def _check_keys(keys) -> None:
   if len({isinstance(k, tuple) for k in keys}) > 1:
     raise ValueError(f"frontier: curve keys mix n and (bp, n): {sorted(map(repr, keys))}")
   for k in keys:
-    n = k[-1] if isinstance(k, tuple) and k else k
-    if (isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Real)
-            or not (n >= 1 and float(n).is_integer())):
+    if not is_n(k[-1] if isinstance(k, tuple) and k else k):
       raise ValueError(f"frontier: curve key {k!r} names no n: a key is n (a positive "
                        f"integer), or (bp, n) for a joint frontier")
 

@@ -21,6 +21,13 @@ from isojax.budget import BudgetPoint
 MIN_N = 2
 
 
+def is_n(v) -> bool:
+  """Whether `v` can be an n (rollouts per problem): a whole number >= 1, Python's
+  or NumPy's, 8.0 too, and not a bool (True would silently mean 1)."""
+  return (isinstance(v, numbers.Real) and not isinstance(v, bool)
+          and v >= 1 and float(v).is_integer())
+
+
 def round_pow2(n: float) -> int:
   """The power of two nearest to n in log2 (so 2.9 -> 4 and 2.7 -> 2), at least 1."""
   if not (math.isfinite(n) and n > 0):
@@ -44,8 +51,7 @@ def nearest_n(n: float, n_values: Iterable[int] | None = None, *,
     candidates = [2 ** i for i in range(MIN_N.bit_length() - 1, top.bit_length())]
   else:
     n_values = list(n_values)
-    bad = [v for v in n_values if isinstance(v, bool) or not isinstance(v, numbers.Real)
-           or not (v >= 1 and float(v).is_integer())]
+    bad = [v for v in n_values if not is_n(v)]
     if bad:
       raise ValueError(f"nearest_n: n_values must be the n the study tried (positive "
                        f"integers), got {bad[0]!r} in {n_values!r}")
