@@ -149,7 +149,7 @@ def validate_batch(batch: Batch, *, group_size: int, batch_size: int | None = No
                        f"(first at index {first})")
   # A log-prob is <= 0 (rounding leaves ~1e-7 above): a larger one is a negative
   # log-likelihood or a probability, whose ratios the loss would clip silently.
-  above = (np.asarray(batch.sampler_logp_BxT, np.float64) > 1e-3) & (loss_mask > 0)
+  above = (np.asarray(batch.sampler_logp_BxT) > 1e-3) & (loss_mask > 0)  # no float64 copy
   if above.any():
     r, t = (int(i) for i in np.argwhere(above)[0])
     raise ValueError(f"Batch.sampler_logp_BxT is {float(batch.sampler_logp_BxT[r, t]):.4g} "
