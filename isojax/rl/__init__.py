@@ -12,7 +12,8 @@ from isojax.rl.batch import Batch, abstract_batch, validate_batch
 from isojax.rl.losses import LossConfig, policy_loss
 from isojax.rl.optim import OptimConfig, learning_rate, make_optimizer
 from isojax.rl.state import TrainState, abstract_train_state, init_train_state
-from isojax.rl.step import TrainStep, make_train_step
+from isojax.rl.jitted import TrainStep
+from isojax.rl.step import make_train_step
 
 __all__ = ["compute_advantages", "LossConfig", "policy_loss", "OptimConfig", "learning_rate",
            "make_optimizer", "Batch", "TrainState", "TrainStep", "abstract_batch",

@@ -55,8 +55,9 @@ from isojax.rl.ppo_state import (PPOTrainState, abstract_ppo_train_state,
 from isojax.rl.state import TrainState, default_mesh
 # PPO differs from the policy step in the values pass, per-token advantages, the
 # joint update of two optimisers and critic warm-up; the rest is shared.
-from isojax.rl.step import (TrainRows, TrainStep, accumulate, batch_metrics, check_step_args,
-                            micro_batches, micro_loss_fn, jit_step)
+from isojax.rl.jitted import TrainStep, jit_step
+from isojax.rl.step import (TrainRows, accumulate, batch_metrics, check_step_args,
+                            micro_batches, micro_loss_fn)
 from isojax.rl.value import (VALUE_ESTIMATORS, ValueConfig, ValueWeights, value_advantages,
                              value_metrics, value_weights, weighted_value_loss)
 
