@@ -9,6 +9,7 @@ checks that name a bad batch or state before jit sees it.
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -31,6 +32,11 @@ class TrainStep:
   time from shapes alone (``abstract_train_state`` / ``abstract_batch``):
   ``lower(...).compile().memory_analysis()`` gives the step's memory before any
   array exists. The state argument is donated: its arrays are invalid afterwards.
+
+  The step is compiled for one batch width T: a batch of another width compiles
+  it again (seconds to minutes for a large model), with a warning the first time
+  each new width is seen. Pad batches to a few fixed widths (a run pads every
+  batch to prompt width + max tokens).
   """
 
   jitted: Callable
@@ -42,6 +48,8 @@ class TrainStep:
   micro_batch_size: int
   batch_shards: int
   vocab_size: int
+  # Batch widths called with so far (a compile each); mutable inside the frozen step.
+  widths_seen: set = dataclasses.field(default_factory=set, compare=False, repr=False)
 
   def __call__(self, state: TrainState, batch: Batch):
     batch = as_arrays(batch)
@@ -49,6 +57,7 @@ class TrainStep:
                    micro_batch_size=self.micro_batch_size, batch_shards=self.batch_shards,
                    vocab_size=self.vocab_size)
     check_state(state, self.state_shapes, expected_flat=self._state_flat)
+    self._note_width(batch.input_ids_BxT.shape[1])
     if not self.batch_sharding.is_fully_addressable:
       # jit places host arrays only on this process's devices; on a mesh over
       # several processes each places its own rows of the (same) host batch.
@@ -62,6 +71,16 @@ class TrainStep:
                      if isinstance(x, jax.Array) and x.sharding != self.batch_sharding
                      else x), batch)
     return self.jitted(state, batch)
+
+  def _note_width(self, width: int) -> None:
+    if width in self.widths_seen:
+      return
+    if self.widths_seen:
+      warnings.warn(
+          f"the update step compiles again for a batch of width T={width} (compiled so "
+          f"far for T in {sorted(self.widths_seen)}); pad batches to a few fixed widths "
+          f"so that each update does not compile", stacklevel=3)
+    self.widths_seen.add(width)
 
   @functools.cached_property
   def _state_flat(self):

@@ -6,6 +6,7 @@ built once per module and shared between tests.
 """
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -355,3 +356,26 @@ def test_update_to_non_finite_weights_is_skipped(model):
   assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
   assert float(metrics["skipped"]) == 1.0 and int(new.step) == 0
   assert_trees_close(jax.tree.map(np.asarray, new), jax.tree.map(np.asarray, state), atol=0)
+
+
+def test_a_new_batch_width_compiles_again_with_a_warning(model, step8):
+  """Right-padding a batch changes its width T (one more compile, said once per
+  width) and nothing else: the same loss and gradient."""
+  batch = make_batch()
+  wide = Batch(**{f.name: (jnp.pad(getattr(batch, f.name), ((0, 0), (0, 4)))
+                           if f.name.endswith("BxT") else getattr(batch, f.name))
+                  for f in dataclasses.fields(Batch)})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    step8(perturbed_state(model), batch)
+    step8(perturbed_state(model), batch)
+  with pytest.warns(UserWarning, match=r"compiles again for a batch of width T=16 "
+                                       r"\(compiled so far for T in \[12\]\)"):
+    _, got = step8(perturbed_state(model), wide)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _, got_again = step8(perturbed_state(model), wide)
+  _, want = step8(perturbed_state(model), batch)
+  for k in ("loss", "grad_norm", "tokens"):
+    np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=1e-5, err_msg=k)
+    assert float(got_again[k]) == float(got[k]), k
