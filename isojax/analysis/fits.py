@@ -16,6 +16,8 @@ import math
 import numpy as np
 from scipy import optimize, special
 
+from isojax.analysis.runs import UNITS
+
 # Search ranges of the nonlinear parameters. A fit that ends on one of these edges was
 # not pinned down by its data, and says so in `flags`.
 SIGMOID_B_RANGE = (0.02, 20.0)
@@ -33,6 +35,16 @@ SIGMOID_MIN_POINTS = 5
 _GRID = (40, 64)  # (slope values, midpoint values)
 _BOUND_TOL = 1e-6
 _TINY = 1e-300
+
+
+def _scalar(value, what: str, name: str) -> float:
+  """One real number given as `name` (a Python or NumPy scalar, or a 0-d array)."""
+  if np.ndim(value) != 0 or isinstance(value, (str, bytes, bool, np.bool_)):
+    raise ValueError(f"{what}: {name} must be one number, got {value!r}")
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"{what}: {name} must be one number, got {value!r}") from None
 
 
 def _validate(x, y, weights, what: str, min_points: int):
@@ -203,7 +215,8 @@ class SigmoidFit:
   def predict(self, compute) -> np.ndarray:
     """Reward at `compute` (array-like, > 0)."""
     c = np.asarray(compute, dtype=np.float64)
-    s = special.expit(self.b * (np.log(c) - math.log(self.c_mid)))
+    with np.errstate(divide="ignore"):  # C = 0: log C = -inf, and the limit R0 is right
+      s = special.expit(self.b * (np.log(c) - math.log(self.c_mid)))
     return self.r0 + (self.a - self.r0) * s
 
   def to_dict(self) -> dict:
@@ -228,8 +241,10 @@ def fit_sigmoid(compute, reward, *, r0=None, weights=None) -> SigmoidFit:
     ValueError: on bad inputs (a reward outside [0, 1] among them), or fewer points
       than free parameters + 1 (5 with R0 fitted, 4 with R0 given).
   """
-  if r0 is not None and not (math.isfinite(r0) and 0.0 <= r0 <= 1.0):
-    raise ValueError(f"fit_sigmoid: r0 must be in [0, 1], got {r0!r}")
+  if r0 is not None:
+    r0 = _scalar(r0, "fit_sigmoid", "r0")
+    if not (math.isfinite(r0) and 0.0 <= r0 <= 1.0):
+      raise ValueError(f"fit_sigmoid: r0 must be in [0, 1], got {r0!r}")
   c, y, w = _validate(compute, reward, weights, "fit_sigmoid",
                       min_points=SIGMOID_MIN_POINTS - (r0 is not None))
   # A and R0 are bounded to [0, 1]: a reward on another scale would be fitted by a
@@ -332,6 +347,8 @@ def fit_n_star(compute, n_star, *, weights=None, unit: str = "rollouts") -> NSta
   Raises:
     ValueError: on bad inputs or fewer than 5 points.
   """
+  if unit not in UNITS:
+    raise ValueError(f"fit_n_star: unit={unit!r}; choose from {list(UNITS)}")
   c, n, w = _validate(compute, n_star, weights, "fit_n_star", min_points=5)
   if np.any(n <= 0):
     raise ValueError(f"fit_n_star: n_star must be > 0 (got min {n.min()!r})")

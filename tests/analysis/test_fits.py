@@ -1,5 +1,7 @@
 """fit_sigmoid / fit_n_star against ground truth written from the formulas."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -36,6 +38,9 @@ def test_sigmoid_predict_matches_formula():
   grid = np.geomspace(10, 1e8, 7)
   np.testing.assert_allclose(fit.predict(grid), sigmoid(grid, 0.6, 1.1, 1e4, 0.2),
                              atol=1e-8)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # C = 0 is the limit R0, not a log(0) warning
+    assert fit.predict(0.0) == pytest.approx(0.2, abs=1e-8)
 
 
 def test_sigmoid_with_fixed_r0():
@@ -125,6 +130,11 @@ def test_bad_inputs_are_errors():
     fit_sigmoid(C, [0.1, 0.2, 0.3])
   with pytest.raises(ValueError, match="r0 must be in"):
     fit_sigmoid(C, sigmoid(C, 0.7, 1.0, 1e3, 0.1), r0=1.5)
+  for r0 in (np.array([0.1]), np.array([0.1, 0.2]), "0.1", True):
+    with pytest.raises(ValueError, match=r"fit_sigmoid: r0 must be one number, got"):
+      fit_sigmoid(C, sigmoid(C, 0.7, 1.0, 1e3, 0.1), r0=r0)
+  assert fit_sigmoid(C, sigmoid(C, 0.7, 1.0, 1e3, 0.1), r0=np.float32(0.1)).r0 == \
+      pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("scale, offset", [(2.0, -1.0), (100.0, 0.0)])
@@ -180,6 +190,8 @@ def test_n_star_errors():
     fit_n_star([1e2, 1e3, 1e4, 1e5], [4, 8, 16, 16])
   with pytest.raises(ValueError, match="n_star must be > 0"):
     fit_n_star(C, np.zeros(C.size))
+  with pytest.raises(ValueError, match=r"unit='rollout'; choose from \['rollouts', "):
+    fit_n_star(C, 2.0 ** np.minimum(np.arange(C.size) // 4, 8), unit="rollout")
 
 
 def test_no_points_is_named_before_the_weights():
