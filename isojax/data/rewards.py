@@ -22,9 +22,11 @@ import threading
 from collections.abc import Callable, Sequence
 
 _WS = re.compile(r"\s+")
-# A "$" that opens or closes math mode; "\$" is a literal dollar sign (MATH's money
-# answers such as "\$1.17"), not a delimiter.
-_MATH_DELIMITER = re.compile(r"(?<!\\)\$")
+# A "$", "\[" or "\(" that opens math mode: an answer holding one is parsed as
+# written, not wrapped in "$...$" ("$\[2\]$" parses to no number, so no response
+# could match it). "\$" is a literal dollar sign (MATH's money answers such as
+# "\$1.17"), not a delimiter.
+_MATH_DELIMITER = re.compile(r"(?<!\\)\$|\\\[|\\\(")
 
 
 def exact_match(response: str, answer: str) -> float:

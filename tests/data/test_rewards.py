@@ -47,6 +47,11 @@ def verifier():
     ("\\boxed{32000}", "\\$32,\\!000", 1.0),
     ("\\boxed{32000}", "$\\$32,\\!000$", 1.0),
     ("\\boxed{32001}", "\\$32,\\!000", 0.0),
+    # \[ ... \] and \( ... \) delimit math as $ does: the answer is not wrapped in $.
+    ("\\boxed{2}", "\\[2\\]", 1.0),
+    ("\\boxed{0.5}", "\\[\\frac{1}{2}\\]", 1.0),
+    ("\\boxed{3}", "\\[2\\]", 0.0),
+    ("\\boxed{0.5}", "\\(\\frac{1}{2}\\)", 1.0),
     # An empty answer is no answer: saying nothing must not earn the reward.
     ("", "", 0.0),
     ("  \n", " ", 0.0),
