@@ -27,6 +27,10 @@ _WS = re.compile(r"\s+")
 # could match it). "\$" is a literal dollar sign (MATH's money answers such as
 # "\$1.17"), not a delimiter.
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$|\\\[|\\\(")
+# A LaTeX space between digit groups ("5\,000", "12\;345"): math-verify reads the
+# groups as a product, so "5\,000" is 5 * 000 = 0 (and a response of 0 would match
+# it). A space before exactly three digits separates thousands: the groups are joined.
+_DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;:> ]|~)(?=\d{3}(?!\d))")
 
 
 def exact_match(response: str, answer: str) -> float:
@@ -40,6 +44,8 @@ def _verify_in_process(response: str, answer: str) -> float:
   """math-verify with its signal-based timeouts disabled (call only in a worker)."""
   from math_verify import parse, verify
 
+  response = _DIGIT_GROUP_SPACE.sub("", response)
+  answer = _DIGIT_GROUP_SPACE.sub("", answer)
   delimited = _MATH_DELIMITER.search(answer) or "\\boxed" in answer
   gold_text = answer if delimited else f"${answer}$"
   gold = parse(gold_text, parsing_timeout=None)

@@ -52,6 +52,13 @@ def verifier():
     ("\\boxed{0.5}", "\\[\\frac{1}{2}\\]", 1.0),
     ("\\boxed{3}", "\\[2\\]", 0.0),
     ("\\boxed{0.5}", "\\(\\frac{1}{2}\\)", 1.0),
+    # A LaTeX space between thousands is no product: 5\,000 is 5000, not 5 * 000 = 0.
+    ("\\boxed{5000}", "5\\,000", 1.0),
+    ("\\boxed{0}", "5\\,000", 0.0),
+    ("\\boxed{5\\,000}", "5000", 1.0),
+    ("\\boxed{5\\,000}", "0", 0.0),
+    ("\\boxed{1\\;234~567}", "1234567", 1.0),
+    ("\\boxed{3\\,\\text{cm}}", "3", 1.0),
     # An empty answer is no answer: saying nothing must not earn the reward.
     ("", "", 0.0),
     ("  \n", " ", 0.0),
