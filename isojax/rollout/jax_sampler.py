@@ -53,6 +53,7 @@ from isojax.rollout import decode
 from isojax.rollout.base import (FINISH_LENGTH, FINISH_STOP, Rollouts, VersionLabels,
                                  check_count, is_number, next_version, validate_request)
 from isojax.rollout.memory import CacheLayout, cache_layout, rows_at_once
+from isojax.rollout.param_layout import check_same_layout, state_of
 
 PAD_ID = 0  # what left-pads prompts (masked: any id would do)
 _REFILL_FRACTION = 8  # with pairs waiting, decoding pauses to refill once R/8 rows are free
@@ -271,19 +272,10 @@ class JaxSampler:
       version: the label of these weights (>= 0); None: the current label + 1
         (the weights the sampler was built with are 0).
     """
-    if isinstance(model, nnx.State):
-      state = model
-    else:
-      graphdef, state = nnx.split(model)
-      if graphdef != self._graphdef:
-        raise ValueError("JaxSampler.update_weights: model structure differs from the "
-                         "one the sampler was built with")
+    where = "JaxSampler.update_weights"
+    state = state_of(model, self._graphdef, where=where)
     label, current = self._weights
-    old = jax.tree.map(lambda x: (x.shape, x.dtype), current)
-    new = jax.tree.map(lambda x: (x.shape, x.dtype), state)
-    if jax.tree.structure(old) != jax.tree.structure(new) or old != new:
-      raise ValueError("JaxSampler.update_weights: parameter names/shapes/dtypes differ "
-                       "from the ones the sampler was built with")
+    check_same_layout(current, state, where=where)
     label = next_version(label, version, where="JaxSampler.update_weights")
     self._weights = (label, self._put_state(state))
 

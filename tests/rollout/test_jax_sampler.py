@@ -319,9 +319,26 @@ def test_update_weights_swaps_params_without_recompiling(model, sampler):
   other = Decoder(ModelConfig.from_hf_dict(_hf(num_hidden_layers=1)), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="structure differs"):
     sampler.update_weights(other)
-  with pytest.raises(ValueError, match="differ"):
+  with pytest.raises(ValueError, match=r"lack \['layers'\]\[1\].* \(12 of the sampler's "
+                     r"27 leaves missing\)"):
     sampler.update_weights(nnx.state(other))
   assert isinstance(sampler, Sampler)
+
+
+def test_update_weights_names_the_leaf_whose_shape_or_dtype_differs(model, sampler):
+  label = sampler._weights[0]
+  bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model))
+  with pytest.raises(ValueError, match=r"^JaxSampler.update_weights: the new parameters "
+                     r"have \['embed'\]\.value of bfloat16\[32, 64\] where the sampler "
+                     r"holds float32\[32, 64\] \(27 leaves differ\)"):
+    sampler.update_weights(bf16)
+  wide = Decoder(ModelConfig.from_hf_dict(_hf(num_hidden_layers=3)), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"have \['layers'\]\[2\].*, which the sampler's "
+                     r"model does not \(12 such leaves\)"):
+    sampler.update_weights(nnx.state(wide))
+  with pytest.raises(ValueError, match=r"got a dict; pass a Decoder or its nnx.state"):
+    sampler.update_weights(nnx.to_pure_dict(nnx.state(model)))
+  assert sampler._weights[0] == label  # nothing refused was swapped in
 
 
 def test_batch_prompt_and_length_buckets_share_one_compilation(sampler):
