@@ -201,6 +201,10 @@ def load_jsonl(path: str | os.PathLike, fields: Fields = Fields()) -> list[Probl
         raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at "
                          f"column {e.start + 1}); JSON lines files must be UTF-8"
                          ) from None
+      if lineno == 1:
+        # A byte-order mark (Windows editors, Excel's "UTF-8" export) marks the
+        # encoding; it is no part of the first record.
+        line = line.removeprefix("\ufeff")
       if not line.strip():
         continue
       try:

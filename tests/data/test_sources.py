@@ -149,6 +149,17 @@ def test_non_utf8_line_names_file_and_line(tmp_path):
     load_jsonl(path)
 
 
+def test_a_byte_order_mark_before_the_first_line_is_read_past(tmp_path):
+  path = tmp_path / "bom.jsonl"
+  path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": "1"}\r\n'
+                   b'{"prompt": "b", "answer": "2"}\r\n')
+  assert load_jsonl(path) == [Problem("0", "a", "1"), Problem("1", "b", "2")]
+  # Elsewhere it is a character of the line, which JSON refuses.
+  path.write_bytes(b'{"prompt": "a", "answer": "1"}\n\xef\xbb\xbf{"prompt": "b"}\n')
+  with pytest.raises(ValueError, match=rf"{path}:2: malformed JSON"):
+    load_jsonl(path)
+
+
 def test_numeric_answers_are_written_out_not_in_exponent_notation(tmp_path):
   # str(1e-05) is "1e-05", which the math reward's LaTeX parser reads as e - 5.
   path = tmp_path / "p.jsonl"
