@@ -117,6 +117,11 @@ def mixture_indices(splits: Mapping[str, np.ndarray], weights: Mapping[str, floa
   names = sorted(weights)
   wanted = {k: int(round(weights[k] * total)) for k in names}
   wanted[names[-1]] += total - sum(wanted.values())  # rounding remainder
+  short = -wanted[names[-1]]
+  if short > 0:  # the others rounded up past the last split's share: they give it back
+    wanted[names[-1]] = 0
+    for k in sorted(names[:-1], key=lambda k: weights[k] * total - wanted[k])[:short]:
+      wanted[k] -= 1
   rng = np.random.default_rng(seed)
   parts = []
   for name in names:

@@ -67,6 +67,15 @@ def test_mixture_half_hard_half_easy():
     mixture_indices(splits, {"medium": 1.0}, total=10, seed=0)
 
 
+def test_mixture_whose_shares_round_up_past_the_total_keeps_it():
+  # 1.5 -> 2 from each of a, b, c and 0.5 -> 0 from d: 6 of 5, one too many.
+  splits = {k: np.arange(10 * i, 10 * i + 10) for i, k in enumerate("abcd")}
+  weights = {"a": 0.3, "b": 0.3, "c": 0.3, "d": 0.1}
+  mix = mixture_indices(splits, weights, total=5, seed=0)
+  assert len(mix) == 5 and len(set(mix.tolist())) == 5
+  assert sorted(np.bincount(mix // 10, minlength=4).tolist()) == [0, 1, 2, 2]
+
+
 class _FixedRateSampler:
   """Answers problem i correctly in the first `correct[i]` of its n samples."""
 
