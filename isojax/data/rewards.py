@@ -30,7 +30,8 @@ _MATH_DELIMITER = re.compile(r"(?<!\\)\$|\\\[|\\\(")
 # A LaTeX space between digit groups ("5\,000", "12\;345"): math-verify reads the
 # groups as a product, so "5\,000" is 5 * 000 = 0 (and a response of 0 would match
 # it). A space before exactly three digits separates thousands: the groups are joined.
-_DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;:> ]|~)(?=\d{3}(?!\d))")
+# "~" is left alone: between numbers it also reads as a range ("10~100").
+_DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)\\[,;:> ](?=\d{3}(?!\d))")
 
 
 def exact_match(response: str, answer: str) -> float:

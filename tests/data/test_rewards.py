@@ -57,7 +57,8 @@ def verifier():
     ("\\boxed{0}", "5\\,000", 0.0),
     ("\\boxed{5\\,000}", "5000", 1.0),
     ("\\boxed{5\\,000}", "0", 0.0),
-    ("\\boxed{1\\;234~567}", "1234567", 1.0),
+    ("\\boxed{1\\;234\\ 567}", "1234567", 1.0),
+    ("\\boxed{10~100}", "10100", 0.0),
     ("\\boxed{3\\,\\text{cm}}", "3", 1.0),
     # An empty answer is no answer: saying nothing must not earn the reward.
     ("", "", 0.0),
