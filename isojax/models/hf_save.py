@@ -102,6 +102,28 @@ def _replace_directory(tmp: Path, path: Path) -> None:
     warnings.warn(f"saved {path}, but the checkpoint it replaced is left at {old}: {e}")
 
 
+def _check_replaceable(path: Path) -> None:
+  """A ValueError where replacing `path` whole would delete more than a checkpoint:
+  a link or file, the working directory or one above it, or a directory holding
+  subdirectories (neither isojax nor transformers writes any into a checkpoint,
+  so they are the user's: a run directory, a repository, a home)."""
+  if path.is_symlink() or (path.exists() and not path.is_dir()):
+    what = f"a link to {os.readlink(path)}" if path.is_symlink() else "a file"
+    raise ValueError(f"save_pretrained: {path} is {what}; it replaces a directory only "
+                     f"(pass the directory itself)")
+  if not path.exists():
+    return
+  cwd = Path.cwd()
+  if path.resolve() in (cwd, *cwd.parents):
+    raise ValueError(f"save_pretrained: {path} is the working directory or holds it; it "
+                     f"replaces the directory whole: pass a new directory for the checkpoint")
+  subdirectories = sorted(p.name for p in path.iterdir() if p.is_dir())
+  if subdirectories:
+    raise ValueError(f"save_pretrained: {path} holds subdirectories {subdirectories[:8]}, "
+                     f"which replacing it whole would delete: pass a new directory for the "
+                     f"checkpoint (or remove {path} first)")
+
+
 def save_pretrained(model: Decoder, cfg: ModelConfig, path, *, dtype=None, tokenizer=None,
                     max_shard_bytes: int = 4 << 30) -> Path:
   """Write an HF directory that transformers and vLLM load unchanged.
@@ -110,14 +132,12 @@ def save_pretrained(model: Decoder, cfg: ModelConfig, path, *, dtype=None, token
   embeddings write no lm_head.weight. Files over `max_shard_bytes` are split with a
   model.safetensors.index.json. Everything is written into a temp dir next to `path`
   and renamed in, so readers never see half a checkpoint; an existing `path` is
-  renamed aside first and deleted after. `tokenizer` (an isojax Tokenizer) is saved
+  renamed aside first and deleted after (refused, with a ValueError, if it holds
+  subdirectories or the working directory: not a checkpoint). `tokenizer` (an isojax Tokenizer) is saved
   alongside if given. Multi-host: all processes must call; process 0 writes.
   """
-  path = Path(path).absolute()
-  if path.is_symlink() or (path.exists() and not path.is_dir()):
-    what = f"a link to {os.readlink(path)}" if path.is_symlink() else "a file"
-    raise ValueError(f"save_pretrained: {path} is {what}; it replaces a directory only "
-                     f"(pass the directory itself)")
+  path = Path(os.path.abspath(path))  # "out/.." names its parent, not a child ".."
+  _check_replaceable(path)
   dtype = np.dtype(as_dtype(cfg.param_dtype if dtype is None else dtype))
   written = cfg.to_hf_dict(dtype)
   own = model.cfg.to_hf_dict(dtype) if hasattr(model, "cfg") else written

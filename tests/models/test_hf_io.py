@@ -323,6 +323,28 @@ def test_save_refuses_a_link_a_file_and_a_config_that_is_not_the_models(hf_dir, 
   assert {oct(os.stat(f).st_mode & 0o777) for f in out.iterdir()} == {"0o644"}
 
 
+def test_save_refuses_to_delete_a_directory_that_is_not_a_checkpoint(hf_dir, tmp_path,
+                                                                    monkeypatch):
+  model, cfg = load_pretrained(hf_dir("qwen2")[1])
+  run = tmp_path / "run"
+  (run / "logs").mkdir(parents=True)
+  (run / "metrics.jsonl").write_text("{}\n")
+  with pytest.raises(ValueError, match=rf"{run} holds subdirectories \['logs'\], which "
+                                       r"replacing it whole would delete"):
+    save_pretrained(model, cfg, run)
+  notebooks = tmp_path / "notebooks"
+  notebooks.mkdir()
+  (notebooks / "explore.ipynb").write_text("{}")
+  monkeypatch.chdir(notebooks)
+  for where in (".", notebooks, tmp_path, notebooks / "sub" / ".."):
+    with pytest.raises(ValueError, match=r"is the working directory or holds it"):
+      save_pretrained(model, cfg, where)
+  assert sorted(os.listdir(tmp_path)) == ["notebooks", "run"]
+  assert os.listdir(notebooks) == ["explore.ipynb"] and (run / "metrics.jsonl").exists()
+  save_pretrained(model, cfg, "ckpt")  # a new directory below the working one is fine
+  assert load_pretrained(notebooks / "ckpt")[1] == cfg
+
+
 def test_model_safetensors_wins_over_a_stale_index_as_in_transformers(tmp_path,
                                                                        torch_logits):
   """A single-file save over a sharded checkpoint leaves the old index and shards."""
