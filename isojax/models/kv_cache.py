@@ -214,11 +214,16 @@ class KVCache:
 
     Returns the updated bookkeeping (k/v untouched), the RoPE positions of the
     new tokens [B, T] and each row's first new slot [B] (what `attend` takes).
-    Writing past max_len is not checked (shapes are static inside jit; such
-    writes are dropped): callers size the cache for prompt + completion.
+    More tokens than max_len at once are refused (a static shape); writing past
+    max_len over several calls is not checked (the fill is traced; such writes
+    are dropped): callers size the cache for prompt + completion.
     """
     mask_BxT = mask_BxT.astype(bool)
     B, T = mask_BxT.shape
+    if T > self.max_len:  # its last T - max_len keys would be dropped: wrong logits
+      raise ValueError(f"KVCache: {T} tokens do not fit its {self.max_len} slots; make "
+                       f"the cache (Decoder.init_cache's max_len) at least prompt + "
+                       f"completion long")
     # Padding tokens get the position of the previous real token (clipped at the
     # first); they are never attended to, so their position only has to be finite.
     pos_BxT = self.positions_B[:, None] + jnp.cumsum(mask_BxT, axis=1, dtype=jnp.int32) - 1

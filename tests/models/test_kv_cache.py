@@ -219,3 +219,13 @@ def test_bf16_cached_attention_is_as_accurate_as_the_uncached_path():
   cached = np.asarray(o, np.float32).reshape(B, T, N, H)
   err_uncached, err_cached = np.abs(uncached - ref).mean(), np.abs(cached - ref).mean()
   assert err_cached < 1.25 * err_uncached, (err_cached, err_uncached)
+
+
+def test_a_prefill_longer_than_the_cache_is_refused(hf_dir):
+  """Its keys past max_len were dropped: the last positions' logits were wrong."""
+  model, _ = load_pretrained(hf_dir("llama")[1])
+  ids_BxT = jnp.arange(24, dtype=jnp.int32).reshape(2, 12)
+  with pytest.raises(ValueError, match=r"KVCache: 12 tokens do not fit its 8 slots"):
+    model.prefill(ids_BxT, jnp.ones_like(ids_BxT), model.init_cache(2, 8))
+  logits, _ = model.prefill(ids_BxT, jnp.ones_like(ids_BxT), model.init_cache(2, 12))
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(model(ids_BxT)), atol=1e-5)
