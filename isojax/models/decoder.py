@@ -218,6 +218,20 @@ def _scan_rematted_layers(layers, cfg: ModelConfig, x, cos, sin, kv_valid):
   return jax.lax.scan(body, x, stacked)[0]
 
 
+def _check_token_ids(method: str, ids, mask=None, rank: int = 2) -> None:
+  """A ValueError naming the argument for token ids that are not integers of
+  `rank` axes, or a mask of another shape (it broadcast against the ids: a
+  [2, T] mask turned one row into two, silently). Shapes and dtypes are static:
+  under jit this runs once per trace, never per step."""
+  what = "[batch, length]" if rank == 2 else "[batch]"
+  if jnp.ndim(ids) != rank or not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+    raise ValueError(f"Decoder.{method}: token ids must be integers of shape {what}; got "
+                     f"{jnp.result_type(ids)} of shape {jnp.shape(ids)}")
+  if mask is not None and jnp.shape(mask) != jnp.shape(ids):
+    raise ValueError(f"Decoder.{method}: attention_mask has shape {jnp.shape(mask)}, the "
+                     f"token ids {jnp.shape(ids)}; pass one mask entry per token")
+
+
 class Decoder(nnx.Module):
   """Decoder-only LM. See `isojax.models` for the call API.
 
@@ -243,6 +257,7 @@ class Decoder(nnx.Module):
   def hidden_states(self, input_ids_BxT: jax.Array,
                     attention_mask: jax.Array | None = None) -> jax.Array:
     """Final-norm hidden states [B, T, D] in the compute dtype (no cache)."""
+    _check_token_ids("hidden_states", input_ids_BxT, attention_mask)
     B, T = input_ids_BxT.shape
     mask_BxT = (jnp.ones((B, T), bool) if attention_mask is None
                 else attention_mask.astype(bool))
@@ -309,11 +324,13 @@ class Decoder(nnx.Module):
     Returns (logits [B, T, V], cache), or (logits [B, V] of the last column,
     cache) with `last_only=True` (what a sampler needs; saves a [B, T, V] array).
     """
+    _check_token_ids("prefill", input_ids_BxT, attention_mask_BxT)
     h, cache = self._cached_hidden(input_ids_BxT, attention_mask_BxT, cache)
     return self.lm_head(h[:, -1] if last_only else h), cache
 
   def decode_step(self, token_B: jax.Array, cache: KVCache):
     """Feed one new token per sequence; returns (logits [B, V], cache)."""
+    _check_token_ids("decode_step", token_B, rank=1)
     ids_Bx1 = token_B[:, None]
     h, cache = self._cached_hidden(ids_Bx1, jnp.ones_like(ids_Bx1, bool), cache)
     return self.lm_head(h[:, 0]), cache

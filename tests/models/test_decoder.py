@@ -134,3 +134,26 @@ def test_config_round_trips_and_reads_legacy_rope():
     ModelConfig.from_hf_dict({**hf, "architectures": ["MistralForCausalLM"]})
   with pytest.raises(ValueError, match="yarn"):
     ModelConfig.from_hf_dict({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_token_ids_and_masks_of_the_wrong_shape_or_dtype_are_refused():
+  """A [2, T] mask with [1, T] ids broadcast to two rows of logits, silently; other
+  shapes failed deep in RoPE or attention."""
+  cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=16,
+                    intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                    head_dim=8)
+  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  ids_1x4 = jnp.arange(4, dtype=jnp.int32)[None]
+  cases = [(ids_1x4, jnp.ones((2, 4)), r"attention_mask has shape \(2, 4\), the token ids "
+                                       r"\(1, 4\); pass one mask entry per token"),
+           (ids_1x4, jnp.ones((1, 5)), r"attention_mask has shape \(1, 5\)"),
+           (ids_1x4[0], None, r"integers of shape \[batch, length\]; got int32 of shape \(4,\)"),
+           (ids_1x4.astype(jnp.float32), None, r"got float32 of shape \(1, 4\)")]
+  for ids, mask, match in cases:
+    with pytest.raises(ValueError, match=r"Decoder.hidden_states: .*" + match):
+      _forward(model, ids, mask)
+  with pytest.raises(ValueError, match=r"Decoder.prefill: attention_mask has shape \(2, 4\)"):
+    model.prefill(ids_1x4, jnp.ones((2, 4)), model.init_cache(1, 8))
+  with pytest.raises(ValueError, match=r"Decoder.decode_step: .* shape \[batch\]; got int32 "
+                                       r"of shape \(1, 4\)"):
+    model.decode_step(ids_1x4, model.init_cache(1, 8))
