@@ -51,13 +51,18 @@ def as_remat(remat: Any) -> str:
 
 
 def as_dtype(dtype: Any) -> Any:
-  """'bfloat16' | jnp.bfloat16 | np.dtype -> the jnp scalar type (hashable)."""
-  if isinstance(dtype, str):
-    name = dtype.removeprefix("torch.")
-    if name not in _DTYPE_NAMES:
-      raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPE_NAMES)}")
-    return _DTYPE_NAMES[name]
-  return _DTYPE_NAMES[np.dtype(dtype).name]
+  """'bfloat16' | jnp.bfloat16 | np.dtype | torch.bfloat16 -> the jnp scalar type
+  (hashable); a ValueError for any other."""
+  name = dtype
+  if not isinstance(dtype, str):
+    try:
+      name = np.dtype(dtype).name
+    except TypeError:  # not a numpy dtype: a torch one reads "torch.bfloat16"
+      name = str(dtype)
+  name = name.removeprefix("torch.")
+  if name not in _DTYPE_NAMES:
+    raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPE_NAMES)}")
+  return _DTYPE_NAMES[name]
 
 
 def dtype_name(dtype: Any) -> str:
@@ -138,8 +143,34 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.attention={self.attention!r}: expected one of "
                        f"{ATTENTION_IMPLEMENTATIONS}")
     object.__setattr__(self, "remat", as_remat(self.remat))
-    object.__setattr__(self, "dtype", as_dtype(self.dtype))
-    object.__setattr__(self, "param_dtype", as_dtype(self.param_dtype))
+    for name in ("dtype", "param_dtype"):
+      try:
+        object.__setattr__(self, name, as_dtype(getattr(self, name)))
+      except ValueError as e:
+        raise ValueError(f"ModelConfig.{name}: {e}") from None
+    for name in ("tie_word_embeddings", "lm_head_fp32"):  # "false" would be true
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} must be True or False")
+    try:  # a list would make the config unhashable (jit's static arguments)
+      object.__setattr__(self, "eos_token_ids", _token_ids(self.eos_token_ids))
+    except ValueError:
+      raise ValueError(f"ModelConfig.eos_token_ids={self.eos_token_ids!r} must be token ids "
+                       f"(a tuple of ints)") from None
+    self._check_numbers()
+
+  def _check_numbers(self):
+    """Values that would make every logit NaN (a negative eps under the rsqrt, a
+    theta or llama3 factor <= 0 in RoPE's frequencies) or fail deep in the trace."""
+    positive = ["rope_theta"] + (["rope_factor", "rope_original_max_position"]
+                                 if self.rope_type == "llama3" else [])
+    for name in ["rms_norm_eps", *positive]:
+      value = getattr(self, name)
+      ok = (isinstance(value, (int, float, np.integer, np.floating))
+            and not isinstance(value, bool) and np.isfinite(value)
+            and (value > 0 if name in positive else value >= 0))
+      if not ok:
+        raise ValueError(f"ModelConfig.{name}={value!r} must be a finite number "
+                         f"{'> 0' if name in positive else '>= 0'}")
 
   @property
   def model_type(self) -> str:
@@ -244,12 +275,12 @@ class ModelConfig:
 
 
 def _token_ids(value) -> tuple[int, ...]:
-  """config.json's eos_token_id (an id, a list of ids, or null) as a tuple."""
-  values = [] if value is None else value if isinstance(value, list) else [value]
-  if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+  """config.json's eos_token_id (an id, a list or tuple of ids, or null) as a tuple."""
+  values = [] if value is None else value if isinstance(value, (list, tuple)) else [value]
+  if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
     raise ValueError(f"config.json's eos_token_id={value!r} is not a token id or a list "
                      f"of them")
-  return tuple(values)
+  return tuple(int(v) for v in values)
 
 
 def _parse_rope(hf: dict) -> dict:

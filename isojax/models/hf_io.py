@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
-from isojax.models.config import ModelConfig
+from isojax.models.config import ModelConfig, as_dtype
 from isojax.models.decoder import Decoder
 from isojax import sharding as sharding_lib
 
@@ -270,6 +270,13 @@ def load_pretrained(path, *, dtype=jnp.float32, mesh=None, rules=None, compute_d
     unsupported architecture, a file that is not valid safetensors, and a missing,
     misshapen or unexpected tensor.
   """
+  # Checked here, or a bad one would be reported as an error of config.json's.
+  for name, value in (("dtype", dtype), ("compute_dtype", compute_dtype)):
+    try:
+      if value is not None:
+        as_dtype(value)
+    except ValueError as e:
+      raise ValueError(f"load_pretrained({name}=...): {e}") from None
   path = Path(path)
   config_file, hf = _read_config(path)
   try:

@@ -6,6 +6,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 import transformers
 from flax import nnx
 
@@ -156,8 +157,22 @@ HF_LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=16, hidden_size=1
     (dict(hidden_size=16.0), r"hidden_size=16.0 must be a positive integer"),
     # was accepted, then "array split does not result in an equal division" in RoPE
     (dict(head_dim=7), r"head_dim=7 must be even"),
+    # were accepted, then every logit was NaN
+    (dict(rms_norm_eps=-1e-6), r"rms_norm_eps=-1e-06 must be a finite number >= 0"),
+    (dict(rope_theta=0.0), r"rope_theta=0.0 must be a finite number > 0"),
+    (dict(rope_type="llama3", rope_factor=0.0), r"rope_factor=0.0 must be a finite number > 0"),
+    # was accepted, then "unsupported operand type(s) for +" inside the traced RMSNorm
+    (dict(rms_norm_eps="1e-6"), r"rms_norm_eps='1e-6' must be a finite number"),
+    # were accepted as true: a tied model (no lm_head), an fp32 head
+    (dict(tie_word_embeddings="false"), r"tie_word_embeddings='false' must be True or False"),
+    (dict(lm_head_fp32="false"), r"lm_head_fp32='false' must be True or False"),
+    # were KeyError('int32') / KeyError('float64')
+    (dict(dtype=jnp.int32), r"ModelConfig.dtype: unsupported dtype .*int32.*; expected one "
+                            r"of \['bfloat16', 'float16', 'float32'\]"),
+    (dict(param_dtype=np.float64), r"ModelConfig.param_dtype: unsupported dtype .*float64"),
+    (dict(eos_token_ids=["</s>"]), r"eos_token_ids=\['</s>'\] must be token ids"),
 ])
-def test_bad_sizes_are_refused_naming_the_field(changes, match):
+def test_bad_values_are_refused_naming_the_field(changes, match):
   base = dict(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=16,
               intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8)
   ModelConfig(**base)
@@ -172,3 +187,18 @@ def test_llama3_rope_without_its_factors_is_refused_naming_them():
                                        r"\['low_freq_factor', 'high_freq_factor'\]"):
     ModelConfig.from_hf_dict(hf)
   assert ModelConfig.from_hf_dict(dict(HF_LLAMA, rope_scaling=LLAMA3)).rope_factor == 8.0
+
+
+def test_dtypes_and_eos_ids_are_normalised(hf_dir):
+  """A torch dtype was a TypeError, an eos list left the config unhashable, and
+  load_pretrained(dtype=jnp.int32) reported "config.json: no 'int32'"."""
+  base = dict(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=16,
+              intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8)
+  cfg = ModelConfig(**base, dtype=torch.bfloat16, eos_token_ids=[2, np.int64(7)])
+  assert cfg.dtype == jnp.bfloat16 and cfg.eos_token_ids == (2, 7)
+  assert hash(cfg) == hash(ModelConfig(**base, dtype="bfloat16", eos_token_ids=(2, 7)))
+  path = hf_dir("llama")[1]
+  for name, value in (("dtype", jnp.int32), ("compute_dtype", "bf16")):
+    with pytest.raises(ValueError, match=rf"^load_pretrained\({name}=...\): unsupported "
+                                         r"dtype"):
+      load_pretrained(path, **{name: value})
