@@ -248,7 +248,11 @@ class Decoder(nnx.Module):
     if not cfg.tie_word_embeddings:
       self.unembed = _param(rngs, (D, V), ("embed", "vocab"), cfg, "normal")
 
-  def _embed_and_rope(self, ids_BxT, pos_BxT):
+  def _embed_and_rope(self, ids_BxT, pos_BxT, mask_BxT):
+    # Padding may hold any id (-100, vocab_size): jnp.take gives an out-of-range id
+    # a NaN row, and a NaN value, though never attended, makes 0 * NaN = NaN in the
+    # probability-value product of every query of its row.
+    ids_BxT = jnp.where(mask_BxT, ids_BxT, 0)
     x = jnp.take(self.embed[...], ids_BxT, axis=0).astype(self.cfg.dtype)
     freqs_BxTxH2 = pos_BxT[..., None].astype(jnp.float32) * rope_inv_freq(self.cfg)
     emb = jnp.concatenate([freqs_BxTxH2, freqs_BxTxH2], axis=-1)
@@ -262,7 +266,7 @@ class Decoder(nnx.Module):
     mask_BxT = (jnp.ones((B, T), bool) if attention_mask is None
                 else attention_mask.astype(bool))
     pos_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=1, dtype=jnp.int32) - 1, 0)
-    x, cos, sin = self._embed_and_rope(input_ids_BxT, pos_BxT)
+    x, cos, sin = self._embed_and_rope(input_ids_BxT, pos_BxT, mask_BxT)
     # Under FSDP the weights are split along their model dimensions; pinning the
     # hidden state's batch axis keeps XLA from splitting activations that way too
     # (every row computed on every device). A no-op outside the step's mesh.
@@ -312,7 +316,7 @@ class Decoder(nnx.Module):
 
   def _cached_hidden(self, ids_BxT, mask_BxT, cache: KVCache):
     cache, pos_BxT, first_B = cache.start(mask_BxT)
-    x, cos, sin = self._embed_and_rope(ids_BxT, pos_BxT)
+    x, cos, sin = self._embed_and_rope(ids_BxT, pos_BxT, mask_BxT.astype(bool))
     for i, layer in enumerate(self.layers):
       x, cache = layer(x, cos, sin, None, cache, i, first_B)
     return self.norm(x), cache

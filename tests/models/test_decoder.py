@@ -157,3 +157,22 @@ def test_token_ids_and_masks_of_the_wrong_shape_or_dtype_are_refused():
   with pytest.raises(ValueError, match=r"Decoder.decode_step: .* shape \[batch\]; got int32 "
                                        r"of shape \(1, 4\)"):
     model.decode_step(ids_1x4, model.init_cache(1, 8))
+
+
+def test_padding_ids_outside_the_vocabulary_change_no_real_logit():
+  """A masked pad id >= vocab_size (or <= -vocab_size) embedded as NaN, and its
+  row's every logit became NaN, with and without the KV cache."""
+  cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=16,
+                    intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                    head_dim=8)
+  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  mask_BxT = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], jnp.int32)
+  ids_BxT = jnp.array([[0, 0, 3, 4, 5], [6, 7, 8, 9, 10]], jnp.int32)
+  want = np.asarray(_forward(model, ids_BxT, mask_BxT))[mask_BxT == 1]
+  want_cached = np.asarray(model.prefill(ids_BxT, mask_BxT, model.init_cache(2, 8))[0])
+  for pad in (cfg.vocab_size, -100):
+    padded_BxT = ids_BxT.at[0, :2].set(pad)
+    got = np.asarray(_forward(model, padded_BxT, mask_BxT))[mask_BxT == 1]
+    np.testing.assert_array_equal(got, want, err_msg=f"pad id {pad}")
+    cached = np.asarray(model.prefill(padded_BxT, mask_BxT, model.init_cache(2, 8))[0])
+    np.testing.assert_array_equal(cached[mask_BxT == 1], want_cached[mask_BxT == 1])
