@@ -240,6 +240,8 @@ def _read_block(tensor_slice, param_shape: tuple, groups: tuple[int, ...], trans
 
 def _read_config(path: Path) -> tuple[Path, dict]:
   """(config.json path, its dict) of an HF directory; ValueError naming what is amiss."""
+  if path.is_file():  # e.g. its config.json or model.safetensors
+    raise ValueError(f"{path} is a file; pass the checkpoint directory that holds it")
   if not path.is_dir():
     raise ValueError(f"checkpoint directory {path} does not exist")
   config_file = path / "config.json"

@@ -188,6 +188,10 @@ def test_missing_directory_and_config(tmp_path):
     load_pretrained(tmp_path / "nope")
   with pytest.raises(ValueError, match="config.json not found"):
     load_pretrained(tmp_path)
+  (tmp_path / "config.json").write_text("{}")
+  with pytest.raises(ValueError, match=rf"^{tmp_path / 'config.json'} is a file; pass the "
+                                       r"checkpoint directory that holds it$"):
+    load_pretrained(tmp_path / "config.json")  # was: "... does not exist"
 
 
 def test_unsupported_architecture(hf_dir, tmp_path):
