@@ -133,8 +133,9 @@ def save_pretrained(model: Decoder, cfg: ModelConfig, path, *, dtype=None, token
   model.safetensors.index.json. Everything is written into a temp dir next to `path`
   and renamed in, so readers never see half a checkpoint; an existing `path` is
   renamed aside first and deleted after (refused, with a ValueError, if it holds
-  subdirectories or the working directory: not a checkpoint). `tokenizer` (an isojax Tokenizer) is saved
-  alongside if given. Multi-host: all processes must call; process 0 writes.
+  subdirectories or the working directory: not a checkpoint). `tokenizer` (an
+  isojax Tokenizer) is saved alongside if given. Multi-host: all processes must
+  call; process 0 writes.
   """
   path = Path(os.path.abspath(path))  # "out/.." names its parent, not a child ".."
   _check_replaceable(path)
