@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import pathlib
 from typing import Any
 
@@ -34,7 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from isojax.budget import Ledger
-from isojax.errors import IsojaxError
+from isojax.errors import IsojaxError, UnsafePathError
 
 
 # The host item's key for `state_checksums` (beside `HostState.to_json`'s keys).
@@ -161,6 +162,24 @@ class HostState:
                rng=tuple(int(x) for x in host["rng"]))
 
 
+def _check_no_linked_steps(directory: pathlib.Path) -> None:
+  """Refuses a step directory that is a symbolic link (a step moved to other storage
+  and linked back). Orbax restores through it, but deleting it as an old step
+  (max_to_keep) fails after the next step is written: every later checkpoint of the
+  run would stop it, with an OSError that names no path.
+  """
+  try:
+    names = os.listdir(directory)
+  except (FileNotFoundError, NotADirectoryError):
+    return  # no checkpoints yet
+  linked = sorted((n for n in names if n.isdigit() and os.path.islink(directory / n)), key=int)
+  if linked:
+    raise UnsafePathError(
+        f"{directory} holds checkpoint steps that are symbolic links ({', '.join(linked)}): "
+        f"the run deletes old steps as it saves new ones and cannot delete a link; "
+        f"replace each with the directory it points to, or remove it")
+
+
 class RunCheckpointer:
   """Saves and restores (train state, `HostState`) pairs under `directory`."""
 
@@ -168,6 +187,7 @@ class RunCheckpointer:
     if max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
     self.directory = pathlib.Path(directory).absolute()
+    _check_no_linked_steps(self.directory)
     # The first save makes the directory: opening one to ask for its latest step
     # (a run deciding whether it resumes) leaves nothing behind.
     options = ocp.CheckpointManagerOptions(

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from isojax import checkpoint as ckpt_lib
 from isojax import sharding
 from isojax.budget import Ledger
+from isojax.errors import UnsafePathError
 
 
 def _state(scale=1.0):
@@ -124,3 +125,18 @@ def test_a_step_directory_under_another_steps_name_is_refused(tmp_path):
                      r"host state is that of step 4\); if it is damaged, remove .*8 to resume "
                      r"from step 4"):
     ck.restore(8, _state())
+
+
+def test_a_step_linked_from_elsewhere_is_refused_before_any_work(tmp_path):
+  ck = ckpt_lib.RunCheckpointer(tmp_path / "ckpt", max_to_keep=2)
+  for step in (2, 4):
+    ck.save(step, _state(step), _host(step))
+  ck.close()
+  # Step 2 moved to other storage and linked back: deleting it as an old step would
+  # fail after the next save, at every checkpoint of the run.
+  shutil.move(tmp_path / "ckpt" / "2", tmp_path / "archive")
+  (tmp_path / "ckpt" / "2").symlink_to(tmp_path / "archive")
+  with pytest.raises(UnsafePathError, match=r"ckpt holds checkpoint steps that are symbolic "
+                     r"links \(2\).*replace each with the directory it points to"):
+    ckpt_lib.RunCheckpointer(tmp_path / "ckpt", max_to_keep=2)
+  assert (tmp_path / "archive" / "state").is_dir()
