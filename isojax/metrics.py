@@ -26,6 +26,7 @@ import numpy as np
 from absl import logging
 
 from isojax import files, rundir
+from isojax.errors import disk_full_as
 
 _TB_ILLEGAL = re.compile(r"[^-/\w\.]")
 
@@ -108,7 +109,10 @@ class MetricsWriter:
     self._refused: set[tuple[str, str]] = set()
     if not enabled:
       return
-    truncate_metrics(self.path, resume_step)
+    # A rerun while the disk is still full fails here first, in a write that names
+    # no file; the cut is atomic, so the file is as the last run left it.
+    with disk_full_as(self.path, "the metrics cut back to the resumed step"):
+      truncate_metrics(self.path, resume_step)
     self._file = files.open_append(self.path)
     if tensorboard:
       # Imported where events are written: importing isojax.run (as the tests

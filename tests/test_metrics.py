@@ -1,5 +1,6 @@
 """metrics.jsonl writing: durable lines, truncation on resume, torn last line."""
 
+import errno
 import json
 import pathlib
 import struct
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from isojax import metrics as metrics_lib
+from isojax.errors import DiskFullError
 
 
 def _purge_marks(tb_dir) -> list[list[int]]:
@@ -114,3 +116,18 @@ def test_a_tensorboard_tag_holds_one_key_and_kind(tmp_path, caplog):
       ("val/avg_4", 0.5), ("val/avg_4", 0.75), ("train/pass_1", 0.5)]
   lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [x.get("val/avg_4") for x in lines] == [None, 0.25, 0.5, None]  # kept here
+
+
+def test_a_full_disk_while_cutting_back_names_the_file_and_keeps_it(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  text = "".join(json.dumps({"step": s}) + "\n" for s in range(4))
+  path.write_text(text)
+
+  def full(*args, **kwargs):  # as a write on a full disk raises: with no file name
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  with mock.patch.object(metrics_lib.files, "write_atomic", full):
+    with pytest.raises(DiskFullError, match=rf"no space left on {path} while writing the "
+                       r"metrics cut back to the resumed step; the run can be resumed"):
+      metrics_lib.MetricsWriter(tmp_path, resume_step=2, tensorboard=False)
+  assert path.read_text() == text
