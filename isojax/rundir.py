@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import logging
 import math
 import os
 
@@ -32,6 +33,9 @@ DONE_FILE = "DONE"
 CHECKPOINT_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
 RUN_LOCK_FILE = ".run.lock"
+
+# Standard logging, not absl's: the analysis imports this module without absl.
+_log = logging.getLogger(__name__)
 
 # config.json fields that do not change what a run computes, so a rerun may change
 # them (isojax.run_config) and copies of one run may differ in them (the analysis):
@@ -79,13 +83,17 @@ def lock_run_dir(run_dir: str | os.PathLike) -> int | None:
 
   Two processes training in one directory would interleave their metrics and
   checkpoints, so the second is refused (ValueError naming the holder). None
-  where the filesystem has no flock (some cluster mounts): unguarded then.
+  where the filesystem has no flock (some cluster mounts): unguarded then, with
+  a warning saying so.
   """
   path = os.path.join(run_dir, RUN_LOCK_FILE)
   try:
     fd = try_flock(path, f"run {os.getpid()} on {os.uname().nodename}")
   except OSError as e:
     if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+      _log.warning("%s cannot be locked (%s): nothing stops a second run in %s from "
+                   "mixing its metrics and checkpoints with this one's; start one run "
+                   "per --workdir", path, os.strerror(e.errno), os.fspath(run_dir))
       return None
     raise
   if fd is None:

@@ -1,5 +1,9 @@
 """The run directory's layout and its one metrics reader, with both policies."""
 
+import errno
+import logging
+import os
+
 import pytest
 
 from isojax import files, rundir
@@ -57,3 +61,14 @@ def test_log_tail_is_the_last_lines_or_why_there_are_none(tmp_path):
   log.write_text("".join(f"line {i}\n" for i in range(50)))
   assert files.log_tail(log, lines=3) == "line 47\nline 48\nline 49"
   assert files.log_tail(tmp_path / "missing.log").startswith("(no log:")
+
+
+def test_a_run_directory_that_cannot_be_locked_says_so(tmp_path, monkeypatch, caplog):
+  def no_flock(path, holder):  # as a cluster mount without flock answers
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK), path)
+
+  monkeypatch.setattr(rundir, "try_flock", no_flock)
+  with caplog.at_level(logging.WARNING):
+    assert rundir.lock_run_dir(tmp_path) is None
+  assert f"{tmp_path / rundir.RUN_LOCK_FILE} cannot be locked" in caplog.text
+  assert "nothing stops a second run" in caplog.text
