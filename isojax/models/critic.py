@@ -69,6 +69,12 @@ def token_values(critic: Critic, input_ids_BxT, attention_mask_BxT) -> jax.Array
   Positions outside the attention mask hold finite values of no meaning.
   """
   v_BxT = critic(input_ids_BxT, attention_mask=attention_mask_BxT)
+  # A model giving more than one number per position (a Decoder's logits) would
+  # otherwise be shifted along its time axis and returned as if it were values.
+  if v_BxT.shape != jnp.shape(input_ids_BxT):
+    raise ValueError(f"critic gave outputs of shape {v_BxT.shape} for input_ids_BxT of shape "
+                     f"{jnp.shape(input_ids_BxT)}: a critic gives one value per position "
+                     f"(isojax.models.critic.Critic), got a {type(critic).__name__}")
   return jnp.concatenate([jnp.zeros_like(v_BxT[:, :1]), v_BxT[:, :-1]], axis=1)
 
 

@@ -103,6 +103,13 @@ def test_padding_does_not_change_real_positions(policy):
     np.testing.assert_allclose(out[b, -n + 1:], alone[1:], rtol=1e-5, atol=1e-5)
 
 
+def test_a_model_giving_more_than_one_number_per_position_is_no_critic(policy):
+  # The policy's [B, T, V] logits, shifted along time, would pass for values.
+  ids, mask = left_padded(6, [5, 3], 6)
+  with pytest.raises(ValueError, match=r"critic gave outputs of shape \(2, 6, 64\) .*Decoder"):
+    token_values(policy, ids, mask)
+
+
 def test_load_critic_from_a_checkpoint(policy, tmp_path):
   other = Decoder(CFG, rngs=nnx.Rngs(7))
   save_pretrained(other, CFG, tmp_path)
