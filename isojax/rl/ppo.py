@@ -69,6 +69,11 @@ def _check_ppo_args(loss_cfg: LossConfig, policy: nnx.Module, critic: Critic) ->
   """What PPO adds to ``make_train_step``'s checks: a value estimator, no group
   filter, a per-token policy loss, and a critic that embeds every token id the
   policy can emit."""
+  # A Decoder has a cfg too, but its [B, T, V] logits are no values: without this
+  # check the step would compile and fail in the values pass's padding.
+  if not isinstance(critic, Critic):
+    raise ValueError(f"critic is a {type(critic).__name__}, not an isojax.models.critic."
+                     f"Critic; build one with init_critic_from(policy) or load_critic")
   v, pv = critic.cfg.vocab_size, policy.cfg.vocab_size
   if v < pv:  # the embedding lookup of a larger id gives NaN: every update skipped
     raise ValueError(f"the critic's vocab_size={v} is smaller than the policy's {pv}: a "

@@ -195,6 +195,9 @@ def test_bad_configs_are_named(models):
                   for v in (32, 96))
   with pytest.raises(ValueError, match="critic's vocab_size=32 is smaller than the policy's 64"):
     build((policy, small))
+  # The policy (or any Decoder) passed as the critic: its logits are no values.
+  with pytest.raises(ValueError, match="critic is a Decoder, not an isojax.models.critic.Critic"):
+    build((policy, policy))
   step = build((policy, large))  # a larger (padded) embedding reads every id
   assert step.vocab_size == 64  # but batches are checked against the policy's
 
