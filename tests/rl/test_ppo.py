@@ -1,6 +1,6 @@
 """The joint PPO step: micro-batch and mesh invariance, gradients kept apart, critic
-warm-up, the zero-critic case against reward-to-go policy gradients, skipping, and a
-stored one-step regression.
+warm-up, the zero-critic case against reward-to-go policy gradients, a learned critic
+against GAE from its definition, skipping, and a stored one-step regression.
 
 Parameter deltas expose gradients: with SGD_LIKE (Adam's first step with lr = eps =
 1e5) an update is -gradient to ~1e-5 relative, for the policy and the critic alike.
@@ -268,3 +268,65 @@ def test_one_step_regression(models):
   # into ~2e-6). A change to the step's arithmetic moves them far more than 1e-5.
   for k, v in PPO_REGRESSION.items():
     np.testing.assert_allclose(got[k], v, rtol=1e-5, err_msg=k)
+
+
+def numpy_gae(rewards_B, values_BxT, mask_BxT, gamma, lam):
+  """A_t = sum_l (gamma lam)^l delta_{t+l} over each row's trained tokens, from the
+  definition; the reward on the last one, V = 0 after it. (advantages, returns)."""
+  adv, ret = np.zeros(mask_BxT.shape), np.zeros(mask_BxT.shape)
+  for b in range(mask_BxT.shape[0]):
+    cols = np.flatnonzero(mask_BxT[b])
+    r = np.zeros(len(cols))
+    r[-1:] = rewards_B[b]
+    v = values_BxT[b, cols]
+    delta = r + gamma * np.append(v[1:], 0.0) - v
+    a = [sum((gamma * lam) ** l * delta[i + l] for l in range(len(cols) - i))
+         for i in range(len(cols))]
+    adv[b, cols], ret[b, cols] = a, np.asarray(a) + v
+  return adv, ret
+
+
+def test_learned_critic_step_matches_gae_from_the_definition(models):
+  # A critic with a nonzero head, gamma and lam < 1, whitening, length-sorted
+  # micro-batches of two: the update against one computed on the batch as given,
+  # the value of token t read at position t - 1 of the critic's full forward.
+  policy, _ = models
+  critic = init_critic_from(policy, rngs=nnx.Rngs(1), head_std=1.0)
+  value_cfg = ValueConfig(gamma=0.9, lam=0.8, whiten=True, cliprange_value=0.5)
+  rewards = (1.0, -0.5, 0.3, 2.0, 0.0, 1.5, -1.0, 0.7)
+  batch = make_batch(rewards=rewards)
+  mask = np.asarray(batch.loss_mask_BxT)
+  v_full = np.asarray(critic(batch.input_ids_BxT, attention_mask=batch.attention_mask_BxT))
+  values = np.concatenate([np.zeros((B, 1)), v_full[:, :-1]], axis=1)
+  adv, ret = numpy_gae(np.asarray(rewards), values, mask, 0.9, 0.8)
+  on = adv[mask > 0]
+  adv = np.where(mask > 0, (adv - on.mean()) / (on.std(ddof=1) + LOSS.adv_std_eps), 0.0)
+  graphdef, params = nnx.split(policy, nnx.Param)
+  critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
+
+  def policy_loss_fn(p):  # on-policy ppo_clip, token mean: -sum(A logp) / tokens
+    lp, _ = token_logp_entropy(nnx.merge(graphdef, p), batch.input_ids_BxT,
+                               batch.attention_mask_BxT, batch.loss_mask_BxT)
+    return -np.float32(1 / mask.sum()) * jax.numpy.sum(mask * adv * lp)
+
+  def value_loss_fn(p):  # the clip cannot bind: old values are the current ones
+    v = nnx.merge(critic_graphdef, p)(batch.input_ids_BxT,
+                                      attention_mask=batch.attention_mask_BxT)
+    v = jax.numpy.concatenate([jax.numpy.zeros_like(v[:, :1]), v[:, :-1]], axis=1)
+    return 0.5 * jax.numpy.sum(mask * (v - ret) ** 2) / mask.sum()
+
+  step = make_ppo_train_step(policy, critic, LOSS, value_cfg, SGD_LIKE, SGD_LIKE,
+                             batch_size=B, group_size=N, micro_batch_size=2,
+                             length_buckets=(6, 9))
+  state = init_ppo_train_state(policy, critic, LOSS, SGD_LIKE, SGD_LIKE, batch_size=B)
+  before = jax.tree.map(np.asarray, (state.params, state.critic_params))
+  new, metrics = step(state, batch)
+  for fn, p, got, was in ((policy_loss_fn, params, new.params, before[0]),
+                          (value_loss_fn, critic_params, new.critic_params, before[1])):
+    grads = jax.tree.map(np.asarray, jax.jit(jax.grad(fn))(p))
+    # Adam's first step exactly: -lr * g / (|g| + eps), lr = eps = 1e5.
+    want = jax.tree.map(lambda g: -1e5 * g / (np.abs(g) + 1e5), grads)
+    assert_trees_close(jax.tree.map(lambda a, b: np.asarray(a) - b, got, was), want,
+                       atol=2e-5 * scale_of(want), rtol=1e-3)
+  np.testing.assert_allclose(float(metrics["value_loss"]), float(value_loss_fn(critic_params)),
+                             rtol=1e-5)
