@@ -213,6 +213,8 @@ def _training_source(d, split_dir, hold_out: bool, exclude: set[str]
                         d.train)
   else:
     train = _load_file(d, d.train)
+  if not train:  # said here, not later as "no training problems left after removing..."
+    raise ValueError(f"config.data.train={d.train!r} holds no problems")
   if not hold_out:  # no set asks for it: nothing is taken from training
     return train, None
   if len(train) <= d.num_val:

@@ -67,6 +67,15 @@ def test_missing_sets_fail_before_loading_naming_the_key(split_dir, tmp_path):
                             val="h=synthetic:hard"), split_dir)
 
 
+def test_an_empty_training_file_is_named_as_empty(split_dir, tmp_path):
+  (tmp_path / "empty.jsonl").write_text("\n")
+  write_jsonl(_problems("v", 3), tmp_path / "v.jsonl")
+  for val in (f"v={tmp_path}/v.jsonl", "in=heldout"):
+    with pytest.raises(ValueError, match=rf"^config\.data\.train='{tmp_path}/empty\.jsonl' "
+                                         r"holds no problems$"):
+      load_problem_sets(_data(train=f"{tmp_path}/empty.jsonl", val=val), split_dir)
+
+
 def test_heldout_primary_is_the_single_set_of_before(split_dir, tmp_path):
   ood = _problems("ood", 5)
   write_jsonl(ood, tmp_path / "ood.jsonl")
