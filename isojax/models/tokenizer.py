@@ -20,6 +20,8 @@ class Tokenizer:
     from transformers import AutoTokenizer  # pylint: disable=g-import-not-at-top
 
     path = Path(path)
+    if path.is_file():  # e.g. its tokenizer.json
+      raise ValueError(f"{path} is a file; pass the tokenizer directory that holds it")
     if not path.is_dir():
       raise ValueError(f"tokenizer directory {path} does not exist")
     try:

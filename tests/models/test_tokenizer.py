@@ -53,6 +53,9 @@ def test_pad_falls_back_to_eos_and_errors(tok_dir, tmp_path):
   assert tok.pad_token_id == tok.eos_token_id == 2
   with pytest.raises(ValueError, match="does not exist"):
     Tokenizer.from_pretrained(tmp_path / "missing")
+  with pytest.raises(ValueError, match=r"tokenizer\.json is a file; pass the tokenizer "
+                                       r"directory that holds it"):
+    Tokenizer.from_pretrained(tok_dir / "tokenizer.json")  # was: "does not exist"
   tok.hf.chat_template = None
   with pytest.raises(ValueError, match="chat_template"):
     tok.apply_chat_template([{"role": "user", "content": "what"}])
