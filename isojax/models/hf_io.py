@@ -248,9 +248,12 @@ def _read_config(path: Path) -> tuple[Path, dict]:
   if not config_file.exists():
     raise ValueError(f"{config_file} not found: not a Hugging Face model directory")
   try:
-    return config_file, json.loads(config_file.read_text())
+    hf = json.loads(config_file.read_text())
   except json.JSONDecodeError as e:
     raise ValueError(f"{config_file}: invalid JSON ({e})") from None
+  if not isinstance(hf, dict):  # a list's fields are read with .get: AttributeError
+    raise ValueError(f"{config_file}: expected a JSON object, got a {type(hf).__name__}")
+  return config_file, hf
 
 
 def load_pretrained(path, *, dtype=jnp.float32, mesh=None, rules=None, compute_dtype=None,

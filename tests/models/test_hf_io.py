@@ -192,6 +192,9 @@ def test_missing_directory_and_config(tmp_path):
   with pytest.raises(ValueError, match=rf"^{tmp_path / 'config.json'} is a file; pass the "
                                        r"checkpoint directory that holds it$"):
     load_pretrained(tmp_path / "config.json")  # was: "... does not exist"
+  (tmp_path / "config.json").write_text('[{"model_type": "llama"}]')
+  with pytest.raises(ValueError, match=r"config\.json: expected a JSON object, got a list"):
+    load_pretrained(tmp_path)  # was: AttributeError: 'list' object has no attribute 'get'
 
 
 def test_unsupported_architecture(hf_dir, tmp_path):
