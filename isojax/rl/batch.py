@@ -62,6 +62,11 @@ def as_arrays(batch):
 _BxT_FIELDS = ("input_ids_BxT", "attention_mask_BxT", "loss_mask_BxT", "sampler_logp_BxT")
 
 
+def _first_true(mask) -> tuple[int, ...]:
+  """The index of `mask`'s first True (row-major), as Python ints, for a message."""
+  return tuple(int(i) for i in np.argwhere(mask)[0])
+
+
 def validate_batch(batch: Batch, *, group_size: int, batch_size: int | None = None,
                    micro_batch_size: int | None = None, batch_shards: int = 1,
                    vocab_size: int | None = None) -> None:
@@ -101,7 +106,7 @@ def validate_batch(batch: Batch, *, group_size: int, batch_size: int | None = No
     ids = np.asarray(batch.input_ids_BxT)
     bad = (ids < 0) | (ids >= vocab_size)
     if bad.any():
-      r, t = (int(i) for i in np.argwhere(bad)[0])
+      r, t = _first_true(bad)
       raise ValueError(f"Batch.input_ids_BxT has token ids outside [0, vocab_size="
                        f"{vocab_size}), {int(bad.sum())} in all, the first {int(ids[r, t])} "
                        f"at row {r}, column {t}: the tokenizer and the model disagree")
@@ -127,7 +132,7 @@ def validate_batch(batch: Batch, *, group_size: int, batch_size: int | None = No
   # (a right-padded prompt ++ completion) that is a pad position's output.
   after_pad = (loss_mask[:, 1:] > 0) & ~real[:, :-1]
   if after_pad.any():
-    r, t = (int(i) for i in np.argwhere(after_pad)[0])
+    r, t = _first_true(after_pad)
     raise ValueError(f"Batch.loss_mask_BxT is 1 at row {r}, column {t + 1}, after a pad "
                      f"(attention_mask_BxT is 0 at column {t}): its log-prob would come "
                      f"from the pad's logits; lay rows out as left-padded prompt ++ "
@@ -144,14 +149,14 @@ def validate_batch(batch: Batch, *, group_size: int, batch_size: int | None = No
   for name, x in checks:
     bad = ~np.isfinite(np.asarray(x, np.float64))
     if bad.any():
-      first = tuple(int(i) for i in np.argwhere(bad)[0])
+      first = _first_true(bad)
       raise ValueError(f"Batch.{name} has {int(bad.sum())} non-finite values "
                        f"(first at index {first})")
   # A log-prob is <= 0 (rounding leaves ~1e-7 above): a larger one is a negative
   # log-likelihood or a probability, whose ratios the loss would clip silently.
   above = (np.asarray(batch.sampler_logp_BxT) > 1e-3) & (loss_mask > 0)  # no float64 copy
   if above.any():
-    r, t = (int(i) for i in np.argwhere(above)[0])
+    r, t = _first_true(above)
     raise ValueError(f"Batch.sampler_logp_BxT is {float(batch.sampler_logp_BxT[r, t]):.4g} "
                      f"> 0 at row {r}, column {t} ({int(above.sum())} trained tokens): "
                      f"log-probs are <= 0; was a negative log-likelihood or a "
